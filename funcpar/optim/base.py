@@ -1,0 +1,170 @@
+"""The optimizer core, in optax's shape.
+
+A :class:`GradientTransformation` is a pair of pure functions:
+
+* ``init(params) -> state``: a pytree of tensors (checkpointable, never a Python object
+  holding tensors);
+* ``update(grads, state, params=None, *, layouts=None) -> (updates, new_state)``: the updates
+  are *added* to the parameters by :func:`apply_updates`.
+
+``layouts`` is the pytree of per-leaf layouts parallel to ``params`` (``None``: every leaf is
+whole on this process). Optimizers hand each leaf's layout to the reductions of
+:mod:`funcpar.shard.reduce` and never branch on how a leaf is sharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from funcpar.state.tree import (
+    Tree,
+    leaves_like,
+    named_leaves,
+    tree_flatten,
+    tree_map,
+    tree_structure_check,
+    tree_unflatten,
+)
+
+__all__ = [
+    "GradientTransformation",
+    "chain",
+    "apply_updates",
+    "identity",
+    "check_grads",
+    "map_leaves",
+    "EmptyState",
+]
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state`` and ``update(grads, state, params, *, layouts) -> (u, state)``."""
+
+    init: Callable[[Tree], Tree]
+    update: Callable[..., tuple[Tree, Tree]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none."""
+
+
+def identity() -> GradientTransformation:
+    """Passes the gradients through unchanged."""
+
+    def init(params: Tree) -> EmptyState:
+        return EmptyState()
+
+    def update(grads, state, params=None, *, layouts=None):
+        return grads, state
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` in order; the state is the tuple of their states."""
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(f"chain argument {i} is {type(t).__name__}, not a GradientTransformation")
+
+    def init(params: Tree) -> tuple:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(grads, state, params=None, *, layouts=None):
+        if len(state) != len(transforms):
+            raise ValueError(
+                f"chain state has {len(state)} entries for {len(transforms)} transformations"
+            )
+        new_states = []
+        for t, s in zip(transforms, state):
+            grads, s = t.update(grads, s, params, layouts=layouts)
+            new_states.append(s)
+        return grads, tuple(new_states)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Tree, updates: Tree) -> Tree:
+    """``params + updates`` leaf-wise, keeping each parameter's dtype."""
+    check_grads(params, updates, what="updates")
+    return tree_map(lambda p, u: p if u is None else (p + u.to(p.dtype)), params, updates)
+
+
+def check_grads(params: Tree, grads: Tree, *, what: str = "grads") -> None:
+    """Clear errors for a grads tree that cannot belong to ``params``."""
+    if params is None:
+        raise ValueError(f"params are required to check {what}: pass update(grads, state, params)")
+    p_leaves, p_spec = tree_flatten(params)
+    g_leaves, g_spec = tree_flatten(grads)
+    if p_spec != g_spec:
+        tree_structure_check(params, grads, what=what, against="params")
+        raise ValueError(f"{what} tree {g_spec} does not match params tree {p_spec}")
+    for (name, p), g in zip(named_leaves(params), g_leaves):
+        if g is None:
+            continue
+        if not torch.is_tensor(g):
+            raise TypeError(f"{what} leaf {name!r} is {type(g).__name__}, not a tensor")
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(
+                f"{what} leaf {name!r} has shape {tuple(g.shape)} but the parameter has "
+                f"{tuple(p.shape)}"
+            )
+
+
+def check_floating(params: Tree, *, who: str) -> None:
+    """Optimizers update floating-point leaves only: name the first one that is not."""
+    for name, p in named_leaves(params):
+        if p is None:
+            continue
+        if not torch.is_tensor(p):
+            raise TypeError(f"{who}: leaf {name!r} is {type(p).__name__}, not a tensor")
+        if not (p.is_floating_point() or p.is_complex()):
+            raise TypeError(
+                f"{who}: leaf {name!r} has dtype {p.dtype}; optimizers update floating-point "
+                "tensors only (keep integer tensors in buffers)"
+            )
+
+
+def map_leaves(
+    fn: Callable[..., Any],
+    grads: Tree,
+    *others: Tree | None,
+    n_out: int = 1,
+) -> Any:
+    """Run ``fn(g, *other_leaves)`` for each leaf of ``grads`` and rebuild the trees.
+
+    Each of ``others`` is lined up with ``grads``' leaves by :func:`leaves_like` (``None`` gives
+    ``None`` per leaf), so per-leaf optimizer states may be whole sub-trees (a dict of factored
+    statistics, say). ``fn`` returns ``n_out`` values; ``map_leaves`` returns ``n_out`` trees of
+    ``grads``' structure (a single tree when ``n_out == 1``).
+    """
+    g_leaves, spec = tree_flatten(grads)
+    columns = [leaves_like(grads, o, what=f"argument {i + 1}", against="grads")
+               for i, o in enumerate(others)]
+    outs = [fn(g, *row) for g, *row in zip(g_leaves, *columns)] if columns else [
+        fn(g) for g in g_leaves
+    ]
+    if n_out == 1:
+        return tree_unflatten(spec, outs)
+    return tuple(tree_unflatten(spec, [o[i] for o in outs]) for i in range(n_out))
+
+
+def as_tuple(x: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:
+    if isinstance(x, (int, float)):
+        return (float(x),) * n
+    x = tuple(x)
+    if len(x) != n:
+        raise ValueError(f"{name} must have {n} entries, got {len(x)}")
+    return x
+
+
+def zeros_like_tree(tree: Tree) -> Tree:
+    return tree_map(lambda x: None if x is None else torch.zeros_like(x), tree)
+
+
+def scalar(x: float | Tensor, like: Tensor | None = None) -> Tensor:
+    """A 0-d float64 tensor (hyperparameters live in states as these)."""
+    t = torch.as_tensor(x, dtype=torch.float64)
+    return t if like is None else t.to(like.device)

@@ -1,0 +1,117 @@
+"""Hyperparameters that live in the optimizer state.
+
+Every funcpar optimizer is built by :func:`inject_hyperparams`: its injectable hyperparameters
+(``lr``, ``weight_decay``, ...) are stored as 0-d float64 tensors in a :class:`HyperState` at
+the top of its state. A number stays as given until changed; a schedule is evaluated at each
+update's count. To change a hyperparameter between steps without rebuilding anything,
+``opt_state = set_hyperparams(opt_state, lr=3e-4)``; the state stays a plain pytree, so the
+change is checkpointed with it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from funcpar.optim.base import GradientTransformation
+from funcpar.state.tree import Tree
+
+__all__ = ["HyperState", "inject_hyperparams", "set_hyperparams", "get_hyperparams"]
+
+
+class HyperState(NamedTuple):
+    count: Tensor  # 0-d int64: number of updates done, the schedules' argument
+    hyperparams: dict[str, Tensor]  # 0-d float64 each
+    inner: Tree
+
+
+def _value(v: Any, count: Tensor) -> Tensor:
+    if callable(v):
+        return torch.as_tensor(v(count), dtype=torch.float64).reshape(())
+    return torch.tensor(float(v), dtype=torch.float64)
+
+
+def inject_hyperparams(
+    factory: Callable[..., GradientTransformation],
+    injectable: tuple[str, ...],
+    **kwargs: Any,
+) -> GradientTransformation:
+    """``factory(**kwargs)`` with the ``injectable`` ones kept in the state as tensors.
+
+    ``factory`` must build its state without looking at the injectable values (they change
+    between updates); it receives them as 0-d float64 tensors.
+    """
+    dynamic = {k: kwargs[k] for k in injectable if k in kwargs}
+    static = {k: v for k, v in kwargs.items() if k not in dynamic}
+
+    def current(count: Tensor) -> dict[str, Tensor]:
+        return {k: _value(v, count) for k, v in dynamic.items()}
+
+    def init(params: Tree) -> HyperState:
+        count = torch.zeros((), dtype=torch.int64)
+        hp = current(count)
+        return HyperState(count, hp, factory(**static, **hp).init(params))
+
+    def update(grads, state: HyperState, params=None, *, layouts=None):
+        # Scheduled values are recomputed from the count; numbers come from the state, where
+        # set_hyperparams may have changed them.
+        hp = dict(state.hyperparams)
+        hp.update({k: _value(v, state.count) for k, v in dynamic.items() if callable(v)})
+        updates, inner = factory(**static, **hp).update(grads, state.inner, params, layouts=layouts)
+        return updates, HyperState(state.count + 1, hp, inner)
+
+    return GradientTransformation(init, update)
+
+
+def _walk(state: Tree, fn: Callable[[HyperState], HyperState | None]) -> Tree:
+    if isinstance(state, HyperState):
+        new = fn(state) or state
+        return new._replace(inner=_walk(new.inner, fn))
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return type(state)(*(_walk(s, fn) for s in state))
+    if isinstance(state, (tuple, list)):
+        return type(state)(_walk(s, fn) for s in state)
+    if isinstance(state, dict):
+        return {k: _walk(v, fn) for k, v in state.items()}
+    return state
+
+
+def set_hyperparams(opt_state: Tree, **values: float) -> Tree:
+    """A copy of ``opt_state`` with the named hyperparameters set in every optimizer that has
+    them. Scheduled hyperparameters are recomputed at the next update, so setting one has no
+    lasting effect: build that optimizer with a number instead."""
+    found: set[str] = set()
+    for k, v in values.items():
+        if not math.isfinite(float(v)) or float(v) < 0:
+            raise ValueError(f"hyperparameter {k} must be finite and >= 0, got {v}")
+
+    def setter(s: HyperState) -> HyperState:
+        hp = dict(s.hyperparams)
+        for k, v in values.items():
+            if k in hp:
+                hp[k] = torch.tensor(float(v), dtype=torch.float64)
+                found.add(k)
+        return s._replace(hyperparams=hp)
+
+    new = _walk(opt_state, setter)
+    missing = set(values) - found
+    if missing:
+        have = sorted(get_hyperparams(opt_state))
+        raise KeyError(f"no optimizer in this state has hyperparameter(s) {sorted(missing)}; "
+                       f"injectable ones are {have}")
+    return new
+
+
+def get_hyperparams(opt_state: Tree) -> dict[str, float]:
+    """Current values of the injectable hyperparameters (the first optimizer's, by name)."""
+    out: dict[str, float] = {}
+
+    def getter(s: HyperState) -> None:
+        for k, v in s.hyperparams.items():
+            out.setdefault(k, float(v))
+
+    _walk(opt_state, getter)
+    return out

@@ -1,0 +1,91 @@
+"""Stochastic gradient descent with momentum, as torch.optim.SGD."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from funcpar.optim import validate
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.hyperparams import inject_hyperparams
+from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.state.tree import Tree, tree_map
+
+__all__ = ["sgd", "SGDState"]
+
+
+class SGDState(NamedTuple):
+    count: Tensor  # 0-d int64
+    momentum_buffer: Tree  # like params; None per leaf without momentum
+
+
+def _sgd(lr, momentum, weight_decay, *, dampening, nesterov, maximize, weight_decay_mask):
+    def init(params: Tree) -> SGDState:
+        check_floating(params, who="sgd")
+        # Without momentum there is no buffer at all (None per leaf), as in torch.optim.SGD.
+        bufs = tree_map(lambda p: torch.zeros_like(p) if momentum else None, params)
+        return SGDState(torch.zeros((), dtype=torch.int64), bufs)
+
+    def update(grads, state: SGDState, params=None, *, layouts=None):
+        check_grads(params, grads)
+        decay = resolve_mask(weight_decay_mask, params)
+        first = state.count == 0
+
+        def leaf(g, p, buf, use_decay):
+            d = -g if maximize else g
+            if use_decay:
+                d = d + weight_decay * p
+            if not momentum:
+                return -lr * d, None
+            # torch.optim.SGD starts the buffer at the first gradient, undamped.
+            buf = torch.where(first, d, momentum * buf + (1 - dampening) * d)
+            d = d + momentum * buf if nesterov else buf
+            return -lr * d, buf
+
+        updates, bufs = map_leaves(leaf, grads, params, state.momentum_buffer, decay, n_out=2)
+        return updates, SGDState(state.count + 1, bufs)
+
+    return GradientTransformation(init, update)
+
+
+def sgd(
+    lr: float = 1e-3,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+    weight_decay_mask: Mask = None,
+) -> GradientTransformation:
+    """SGD with (Nesterov) momentum and coupled L2 weight decay, exactly torch.optim.SGD.
+
+    With ``d_t = g_t + weight_decay * w`` (decay only where ``weight_decay_mask`` allows):
+    ``b_1 = d_1``, ``b_t = momentum * b_{t-1} + (1 - dampening) * d_t``; the step direction is
+    ``d_t + momentum * b_t`` with ``nesterov`` and ``b_t`` otherwise (``d_t`` when
+    ``momentum == 0``); ``w <- w - lr * direction``. (Sutskever et al. 2013 for Nesterov's form.)
+    ``lr`` and ``weight_decay`` may be schedules; ``momentum`` is fixed (it decides whether a
+    buffer exists).
+    """
+    who = "sgd"
+    validate.nonnegative(who, "lr", lr)
+    validate.nonnegative(who, "weight_decay", weight_decay)
+    if callable(momentum):
+        raise TypeError("sgd: momentum must be a number (it decides whether a buffer exists)")
+    validate.in_unit_interval(who, "momentum", momentum, closed=True)
+    validate.in_unit_interval(who, "dampening", dampening, closed=True)
+    if nesterov and (validate.schedule_or_number(who, "momentum", momentum) <= 0 or dampening):
+        raise ValueError("sgd: nesterov momentum requires momentum > 0 and dampening == 0")
+    return inject_hyperparams(
+        _sgd,
+        ("lr", "weight_decay"),
+        lr=lr,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        dampening=dampening,
+        nesterov=nesterov,
+        maximize=maximize,
+        weight_decay_mask=weight_decay_mask,
+    )

@@ -1,0 +1,46 @@
+"""Hyperparameter checks shared by the optimizers: a clear error before any update."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+__all__ = ["nonnegative", "positive", "in_unit_interval", "betas_in_range", "schedule_or_number"]
+
+
+def schedule_or_number(who: str, name: str, value: Any) -> float:
+    """The value at step 0 (schedules are evaluated there), as a float."""
+    if callable(value):
+        value = value(0)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{who}: {name} must be a number or a schedule, got {value!r}") from None
+
+
+def nonnegative(who: str, name: str, value: Any) -> None:
+    v = schedule_or_number(who, name, value)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{who}: {name} must be finite and >= 0, got {v}")
+
+
+def positive(who: str, name: str, value: Any) -> None:
+    v = schedule_or_number(who, name, value)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{who}: {name} must be finite and > 0, got {v}")
+
+
+def in_unit_interval(who: str, name: str, value: Any, *, closed: bool = False) -> None:
+    """``0 <= value < 1`` (``<= 1`` when ``closed``)."""
+    v = schedule_or_number(who, name, value)
+    if not (0.0 <= v <= 1.0) or (v == 1.0 and not closed):
+        raise ValueError(f"{who}: {name} must be in [0, 1{']' if closed else ')'}, got {v}")
+
+
+def betas_in_range(who: str, betas: Sequence[float], n: int = 2) -> tuple[float, ...]:
+    betas = tuple(betas)
+    if len(betas) != n:
+        raise ValueError(f"{who}: betas must have {n} entries, got {len(betas)}")
+    for i, b in enumerate(betas):
+        in_unit_interval(who, f"betas[{i}]", b)
+    return betas

@@ -1,0 +1,125 @@
+"""Layout-aware reductions: the one place where optimizers meet sharding.
+
+Every global quantity an optimizer needs (a row sum, a column mean, a norm, a max) is computed
+here from the *local* tensor and the leaf's layout. With ``layout=None`` (a tensor that is whole
+on this process) each function is the plain torch op. A layout is any object with
+
+* ``global_shape`` - the shape of the whole tensor, and
+* ``all_reduce(t, dims, op, purpose)`` - combine a locally reduced ``t`` over exactly the mesh
+  axes that split ``dims`` (a no-op when none does), with ``op`` in ``{"sum", "max"}``.
+
+so optimizer code never asks "which parallelism is this?": it asks for a reduction over dims.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Reducible",
+    "reduce_sum",
+    "reduce_mean",
+    "reduce_max",
+    "sum_of_squares",
+    "norm",
+    "rms",
+    "global_shape",
+]
+
+
+class Reducible(Protocol):
+    """What a reduction needs to know of a leaf's layout."""
+
+    global_shape: tuple[int, ...]
+
+    def all_reduce(self, t: Tensor, dims: tuple[int, ...], op: str, purpose: str) -> Tensor: ...
+
+
+def _dims(x: Tensor, dims: int | Sequence[int] | None) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(x.dim()))
+    if isinstance(dims, int):
+        dims = (dims,)
+    return tuple(sorted(d % x.dim() for d in dims)) if x.dim() else ()
+
+
+def global_shape(x: Tensor, layout: Reducible | None) -> tuple[int, ...]:
+    return tuple(x.shape) if layout is None else tuple(layout.global_shape)
+
+
+def _finish(
+    local: Tensor, dims: tuple[int, ...], layout: Reducible | None, op: str, purpose: str
+) -> Tensor:
+    if layout is None or not dims:
+        return local
+    return layout.all_reduce(local, dims, op, purpose)
+
+
+def reduce_sum(
+    x: Tensor,
+    dims: int | Sequence[int] | None = None,
+    *,
+    layout: Reducible | None = None,
+    keepdim: bool = False,
+    purpose: str = "sum",
+) -> Tensor:
+    """Sum of the whole (global) tensor over ``dims``, given this process's shard ``x``."""
+    d = _dims(x, dims)
+    local = x.sum(dim=d, keepdim=keepdim) if d else x.clone()
+    return _finish(local, d, layout, "sum", purpose)
+
+
+def reduce_mean(
+    x: Tensor,
+    dims: int | Sequence[int] | None = None,
+    *,
+    layout: Reducible | None = None,
+    keepdim: bool = False,
+    purpose: str = "mean",
+) -> Tensor:
+    """Mean over ``dims`` of the global tensor: the global sum over the global element count."""
+    d = _dims(x, dims)
+    if layout is None:
+        return x.mean(dim=d, keepdim=keepdim) if d else x.clone()
+    shape = global_shape(x, layout)
+    count = math.prod(shape[i] for i in d)
+    return reduce_sum(x, d, layout=layout, keepdim=keepdim, purpose=purpose) / count
+
+
+def reduce_max(
+    x: Tensor,
+    dims: int | Sequence[int] | None = None,
+    *,
+    layout: Reducible | None = None,
+    keepdim: bool = False,
+    purpose: str = "max",
+) -> Tensor:
+    d = _dims(x, dims)
+    local = x.amax(dim=d, keepdim=keepdim) if d else x.clone()
+    return _finish(local, d, layout, "max", purpose)
+
+
+def sum_of_squares(
+    x: Tensor, *, layout: Reducible | None = None, purpose: str = "sum_of_squares"
+) -> Tensor:
+    """``sum(x**2)`` over the whole global tensor, as a 0-d tensor."""
+    d = _dims(x, None)
+    local = torch.linalg.vector_norm(x).square() if x.numel() else x.new_zeros(())
+    return _finish(local, d, layout, "sum", purpose)
+
+
+def norm(x: Tensor, *, layout: Reducible | None = None, purpose: str = "norm") -> Tensor:
+    """The Frobenius (L2) norm of the whole global tensor."""
+    if layout is None:
+        return torch.linalg.vector_norm(x)
+    return sum_of_squares(x, layout=layout, purpose=purpose).sqrt()
+
+
+def rms(x: Tensor, *, layout: Reducible | None = None, purpose: str = "rms") -> Tensor:
+    """Root mean square of the whole global tensor: ``norm / sqrt(numel)``."""
+    n = math.prod(global_shape(x, layout))
+    return norm(x, layout=layout, purpose=purpose) / math.sqrt(n)

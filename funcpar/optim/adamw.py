@@ -11,6 +11,7 @@ from funcpar.optim import validate
 from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.schedules import ScalarOrSchedule
 from funcpar.state.tree import Tree, tree_map
 
 __all__ = ["adamw", "AdamWState"]
@@ -67,10 +68,10 @@ def _adamw(lr, weight_decay, eps, *, betas, amsgrad, maximize, weight_decay_mask
 
 
 def adamw(
-    lr: float = 1e-3,
+    lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
+    eps: ScalarOrSchedule = 1e-8,
+    weight_decay: ScalarOrSchedule = 1e-2,
     amsgrad: bool = False,
     *,
     maximize: bool = False,

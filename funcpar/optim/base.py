@@ -14,7 +14,8 @@ whole on this process). Optimizers hand each leaf's layout to the reductions of
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor

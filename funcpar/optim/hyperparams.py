@@ -11,7 +11,8 @@ change is checkpointed with it.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -105,13 +106,16 @@ def set_hyperparams(opt_state: Tree, **values: float) -> Tree:
     return new
 
 
-def get_hyperparams(opt_state: Tree) -> dict[str, float]:
-    """Current values of the injectable hyperparameters (the first optimizer's, by name)."""
-    out: dict[str, float] = {}
+def get_hyperparams(opt_state: Tree) -> dict[str, Tensor]:
+    """The hyperparameters used by the last update (0-d tensors; the first optimizer's, by name).
+
+    Right after ``init`` these are the values for step 0.
+    """
+    out: dict[str, Tensor] = {}
 
     def getter(s: HyperState) -> None:
         for k, v in s.hyperparams.items():
-            out.setdefault(k, float(v))
+            out.setdefault(k, v)
 
     _walk(opt_state, getter)
     return out

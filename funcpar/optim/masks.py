@@ -6,7 +6,8 @@ name and the tensor, or a tree of bools with the structure of ``params``.
 
 from __future__ import annotations
 
-from typing import Callable, Union
+from collections.abc import Callable
+from typing import Union
 
 from torch import Tensor
 

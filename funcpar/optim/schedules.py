@@ -9,13 +9,14 @@ value used at update ``t`` (counting from 0) is ``schedule(t)``.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "Schedule",
+    "ScalarOrSchedule",
     "constant",
     "linear_warmup",
     "linear",
@@ -24,6 +25,8 @@ __all__ = [
 ]
 
 Schedule = Callable[[Tensor | int], Tensor]
+#: What an injectable hyperparameter accepts: a number, or a schedule of the step.
+ScalarOrSchedule = float | Schedule
 
 
 def _step(t: Tensor | int) -> Tensor:

@@ -11,6 +11,7 @@ from funcpar.optim import validate
 from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.schedules import ScalarOrSchedule
 from funcpar.state.tree import Tree, tree_map
 
 __all__ = ["sgd", "SGDState"]
@@ -51,10 +52,10 @@ def _sgd(lr, momentum, weight_decay, *, dampening, nesterov, maximize, weight_de
 
 
 def sgd(
-    lr: float = 1e-3,
+    lr: ScalarOrSchedule = 1e-3,
     momentum: float = 0.0,
     dampening: float = 0.0,
-    weight_decay: float = 0.0,
+    weight_decay: ScalarOrSchedule = 0.0,
     nesterov: bool = False,
     *,
     maximize: bool = False,

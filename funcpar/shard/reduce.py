@@ -14,7 +14,8 @@ so optimizer code never asks "which parallelism is this?": it asks for a reducti
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -31,6 +32,7 @@ __all__ = [
 ]
 
 
+@runtime_checkable
 class Reducible(Protocol):
     """What a reduction needs to know of a leaf's layout."""
 

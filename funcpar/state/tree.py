@@ -9,7 +9,8 @@ unsharded leaf without changing its structure.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import optree
 import torch

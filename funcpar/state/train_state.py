@@ -1,0 +1,48 @@
+"""The whole training state as one pytree."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from funcpar.state.tree import Tree
+
+__all__ = ["TrainState", "init_state"]
+
+
+@runtime_checkable
+class _Initializable(Protocol):
+    # funcpar.optim.GradientTransformation; named structurally because state sits below optim.
+    init: Callable[[Any], Any]
+
+
+class TrainState(NamedTuple):
+    """Everything a training step reads and writes; a pytree of tensors.
+
+    ``step`` is a 0-d int64 tensor (updates done). ``rng`` is the state of the random generator
+    of the parameters' device (``torch.get_rng_state()`` on CPU); the step restores it around
+    the forward and stores what follows, so dropout-like randomness is part of the state and a
+    step repeated on the same state repeats its random draws.
+    """
+
+    params: Tree
+    buffers: Tree
+    opt_state: Tree
+    step: Tensor
+    rng: Tensor
+
+
+def init_state(
+    params: Tree, buffers: Tree, optimizer: _Initializable, seed: int = 0
+) -> TrainState:
+    gen = torch.Generator().manual_seed(seed)
+    return TrainState(
+        params=params,
+        buffers=buffers,
+        opt_state=optimizer.init(params),
+        step=torch.zeros((), dtype=torch.int64),
+        rng=gen.get_state(),
+    )

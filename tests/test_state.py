@@ -1,0 +1,117 @@
+"""Tree helpers, functionalize and TrainState."""
+
+import pytest
+import torch
+from torch import nn
+
+from funcpar.state import (
+    LeafSpec,
+    functionalize,
+    init_state,
+    named_leaves,
+    tree_flatten,
+    tree_map_with_path,
+    tree_shapes,
+    tree_unflatten,
+)
+from funcpar.state.tree import leaves_like, tree_structure_check
+import funcpar.optim as fo
+
+
+def test_tree_helpers():
+    tree = {"b": [torch.zeros(2), None], "a": {"x": torch.ones(3, dtype=torch.float64)}}
+    names = [n for n, _ in named_leaves(tree)]
+    assert names == ["a.x", "b.0", "b.1"]
+    leaves, spec = tree_flatten(tree)
+    assert tree_unflatten(spec, leaves)["b"][1] is None
+    shapes = tree_shapes(tree)
+    assert shapes["a"]["x"] == LeafSpec((3,), torch.float64)
+    seen = tree_map_with_path(lambda name, x: name, tree)
+    assert seen == {"a": {"x": "a.x"}, "b": ["b.0", "b.1"]}
+    assert leaves_like(tree, None, what="w", against="t") == [None, None, None]
+    with pytest.raises(ValueError, match="missing \\['a.x'\\]"):
+        tree_structure_check(tree, {"b": [1, 2]}, what="other", against="tree")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.lin(x))))
+
+
+def test_functionalize_matches_module_with_batchnorm():
+    torch.manual_seed(0)
+    net = Net().double()
+    apply_fn, params, buffers = functionalize(net)
+    before = {k: v.clone() for k, v in buffers.items()}
+    x = torch.randn(8, 5, dtype=torch.float64)
+
+    live = {k: v.clone().requires_grad_() for k, v in params.items()}
+    out, new_buffers = apply_fn(live, buffers, x)
+    grads = torch.autograd.grad(out.square().sum(), list(live.values()))
+
+    # The module's own forward, on a copy so the two runs start from the same statistics.
+    ref = Net().double()
+    ref.load_state_dict(net.state_dict())
+    ref_out = ref(x)
+    ref_out.square().sum().backward()
+
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=0)
+    for g, (name, p) in zip(grads, ref.named_parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=0, msg=name)
+    # Buffers: the new ones moved like the module's; the ones passed in did not.
+    for name, b in ref.named_buffers():
+        torch.testing.assert_close(new_buffers[name], b, rtol=1e-12, atol=0)
+        assert torch.equal(buffers[name], before[name]), name
+    assert int(new_buffers["bn.num_batches_tracked"]) == 1
+    assert int(buffers["bn.num_batches_tracked"]) == 0
+
+
+def test_functionalize_fixes_the_mode():
+    net = Net().double().eval()
+    apply_fn, params, buffers = functionalize(net)
+    net.train()  # later mode changes do not leak into apply_fn
+    x = torch.randn(4, 5, dtype=torch.float64)
+    _, new_buffers = apply_fn(params, buffers, x)
+    assert int(new_buffers["bn.num_batches_tracked"]) == 0
+    assert net.training
+
+
+def test_functionalize_errors():
+    apply_fn, params, buffers = functionalize(Net())
+    with pytest.raises(KeyError, match="missing \\['lin.bias'\\]"):
+        apply_fn({k: v for k, v in params.items() if k != "lin.bias"}, buffers, torch.zeros(2, 5))
+    with pytest.raises(TypeError, match="module"):
+        functionalize(lambda x: x)
+
+
+def test_tied_weights_appear_once():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    apply_fn, params, _ = functionalize(Tied())
+    assert list(params) == ["emb.weight"]
+    new_w = torch.randn(10, 4)
+    out, _ = apply_fn({"emb.weight": new_w}, {}, torch.tensor([1, 2]))
+    torch.testing.assert_close(out, new_w[[1, 2]] @ new_w.T)
+
+
+def test_train_state_is_a_tree_of_tensors():
+    _, params, buffers = functionalize(Net())
+    state = init_state(params, buffers, fo.adamw(), seed=3)
+    leaves, _ = tree_flatten(state)
+    assert all(torch.is_tensor(x) or x is None for x in leaves)
+    assert int(state.step) == 0
+    assert torch.equal(state.rng, torch.Generator().manual_seed(3).get_state())

@@ -249,6 +249,14 @@ def test_bad_trees_and_leaves():
         fo.chain(fo.sgd(), "adam")
 
 
+@pytest.mark.parametrize("opt", [fo.adamw(weight_decay=0.1), fo.sgd(momentum=0.9, weight_decay=0.1)])
+def test_updates_keep_the_leaf_dtype(opt):
+    params = _params(torch.float32)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    updates, _ = opt.update(grads, opt.init(params), params)
+    assert all(updates[k].dtype == torch.float32 for k in params)
+
+
 def test_state_is_a_tree_of_tensors():
     from funcpar.state import tree_leaves
 

@@ -1,8 +1,10 @@
 """Optimizers as pure ``init``/``update`` pairs over pytrees (optax's shape)."""
 
 from funcpar.optim.accumulate import AccumulateState, accumulate
+from funcpar.optim.adafactor import AdafactorState, adafactor, adafactor_torch
 from funcpar.optim.adamw import AdamWState, adamw
 from funcpar.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
+from funcpar.optim.came import CAMEState, came
 from funcpar.optim.clip import clip_by_global_norm, global_norm
 from funcpar.optim.hyperparams import HyperState, get_hyperparams, inject_hyperparams, set_hyperparams
 from funcpar.optim.masks import matrices_only
@@ -11,14 +13,19 @@ from funcpar.optim.sgd import SGDState, sgd
 
 __all__ = [
     "AccumulateState",
+    "AdafactorState",
     "AdamWState",
+    "CAMEState",
     "EmptyState",
     "GradientTransformation",
     "HyperState",
     "SGDState",
     "accumulate",
+    "adafactor",
+    "adafactor_torch",
     "adamw",
     "apply_updates",
+    "came",
     "chain",
     "clip_by_global_norm",
     "constant",

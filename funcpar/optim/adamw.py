@@ -52,10 +52,13 @@ def _adamw(lr, weight_decay, eps, *, betas, amsgrad, maximize, weight_decay_mask
             v = v * beta2 + (1 - beta2) * g * g
             if amsgrad:
                 vmax = torch.maximum(vmax, v)
-            denom = ((vmax if amsgrad else v).sqrt() / bc2_sqrt) + eps
-            u = -step_size * (m / denom)
+            # Hyperparameters in the leaf's dtype: a 0-d float64 scalar would otherwise promote
+            # a 0-d float32 leaf to float64.
+            dt = g.dtype
+            denom = ((vmax if amsgrad else v).sqrt() / bc2_sqrt.to(dt)) + eps.to(dt)
+            u = -step_size.to(dt) * (m / denom)
             if use_decay:
-                u = u - (lr * weight_decay) * p
+                u = u - (lr * weight_decay).to(dt) * p
             return u, m, v, vmax
 
         u, m, v, vmax = map_leaves(

@@ -35,15 +35,17 @@ def _sgd(lr, momentum, weight_decay, *, dampening, nesterov, maximize, weight_de
         first = state.count == 0
 
         def leaf(g, p, buf, use_decay):
+            # Hyperparameters in the leaf's dtype (a 0-d float64 would promote 0-d leaves).
+            lr_, wd = lr.to(g.dtype), weight_decay.to(g.dtype)
             d = -g if maximize else g
             if use_decay:
-                d = d + weight_decay * p
+                d = d + wd * p
             if not momentum:
-                return -lr * d, None
+                return -lr_ * d, None
             # torch.optim.SGD starts the buffer at the first gradient, undamped.
             buf = torch.where(first, d, momentum * buf + (1 - dampening) * d)
             d = d + momentum * buf if nesterov else buf
-            return -lr * d, buf
+            return -lr_ * d, buf
 
         updates, bufs = map_leaves(leaf, grads, params, state.momentum_buffer, decay, n_out=2)
         return updates, SGDState(state.count + 1, bufs)

@@ -1,0 +1,485 @@
+"""Adafactor (Shazeer & Stern 2018, arXiv 1804.04235) in its two maintained variants.
+
+* :func:`adafactor` is the fairseq / Hugging Face / Colossal-AI variant, exactly
+  ``transformers.optimization.Adafactor`` (and the inner optimizer of galore-torch's
+  ``GaLoreAdafactor``, whose per-leaf math :func:`adafactor_leaf_update` exposes).
+* :func:`adafactor_torch` is exactly ``torch.optim.Adafactor``, a different variant.
+
+The factored statistics are :mod:`funcpar.optim.factored`'s; every whole-dim reduction (row and
+column means, the mean of the row factor, RMS of the update and of the parameter) goes through
+:mod:`funcpar.shard.reduce` with the leaf's layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from funcpar.optim import validate
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.factored import (
+    SECOND_MOMENT,
+    MomentNames,
+    clip_by_rms,
+    compute_dtype,
+    decoupled_decay,
+    ema,
+    ema_rsqrt,
+    eps_pair,
+    init_moment,
+    is_factored,
+    mean_over_rows,
+    row_col_mean_squares,
+)
+from funcpar.optim.hyperparams import inject_hyperparams
+from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.shard.reduce import Reducible, global_shape, norm, rms
+from funcpar.state.tree import Tree, tree_map
+
+__all__ = [
+    "AdafactorLeafUpdate",
+    "AdafactorState",
+    "adafactor",
+    "adafactor_leaf_init",
+    "adafactor_leaf_update",
+    "adafactor_step_size",
+    "adafactor_torch",
+]
+
+
+class AdafactorState(NamedTuple):
+    """State of both variants: a 0-d int64 count and, per leaf, a dict of statistics.
+
+    :func:`adafactor`: ``{"exp_avg_sq_row", "exp_avg_sq_col"}`` (shapes ``shape[:-1]`` and
+    ``shape[:-2] + shape[-1:]``) or ``{"exp_avg_sq"}``, plus ``"exp_avg"`` with ``beta1``.
+    :func:`adafactor_torch`: ``{"row_var", "col_var"}`` (shapes ``(..., n, 1)``, ``(..., 1, m)``)
+    or ``{"variance"}``. The names are the references' state keys.
+    """
+
+    count: Tensor  # 0-d int64: updates done
+    stats: Tree  # per leaf: dict[str, Tensor] (None for a None parameter)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face / fairseq variant
+# --------------------------------------------------------------------------------------------
+
+
+def adafactor_leaf_init(
+    shape: tuple[int, ...] | torch.Size,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str | None = None,
+    beta1: float | None = None,
+    min_dim_size_to_factor: int = 0,
+) -> dict[str, Tensor]:
+    """Zero per-leaf state of :func:`adafactor_leaf_update` for a *gradient* of ``shape``.
+
+    Factored (``{"exp_avg_sq_row", "exp_avg_sq_col"}``, O(rows + cols)) when the shape has >= 2
+    dims, both of size >= ``min_dim_size_to_factor``; else ``{"exp_avg_sq"}``. ``"exp_avg"`` (the
+    shape of the gradient) is added when ``beta1`` is not None. Half-precision ``dtype`` gives
+    float32 statistics, as in Hugging Face.
+    """
+    dtype = compute_dtype(dtype)
+    state = init_moment(
+        shape,
+        dtype=dtype,
+        device=device,
+        names=SECOND_MOMENT,
+        factored=is_factored(shape, min_dim_size_to_factor),
+    )
+    if beta1 is not None:
+        state["exp_avg"] = torch.zeros(tuple(shape), dtype=dtype, device=device)
+    return state
+
+
+def adafactor_step_size(
+    step: Tensor,
+    param: Tensor,
+    *,
+    lr: float | Tensor | None = None,
+    eps2: float = 1e-3,
+    scale_parameter: bool = True,
+    relative_step: bool = True,
+    warmup_init: bool = False,
+    param_layout: Reducible | None = None,
+) -> Tensor:
+    """``alpha_t`` as a 0-d float64 tensor (Hugging Face's ``_get_lr``).
+
+    ``rho_t = min(1e-6 t if warmup_init else 1e-2, 1/sqrt(t))`` with ``relative_step``, else
+    ``lr``; ``alpha_t = max(eps2, RMS(param)) rho_t`` with ``scale_parameter``, else ``rho_t``.
+    ``RMS(param)`` is of the parameter *before* this step's update and decay, over the whole
+    (global) leaf.
+    """
+    t = step.to(torch.float64)
+    if relative_step:
+        cap = 1e-6 * t if warmup_init else torch.tensor(1e-2, dtype=torch.float64)
+        rho = torch.minimum(cap, 1.0 / t.sqrt())
+    else:
+        if lr is None:
+            raise ValueError("adafactor: lr is required when relative_step=False")
+        rho = torch.as_tensor(lr, dtype=torch.float64)
+    if not scale_parameter:
+        return rho
+    p_rms = rms(param, layout=param_layout, purpose="param rms")
+    # Hugging Face multiplies in the parameter's dtype when RMS(param) wins the max and in
+    # float64 when eps2 does; the float32 rounding is kept so float32 runs match it closely.
+    scaled = (p_rms * rho.to(p_rms.dtype)).to(torch.float64)
+    return torch.where(p_rms > eps2, scaled, eps2 * rho)
+
+
+class AdafactorLeafUpdate(NamedTuple):
+    """What :func:`adafactor_leaf_update` returns (a tuple: unpack it or use the names)."""
+
+    update: Tensor  # alpha_t-scaled direction, gradient-shaped; SUBTRACT it from the param
+    state: dict[str, Tensor]  # the new per-leaf state
+    step_size: Tensor  # alpha_t (0-d float64): the weight decay is weight_decay * alpha_t * param
+
+
+def adafactor_leaf_update(
+    grad: Float[Tensor, "*grad_shape"],
+    param: Float[Tensor, "*param_shape"],
+    state: dict[str, Tensor],
+    step: Tensor,
+    *,
+    lr: float | Tensor | None = None,
+    eps: tuple[float, float] = (1e-30, 1e-3),
+    clip_threshold: float | Tensor = 1.0,
+    decay_rate: float = -0.8,
+    beta1: float | None = None,
+    scale_parameter: bool = True,
+    relative_step: bool = True,
+    warmup_init: bool = False,
+    layout: Reducible | None = None,
+    param_layout: Reducible | None = None,
+) -> AdafactorLeafUpdate:
+    """One Hugging Face Adafactor step for one leaf, without the weight decay.
+
+    Arguments:
+        grad: the gradient leaf, or any gradient-like tensor the statistics are kept for (a
+            GaLore low-rank projection may have another shape than ``param``).
+        param: the FULL parameter leaf; used only for ``RMS(param)`` in the step size.
+        state: from :func:`adafactor_leaf_init` for ``grad``'s shape (its keys decide whether the
+            statistics are factored); not modified.
+        step: ``t``, the 1-based step number of this update (0-d integer tensor).
+        layout / param_layout: the layouts of ``grad`` and ``param`` for the reductions
+            (``None``: whole on this process). ``param_layout`` is only read with
+            ``scale_parameter``.
+        The rest as in :func:`adafactor`.
+
+    Returns ``AdafactorLeafUpdate(update, state, step_size)``; the caller does
+    ``param <- param - weight_decay * step_size * param - project_back(update)`` (that is
+    Hugging Face's and galore-torch's order: the decay uses ``alpha_t`` and the pre-update
+    ``param``; :func:`funcpar.optim.factored.decoupled_decay` rounds the decay as they do).
+    Without a projection, ``grad`` and ``param`` have the same shape and layout.
+
+    Math: ``beta2_t = 1 - t^decay_rate``; with ``x = grad^2 + eps1`` the second moment is
+    factored (row/column EMAs of ``x``) or full (EMA of ``x``), giving ``u = grad * V^-1/2``;
+    ``u <- u / max(1, RMS(u) / clip_threshold)``; ``u <- alpha_t u``
+    (:func:`adafactor_step_size`); with ``beta1``: ``m <- beta1 m + (1 - beta1) u``, ``u = m``.
+    """
+    cdtype = compute_dtype(grad.dtype)
+    grad = grad.to(cdtype)
+    param = param.to(compute_dtype(param.dtype))
+    eps1, eps2 = eps
+    alpha = adafactor_step_size(
+        step,
+        param,
+        lr=lr,
+        eps2=eps2,
+        scale_parameter=scale_parameter,
+        relative_step=relative_step,
+        warmup_init=warmup_init,
+        param_layout=param_layout,
+    )
+    beta2t = 1.0 - step.to(torch.float64) ** decay_rate
+    moments = {k: v for k, v in state.items() if k != "exp_avg"}
+    inv_sqrt_v, new_state = ema_rsqrt(grad * grad + eps1, moments, SECOND_MOMENT, beta2t,
+                                      layout=layout)
+    u = clip_by_rms(inv_sqrt_v * grad, clip_threshold, layout=layout) * alpha.to(cdtype)
+    if beta1 is not None:
+        if "exp_avg" not in state:
+            raise KeyError("adafactor: beta1 is set but the state has no 'exp_avg' "
+                           "(initialise it with the same beta1)")
+        u = ema(state["exp_avg"], u, beta1)
+        new_state["exp_avg"] = u
+    return AdafactorLeafUpdate(u, new_state, alpha)
+
+
+def _adafactor(
+    lr=None,
+    weight_decay=0.0,
+    clip_threshold=1.0,
+    *,
+    eps,
+    decay_rate,
+    beta1,
+    scale_parameter,
+    relative_step,
+    warmup_init,
+    min_dim_size_to_factor,
+    weight_decay_mask,
+):
+    def init(params: Tree) -> AdafactorState:
+        check_floating(params, who="adafactor")
+        stats = tree_map(
+            lambda p: None if p is None else adafactor_leaf_init(
+                p.shape, dtype=p.dtype, device=p.device, beta1=beta1,
+                min_dim_size_to_factor=min_dim_size_to_factor,
+            ),
+            params,
+        )
+        return AdafactorState(torch.zeros((), dtype=torch.int64), stats)
+
+    def update(grads, state: AdafactorState, params=None, *, layouts=None):
+        check_grads(params, grads)
+        decay = resolve_mask(weight_decay_mask, params)
+        count = state.count + 1
+
+        def leaf(g, p, st, use_decay, layout):
+            if g is None:
+                return None, st
+            out = adafactor_leaf_update(
+                g, p, st, count, lr=lr, eps=eps, clip_threshold=clip_threshold,
+                decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
+                relative_step=relative_step, warmup_init=warmup_init, layout=layout,
+                param_layout=layout,
+            )
+            p = p.to(out.update.dtype)
+            new_p = decoupled_decay(p, weight_decay * out.step_size) if use_decay else p
+            # Returned as (new param - param), exact while the step is under half the
+            # parameter, so apply_updates reproduces Hugging Face's rounding of the new one.
+            return (new_p - out.update) - p, out.state
+
+        updates, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
+        return updates, AdafactorState(count, stats)
+
+    return GradientTransformation(init, update)
+
+
+def adafactor(
+    lr: Any = None,
+    eps: Sequence[float] = (1e-30, 1e-3),
+    clip_threshold: Any = 1.0,
+    decay_rate: float = -0.8,
+    beta1: float | None = None,
+    weight_decay: Any = 0.0,
+    scale_parameter: bool = True,
+    relative_step: bool = True,
+    warmup_init: bool = False,
+    *,
+    min_dim_size_to_factor: int = 0,
+    weight_decay_mask: Mask = None,
+) -> GradientTransformation:
+    """Adafactor, exactly ``transformers.optimization.Adafactor`` (fairseq's variant).
+
+    For each leaf ``W`` with gradient ``g`` at step ``t`` (from 1)::
+
+        rho_t   = min(1e-6 t if warmup_init else 1e-2, 1/sqrt(t))  if relative_step else lr
+        alpha_t = max(eps2, RMS(W)) rho_t                          if scale_parameter else rho_t
+        beta2_t = 1 - t^decay_rate
+        x = g^2 + eps1
+        >= 2 dims:  R <- beta2_t R + (1-beta2_t) mean_{-1}(x)
+                    C <- beta2_t C + (1-beta2_t) mean_{-2}(x)
+                    u = g * rsqrt(R / mean(R)) (x) rsqrt(C)   ((x): outer product, last 2 dims)
+        otherwise:  V <- beta2_t V + (1-beta2_t) x;  u = g * rsqrt(V)
+        u <- alpha_t u / max(1, RMS(u) / clip_threshold)
+        beta1:      M <- beta1 M + (1-beta1) u;  u = M
+        W <- W - weight_decay alpha_t W - u
+
+    Hugging Face's quirks, reproduced: ``eps1`` is added to ``g^2`` *before* the averages (not
+    to the estimate); ``RMS(W)`` is of the pre-update parameter, ``norm / sqrt(numel)``, and
+    ``alpha_t`` uses it even for the first step (``max(eps2, 0)`` for a zero init); the first
+    moment averages the already scaled and clipped update; the weight decay is scaled by
+    ``alpha_t`` (not ``lr``), uses the pre-update ``W`` and is applied to every leaf (restrict
+    it with ``weight_decay_mask``); ``lr`` must be given iff ``relative_step=False`` (Hugging Face
+    raises for ``lr`` with ``relative_step`` and fails with a TypeError on ``lr=None`` without;
+    here both are a ValueError); ``warmup_init`` requires ``relative_step``. Half-precision
+    leaves are computed, and their statistics kept, in float32 (the parameter itself is then
+    updated in its own dtype by :func:`~funcpar.optim.base.apply_updates`, where Hugging Face
+    adds in float32 and rounds once).
+
+    ``min_dim_size_to_factor`` (not in Hugging Face; default 0 reproduces it): a leaf with >= 2
+    dims whose last two dims are not both >= this size keeps a full second moment (as optax's
+    option of that name, which however factors the two largest dims). The choice is made at
+    ``init`` from the shapes ``init`` sees.
+
+    ``lr``, ``weight_decay`` and ``clip_threshold`` may be schedules; ``eps``, ``decay_rate`` and
+    ``beta1`` are fixed. Per-leaf state names and shapes are Hugging Face's
+    (see :class:`AdafactorState`); factored leaves cost O(rows + cols).
+    """
+    who = "adafactor"
+    if lr is not None and relative_step:
+        raise ValueError(f"{who}: lr cannot be combined with relative_step=True (the step size "
+                         "is then relative); pass relative_step=False to use lr")
+    if lr is None and not relative_step:
+        raise ValueError(f"{who}: lr is required when relative_step=False")
+    if warmup_init and not relative_step:
+        raise ValueError(f"{who}: warmup_init=True requires relative_step=True")
+    if lr is not None:
+        validate.nonnegative(who, "lr", lr)
+    eps1, eps2 = eps_pair(who, eps)
+    validate.positive(who, "eps[0]", eps1)
+    validate.nonnegative(who, "eps[1]", eps2)
+    validate.positive(who, "clip_threshold", clip_threshold)
+    if callable(decay_rate) or not (math.isfinite(float(decay_rate)) and decay_rate <= 0):
+        raise ValueError(f"{who}: decay_rate must be a number <= 0 (beta2_t = 1 - t^decay_rate "
+                         f"must lie in [0, 1)), got {decay_rate!r}")
+    if beta1 is not None:
+        if callable(beta1):
+            raise TypeError(f"{who}: beta1 must be a number or None (it decides whether a "
+                            "first moment exists)")
+        validate.in_unit_interval(who, "beta1", beta1)
+    validate.nonnegative(who, "weight_decay", weight_decay)
+    if not isinstance(min_dim_size_to_factor, int) or min_dim_size_to_factor < 0:
+        raise ValueError(f"{who}: min_dim_size_to_factor must be an int >= 0, "
+                         f"got {min_dim_size_to_factor!r}")
+    kwargs: dict[str, Any] = {} if lr is None else {"lr": lr}
+    return inject_hyperparams(
+        _adafactor,
+        ("lr", "weight_decay", "clip_threshold"),
+        **kwargs,
+        weight_decay=weight_decay,
+        clip_threshold=clip_threshold,
+        eps=(float(eps1), float(eps2)),
+        decay_rate=float(decay_rate),
+        beta1=None if beta1 is None else float(beta1),
+        scale_parameter=bool(scale_parameter),
+        relative_step=bool(relative_step),
+        warmup_init=bool(warmup_init),
+        min_dim_size_to_factor=min_dim_size_to_factor,
+        weight_decay_mask=weight_decay_mask,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# torch.optim.Adafactor variant
+# --------------------------------------------------------------------------------------------
+
+_TORCH_NAMES = MomentNames("row_var", "col_var", "variance")
+
+
+def _rms_f64(x: Tensor, layout: Reducible | None, purpose: str) -> Tensor:
+    # torch.optim.Adafactor takes the norm in the leaf's dtype and divides by sqrt(numel) in
+    # Python floats (float64).
+    n = math.prod(global_shape(x, layout))
+    return norm(x, layout=layout, purpose=purpose).to(torch.float64) / math.sqrt(n)
+
+
+def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_decay_mask):
+    eps1, eps2 = eps
+
+    def init(params: Tree) -> AdafactorState:
+        check_floating(params, who="adafactor_torch")
+        stats = tree_map(
+            lambda p: None if p is None else init_moment(
+                p.shape, dtype=p.dtype, device=p.device, names=_TORCH_NAMES,
+                factored=is_factored(p.shape), keepdim=True,
+            ),
+            params,
+        )
+        return AdafactorState(torch.zeros((), dtype=torch.int64), stats)
+
+    def update(grads, state: AdafactorState, params=None, *, layouts=None):
+        check_grads(params, grads)
+        decay = resolve_mask(weight_decay_mask, params)
+        count = state.count + 1
+        t = count.to(torch.float64)
+        one_minus_beta2 = t**beta2_decay
+        rho = torch.minimum(lr, 1.0 / t.sqrt())
+
+        def leaf(g, p, st, use_decay, layout):
+            if g is None:
+                return None, st
+            if maximize:
+                g = -g
+            e1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
+            alpha = _rms_f64(p, layout, "param rms").clamp(min=eps2) * rho
+            w = one_minus_beta2.to(g.dtype)
+            if _TORCH_NAMES.row in st:
+                row_mean, col_mean = row_col_mean_squares(g, layout=layout)
+                row = torch.lerp(st[_TORCH_NAMES.row], row_mean, w)
+                col = torch.lerp(st[_TORCH_NAMES.col], col_mean, w)
+                var = (row @ col) / mean_over_rows(row, layout=layout).clamp(min=e1)
+                new = {_TORCH_NAMES.row: row, _TORCH_NAMES.col: col}
+            else:
+                var = torch.lerp(st[_TORCH_NAMES.full], g * g, w)
+                new = {_TORCH_NAMES.full: var}
+            u = var.clamp(min=e1 * e1).rsqrt() * g
+            # torch folds the clipping into the step size, in float64.
+            denom = (_rms_f64(u, layout, "update rms") / d).clamp(min=1.0)
+            new_p = p * (1 - lr * weight_decay).to(p.dtype) if use_decay else p
+            new_p = torch.addcmul(new_p, u, (-alpha / denom).to(u.dtype))
+            # (new param - param) is exact while the step is under half the parameter, so
+            # apply_updates reproduces torch's rounding of the new parameter.
+            return new_p - p, new
+
+        updates, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
+        return updates, AdafactorState(count, stats)
+
+    return GradientTransformation(init, update)
+
+
+def adafactor_torch(
+    lr: Any = 1e-2,
+    beta2_decay: float = -0.8,
+    eps: Sequence[float | None] = (None, 1e-3),
+    d: float = 1.0,
+    weight_decay: Any = 0.0,
+    *,
+    maximize: bool = False,
+    weight_decay_mask: Mask = None,
+) -> GradientTransformation:
+    """Adafactor, exactly ``torch.optim.Adafactor`` (torch >= 2.5).
+
+    For each leaf ``W`` with gradient ``g`` at step ``t`` (from 1), ``eps1`` defaulting to the
+    machine epsilon of ``W``'s dtype::
+
+        rho_t   = min(lr, 1/sqrt(t));   alpha_t = max(eps2, RMS(W)) rho_t
+        W <- W - lr weight_decay W
+        >= 2 dims:  R <- lerp(R, mean_{-1}(g^2), t^beta2_decay)
+                    C <- lerp(C, mean_{-2}(g^2), t^beta2_decay)
+                    V = R C^T / max(mean_{-2}(R), eps1)
+        otherwise:  V <- lerp(V, g^2, t^beta2_decay)
+        u = g / sqrt(max(V, eps1^2))
+        W <- W - alpha_t u / max(1, RMS(u) / d)
+
+    What differs from :func:`adafactor` (Hugging Face): ``lr`` is the cap of the relative step
+    (there is no ``relative_step`` / ``scale_parameter`` switch: both are always on, with
+    ``lr=1e-2`` giving the paper's cap); ``beta2_decay`` is ``decay_rate`` but the average is a
+    ``lerp`` with weight ``t^beta2_decay``; ``eps1`` is not added to ``g^2`` but clamps the
+    normaliser ``mean(R)`` from below (by ``eps1``) and ``V`` (by ``eps1^2``), and defaults to
+    the dtype's epsilon; the estimate is formed as ``R C^T / mean(R)`` and then inverted (not as a
+    product of inverse square roots); the clipping threshold is ``d`` (>= 1); there is no first
+    moment; the weight decay is scaled by ``lr`` (not ``alpha_t``) and applied before the step
+    (the step size still uses ``RMS`` of the pre-decay ``W``); statistics keep torch's
+    ``keepdim`` shapes ``(..., n, 1)`` / ``(..., 1, m)`` under torch's names ``row_var``,
+    ``col_var``, ``variance``. ``lr`` and ``weight_decay`` may be schedules.
+    """
+    who = "adafactor_torch"
+    validate.nonnegative(who, "lr", lr)
+    eps1, eps2 = eps_pair(who, eps)
+    if eps1 is not None:
+        validate.positive(who, "eps[0]", eps1)
+    validate.nonnegative(who, "eps[1]", eps2)
+    if callable(beta2_decay) or not (math.isfinite(float(beta2_decay)) and beta2_decay <= 0):
+        raise ValueError(f"{who}: beta2_decay must be a number <= 0, got {beta2_decay!r}")
+    if callable(d) or not (math.isfinite(float(d)) and d >= 1.0):
+        raise ValueError(f"{who}: the clipping threshold d must be a number >= 1, got {d!r}")
+    validate.nonnegative(who, "weight_decay", weight_decay)
+    return inject_hyperparams(
+        _adafactor_torch,
+        ("lr", "weight_decay"),
+        lr=lr,
+        weight_decay=weight_decay,
+        beta2_decay=float(beta2_decay),
+        eps=(None if eps1 is None else float(eps1), float(eps2)),
+        d=float(d),
+        maximize=bool(maximize),
+        weight_decay_mask=weight_decay_mask,
+    )

@@ -1,0 +1,151 @@
+"""CAME: Confidence-guided Adaptive Memory Efficient optimization (Luo et al. 2023,
+arXiv 2307.02047), exactly as ``came_pytorch.CAME`` (came-pytorch 0.1.3)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from funcpar.optim import validate
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.factored import (
+    RESIDUAL,
+    SECOND_MOMENT,
+    clip_by_rms,
+    compute_dtype,
+    decoupled_decay,
+    ema,
+    ema_rsqrt,
+    eps_pair,
+    init_moment,
+    is_factored,
+)
+from funcpar.optim.hyperparams import inject_hyperparams
+from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.state.tree import Tree, tree_map
+
+__all__ = ["CAMEState", "came"]
+
+
+class CAMEState(NamedTuple):
+    """A 0-d int64 count and, per leaf, a dict of statistics named as in came-pytorch.
+
+    Leaves with >= 2 dims: ``exp_avg`` (leaf-shaped), ``exp_avg_sq_row`` / ``exp_avg_res_row``
+    (``shape[:-1]``), ``exp_avg_sq_col`` / ``exp_avg_res_col`` (``shape[:-2] + shape[-1:]``).
+    Other leaves: ``exp_avg`` and ``exp_avg_sq`` (leaf-shaped).
+    """
+
+    count: Tensor
+    stats: Tree
+
+
+def _leaf_init(p: Tensor) -> dict[str, Tensor]:
+    dtype = compute_dtype(p.dtype)
+    factored = is_factored(p.shape)
+    state = {"exp_avg": torch.zeros(p.shape, dtype=dtype, device=p.device)}
+    for names in (SECOND_MOMENT, RESIDUAL):
+        state.update(init_moment(p.shape, dtype=dtype, device=p.device, names=names,
+                                 factored=factored))
+    return state
+
+
+def _came(lr, weight_decay, clip_threshold, *, betas, eps, weight_decay_mask):
+    beta1, beta2, beta3 = betas
+    eps1, eps2 = eps
+
+    def init(params: Tree) -> CAMEState:
+        check_floating(params, who="came")
+        stats = tree_map(lambda p: None if p is None else _leaf_init(p), params)
+        return CAMEState(torch.zeros((), dtype=torch.int64), stats)
+
+    def update(grads, state: CAMEState, params=None, *, layouts=None):
+        check_grads(params, grads)
+        decay = resolve_mask(weight_decay_mask, params)
+
+        def leaf(g, p, st, use_decay, layout):
+            if g is None:
+                return None, st
+            g = g.to(compute_dtype(g.dtype))
+            sq = {k: v for k, v in st.items() if k in SECOND_MOMENT}
+            inv_sqrt_v, new = ema_rsqrt(g * g + eps1, sq, SECOND_MOMENT, beta2, layout=layout)
+            u = clip_by_rms(inv_sqrt_v * g, clip_threshold, layout=layout)
+            m = ema(st["exp_avg"], u, beta1)
+            new["exp_avg"] = m
+            if RESIDUAL.row in st:
+                # The confidence: how far this step's update strays from its running mean.
+                res = (u - m) ** 2 + eps2
+                res_stats = {RESIDUAL.row: st[RESIDUAL.row], RESIDUAL.col: st[RESIDUAL.col]}
+                inv_sqrt_s, res_new = ema_rsqrt(res, res_stats, RESIDUAL, beta3, layout=layout)
+                new.update(res_new)
+                direction = inv_sqrt_s * m
+            else:
+                # came-pytorch has no confidence statistics for unfactored leaves.
+                direction = m
+            p = p.to(direction.dtype)
+            new_p = decoupled_decay(p, weight_decay * lr) if use_decay else p
+            new_p = new_p - direction * lr.to(direction.dtype)
+            # (new param - param) is exact while the step is under half the parameter, so
+            # apply_updates reproduces came-pytorch's rounding of the new parameter.
+            return new_p - p, new
+
+        updates, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
+        return updates, CAMEState(state.count + 1, stats)
+
+    return GradientTransformation(init, update)
+
+
+def came(
+    lr: Any = 2e-4,
+    betas: Sequence[float] = (0.9, 0.999, 0.9999),
+    eps: Sequence[float] = (1e-30, 1e-16),
+    clip_threshold: Any = 1.0,
+    weight_decay: Any = 0.0,
+    *,
+    weight_decay_mask: Mask = None,
+) -> GradientTransformation:
+    """CAME, exactly ``came_pytorch.CAME``.
+
+    For each leaf ``W`` with gradient ``g`` (``beta1, beta2, beta3 = betas``;
+    ``eps1, eps2 = eps``)::
+
+        x = g^2 + eps1
+        >= 2 dims:  R <- beta2 R + (1-beta2) mean_{-1}(x);  C <- beta2 C + (1-beta2) mean_{-2}(x)
+                    u = g * rsqrt(R / mean(R)) (x) rsqrt(C)
+        otherwise:  V <- beta2 V + (1-beta2) x;  u = g * rsqrt(V)
+        u <- u / max(1, RMS(u) / clip_threshold)
+        M <- beta1 M + (1-beta1) u
+        >= 2 dims:  r = (u - M)^2 + eps2
+                    Rr <- beta3 Rr + (1-beta3) mean_{-1}(r)
+                    Cr <- beta3 Cr + (1-beta3) mean_{-2}(r)
+                    d = M * rsqrt(Rr / mean(Rr)) (x) rsqrt(Cr)
+        otherwise:  d = M                     (came-pytorch keeps no confidence for these)
+        W <- W - lr weight_decay W - lr d
+
+    As in came-pytorch: no bias correction and no step-dependent beta2 (unlike Adafactor); the
+    weight decay is decoupled, scaled by ``lr`` and uses the pre-update ``W``; it applies to every
+    leaf unless ``weight_decay_mask`` says otherwise. came-pytorch requires ``lr > 0`` and has no
+    default ``lr``; 2e-4 here (the paper's suggested range is Adam's lr / 10 or smaller), and
+    ``lr = 0`` is allowed. ``lr``, ``weight_decay`` and ``clip_threshold`` may be schedules.
+    Half-precision leaves are computed in float32 (statistics included).
+    """
+    who = "came"
+    validate.nonnegative(who, "lr", lr)
+    betas = validate.betas_in_range(who, betas, n=3)
+    eps1, eps2 = eps_pair(who, eps)
+    validate.positive(who, "eps[0]", eps1)
+    validate.positive(who, "eps[1]", eps2)
+    validate.positive(who, "clip_threshold", clip_threshold)
+    validate.nonnegative(who, "weight_decay", weight_decay)
+    return inject_hyperparams(
+        _came,
+        ("lr", "weight_decay", "clip_threshold"),
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_threshold=clip_threshold,
+        betas=tuple(float(b) for b in betas),
+        eps=(float(eps1), float(eps2)),
+        weight_decay_mask=weight_decay_mask,
+    )

@@ -1,0 +1,221 @@
+"""Factored second-moment statistics, shared by Adafactor (both variants) and CAME.
+
+A leaf ``x`` of shape ``(..., n, m)`` is summarised by its row and column means over the last
+two dims (Shazeer & Stern 2018, arXiv 1804.04235, section 3):
+
+    R = mean_cols(x)  (shape (..., n)),   C = mean_rows(x)  (shape (..., m)),
+
+and ``x`` is approximated by the rank-1 outer product ``R C^T / mean(R)``. These statistics span
+whole dims, so a sharded leaf needs collectives for them: every reduction here goes through
+:mod:`funcpar.shard.reduce` with the leaf's layout, on tensors kept in the *leaf's* coordinates
+(``keepdim=True``: ``(..., n, 1)`` and ``(..., 1, m)``), so a reduced dim is always the leaf's
+own dim index. Messages are O(n + m).
+
+Stored shapes: Hugging Face / fairseq / came-pytorch store ``R`` with shape ``shape[:-1]`` and
+``C`` with ``shape[:-2] + shape[-1:]``; torch.optim.Adafactor keeps the ``keepdim`` shapes.
+:func:`to_leaf_coords` / :func:`from_leaf_coords` convert; the math runs on ``keepdim`` tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from funcpar.shard.reduce import Reducible, global_shape, reduce_mean, reduce_sum, rms
+
+__all__ = [
+    "RESIDUAL",
+    "SECOND_MOMENT",
+    "MomentNames",
+    "clip_by_rms",
+    "compute_dtype",
+    "decoupled_decay",
+    "ema",
+    "ema_rsqrt",
+    "eps_pair",
+    "factored_rsqrt",
+    "from_leaf_coords",
+    "init_moment",
+    "is_factored",
+    "mean_over_rows",
+    "row_col_mean_squares",
+    "row_col_means",
+    "to_leaf_coords",
+]
+
+
+class MomentNames(NamedTuple):
+    """State keys of one running statistic: its row and column factors and its full form."""
+
+    row: str
+    col: str
+    full: str | None  # None: the statistic is kept only in factored form (CAME's residual)
+
+
+SECOND_MOMENT = MomentNames("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq")
+RESIDUAL = MomentNames("exp_avg_res_row", "exp_avg_res_col", None)
+
+
+def is_factored(shape: tuple[int, ...] | torch.Size, min_dim_size_to_factor: int = 0) -> bool:
+    """Factor over the last two dims iff the leaf has >= 2 dims, both at least the threshold.
+
+    With the default threshold 0 every leaf with >= 2 dims is factored, as in Hugging Face,
+    fairseq, came-pytorch and torch.optim.Adafactor.
+    """
+    shape = tuple(shape)
+    return len(shape) >= 2 and min(shape[-2], shape[-1]) >= min_dim_size_to_factor
+
+
+def init_moment(
+    shape: tuple[int, ...] | torch.Size,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+    names: MomentNames,
+    factored: bool,
+    keepdim: bool = False,
+) -> dict[str, Tensor]:
+    """Zero statistics for a leaf of ``shape``: ``{row, col}`` when factored, else ``{full}``.
+
+    ``keepdim`` stores ``(..., n, 1)`` / ``(..., 1, m)`` (torch.optim.Adafactor's shapes)
+    instead of ``shape[:-1]`` / ``shape[:-2] + shape[-1:]``.
+    """
+    shape = tuple(shape)
+    if not factored:
+        if names.full is None:
+            return {}
+        return {names.full: torch.zeros(shape, dtype=dtype, device=device)}
+    if keepdim:
+        row_shape, col_shape = shape[:-1] + (1,), shape[:-2] + (1,) + shape[-1:]
+    else:
+        row_shape, col_shape = shape[:-1], shape[:-2] + shape[-1:]
+    return {
+        names.row: torch.zeros(row_shape, dtype=dtype, device=device),
+        names.col: torch.zeros(col_shape, dtype=dtype, device=device),
+    }
+
+
+def to_leaf_coords(row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
+    """Stored factors (``shape[:-1]``, ``shape[:-2] + shape[-1:]``) in the leaf's coordinates
+    (``(..., n, 1)``, ``(..., 1, m)``)."""
+    return row.unsqueeze(-1), col.unsqueeze(-2)
+
+
+def from_leaf_coords(row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`to_leaf_coords`."""
+    return row.squeeze(-1), col.squeeze(-2)
+
+
+def row_col_means(
+    x: Float[Tensor, "*batch rows cols"], *, layout: Reducible | None = None
+) -> tuple[Float[Tensor, "*batch rows 1"], Float[Tensor, "*batch 1 cols"]]:
+    """Means of ``x`` over its last dim (one per row) and over its second-last (one per column)."""
+    row = reduce_mean(x, -1, layout=layout, keepdim=True, purpose="factored row mean")
+    col = reduce_mean(x, -2, layout=layout, keepdim=True, purpose="factored column mean")
+    return row, col
+
+
+def row_col_mean_squares(
+    g: Float[Tensor, "*batch rows cols"], *, layout: Reducible | None = None
+) -> tuple[Float[Tensor, "*batch rows 1"], Float[Tensor, "*batch 1 cols"]]:
+    """:func:`row_col_means` of ``g^2``, formed as torch.optim.Adafactor forms them: squared
+    (local) norms, summed over the shards, divided by the global size of the dim."""
+    shape = global_shape(g, layout)
+    row, col = (
+        reduce_sum(
+            torch.linalg.vector_norm(g, dim=d, keepdim=True).square(),
+            d,
+            layout=layout,
+            keepdim=True,
+            purpose=f"factored {what} mean",
+        )
+        / shape[d]
+        for d, what in ((-1, "row"), (-2, "column"))
+    )
+    return row, col
+
+
+def mean_over_rows(
+    row: Float[Tensor, "*batch rows 1"], *, layout: Reducible | None = None
+) -> Float[Tensor, "*batch 1 1"]:
+    """The mean of the row factor over the rows (the normaliser of the rank-1 estimate)."""
+    return reduce_mean(row, -2, layout=layout, keepdim=True, purpose="factored mean of row stats")
+
+
+def ema(avg: Tensor, new: Tensor, decay: float | Tensor) -> Tensor:
+    """``decay * avg + (1 - decay) * new``, rounded as the references'
+    ``avg.mul_(decay).add_(new, alpha=1 - decay)`` round it (the add is fused)."""
+    # Hyperparameters are 0-d float64 tensors: cast them, or a 0-d leaf would be promoted.
+    decay = torch.as_tensor(decay, dtype=torch.float64)
+    return torch.addcmul(avg * decay.to(avg.dtype), new, (1 - decay).to(avg.dtype))
+
+
+def decoupled_decay(p: Tensor, coeff: float | Tensor) -> Tensor:
+    """``p - coeff * p``, rounded as the references' ``p.add_(p, alpha=-coeff)`` (fused)."""
+    return torch.addcmul(p, p, torch.as_tensor(-coeff, dtype=torch.float64).to(p.dtype))
+
+
+def factored_rsqrt(
+    row: Float[Tensor, "*batch rows 1"],
+    col: Float[Tensor, "*batch 1 cols"],
+    *,
+    layout: Reducible | None = None,
+) -> Float[Tensor, "*batch rows cols"]:
+    """``1 / sqrt(R C^T / mean(R))`` computed as ``rsqrt(R / mean(R)) * rsqrt(C)`` (fairseq's
+    order of operations, which Hugging Face and came-pytorch copy)."""
+    return (row / mean_over_rows(row, layout=layout)).rsqrt() * col.rsqrt()
+
+
+def ema_rsqrt(
+    x: Tensor,
+    stats: dict[str, Tensor],
+    names: MomentNames,
+    decay: float | Tensor,
+    *,
+    layout: Reducible | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Update the running statistic of ``x`` kept in ``stats`` and return its inverse square
+    root estimate (shape of ``x``) with the new statistics.
+
+    Factored (``names.row`` in ``stats``): ``R <- d R + (1-d) mean_cols(x)``,
+    ``C <- d C + (1-d) mean_rows(x)``, estimate ``rsqrt(R / mean(R)) * rsqrt(C)``.
+    Full: ``V <- d V + (1-d) x``, estimate ``rsqrt(V)``. Which one is decided by the keys the
+    state was initialised with, so the choice is made once, at init.
+    """
+    if names.row in stats:
+        row_mean, col_mean = row_col_means(x, layout=layout)
+        row, col = to_leaf_coords(stats[names.row], stats[names.col])
+        row, col = ema(row, row_mean, decay), ema(col, col_mean, decay)
+        est = factored_rsqrt(row, col, layout=layout)
+        row, col = from_leaf_coords(row, col)
+        return est, {names.row: row, names.col: col}
+    if names.full is None or names.full not in stats:
+        raise KeyError(f"state has neither {names.row!r} nor {names.full!r}: {sorted(stats)}")
+    v = ema(stats[names.full], x, decay)
+    return v.rsqrt(), {names.full: v}
+
+
+def clip_by_rms(
+    u: Tensor, threshold: float | Tensor, *, layout: Reducible | None = None
+) -> Tensor:
+    """``u / max(1, RMS(u) / threshold)``, RMS over the whole (global) leaf."""
+    scale = (rms(u, layout=layout, purpose="update rms") / threshold).clamp(min=1.0)
+    return u / scale.to(u.dtype)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the factored optimizers compute and keep statistics in: float32 for half
+    precision leaves (as Hugging Face and came-pytorch do), the leaf's own dtype otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def eps_pair(who: str, eps: Any) -> tuple[Any, Any]:
+    """``(eps1, eps2)`` from the optimizers' ``eps`` argument, or a clear error."""
+    try:
+        eps1, eps2 = eps
+    except (TypeError, ValueError):
+        raise ValueError(f"{who}: eps must be a pair (eps1, eps2), got {eps!r}") from None
+    return eps1, eps2

@@ -27,7 +27,8 @@ def functionalize(module: nn.Module) -> tuple[ApplyFn, dict[str, Tensor], dict[s
     buffers, which are returned as ``new_buffers``; the ``buffers`` passed in are never mutated.
     The module's train/eval mode is fixed at the time of ``functionalize`` (it decides, for
     example, whether BatchNorm updates its statistics), so a later ``module.eval()`` does not
-    change ``apply_fn``: functionalize again for the other mode.
+    change ``apply_fn``: functionalize again for the other mode. ``apply_fn.module`` is the
+    module, for transforms that need its structure.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"functionalize expects an nn.Module, got {type(module).__name__}")
@@ -53,6 +54,8 @@ def functionalize(module: nn.Module) -> tuple[ApplyFn, dict[str, Tensor], dict[s
             module.train(was_training)
         return out, new_buffers
 
+    # Transforms (tensor parallel, remat) look at the module's structure through this.
+    apply_fn.module = module
     return apply_fn, params, buffers
 
 

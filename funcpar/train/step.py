@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +17,7 @@ from funcpar.state.functional import ApplyFn
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
 
-__all__ = ["make_train_step", "loss_and_grads"]
+__all__ = ["TrainStep", "make_train_step", "loss_and_grads"]
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -53,43 +55,63 @@ def loss_and_grads(
     return loss.detach(), tree_unflatten(spec, flat), new_buffers
 
 
-def make_train_step(
-    apply_fn: ApplyFn,
-    loss_fn: LossFn,
-    optimizer: GradientTransformation,
-    *,
-    layouts: Tree | None = None,
-    compile: bool = False,
-) -> Callable[[TrainState, tuple[Any, Any]], tuple[TrainState, dict[str, Tensor]]]:
-    """A pure ``step(state, batch) -> (new_state, metrics)``.
+@dataclass(frozen=True)
+class TrainStep:
+    """A pure ``step(state, batch) -> (new_state, metrics)``, kept as its parts.
 
     ``batch = (inputs, targets)``; the model sees ``apply_fn(params, buffers, *inputs)`` and
     the loss ``loss_fn(outputs, targets)``. Metrics are 0-d tensors (no host sync): ``loss``,
     ``grad_norm`` (global, before any clipping) and ``lr`` (when the optimizer has one).
     Random draws in the forward come from ``state.rng`` and the generator state that follows
-    is stored back, so calling ``step`` twice on one state gives the same result twice.
-    With ``compile=True`` the forward and backward run under ``torch.compile``.
+    is stored back, so calling the step twice on one state gives the same result twice.
+
+    The parts are what the parallel transforms (``funcpar.transforms``) rewrite: each returns a
+    new ``TrainStep`` with, say, a sharded ``apply_fn`` and ``layouts`` (tensor parallel), or a
+    ``local_batch`` and ``sync_grads`` (data parallel). The hooks, in the order they run:
+
+    * ``local_batch(batch) -> batch``: the part of the global batch this process computes;
+    * ``sync_grads(grads) -> grads``: after the backward, before clipping and the optimizer;
+    * ``sync_loss(loss) -> loss``: the reported loss, made global.
     """
 
-    def grads_of(params, buffers, batch):
-        return loss_and_grads(apply_fn, loss_fn, params, buffers, batch)
+    apply_fn: ApplyFn
+    loss_fn: LossFn
+    optimizer: GradientTransformation
+    layouts: Tree | None = None
+    compile: bool = False
+    local_batch: Callable[[Any], Any] | None = None
+    sync_grads: Callable[[Tree], Tree] | None = None
+    sync_loss: Callable[[Tensor], Tensor] | None = None
 
-    # Only the model's forward and backward are compiled: that is where the time goes, and the
-    # optimizer's pytree plumbing trips dynamo's optree support (torch 2.13).
-    grads_of = torch.compile(grads_of) if compile else grads_of
+    @functools.cached_property
+    def _grads_of(self) -> Callable[..., tuple[Tensor, Tree, Tree]]:
+        def grads_of(params, buffers, batch):
+            return loss_and_grads(self.apply_fn, self.loss_fn, params, buffers, batch)
 
-    def core(params, buffers, opt_state, batch):
-        loss, grads, new_buffers = grads_of(params, buffers, batch)
-        gnorm = global_norm(grads, layouts)
-        updates, opt_state = optimizer.update(grads, opt_state, params, layouts=layouts)
+        # Only the model's forward and backward are compiled: that is where the time goes, and
+        # the optimizer's pytree plumbing trips dynamo's optree support (torch 2.13).
+        return torch.compile(grads_of) if self.compile else grads_of
+
+    def _core(self, params, buffers, opt_state, batch):
+        if self.local_batch is not None:
+            batch = self.local_batch(batch)
+        loss, grads, new_buffers = self._grads_of(params, buffers, batch)
+        if self.sync_grads is not None:
+            grads = self.sync_grads(grads)
+        if self.sync_loss is not None:
+            loss = self.sync_loss(loss)
+        gnorm = global_norm(grads, self.layouts)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params, layouts=self.layouts)
         return apply_updates(params, updates), new_buffers, opt_state, loss, gnorm
 
-    def step(state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, dict[str, Tensor]]:
+    def __call__(
+        self, state: TrainState, batch: tuple[Any, Any]
+    ) -> tuple[TrainState, dict[str, Tensor]]:
         device = _device_of(state.params)
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             _set_rng(device, state.rng)
-            params, buffers, opt_state, loss, gnorm = core(
+            params, buffers, opt_state, loss, gnorm = self._core(
                 state.params, state.buffers, state.opt_state, batch
             )
             rng = _get_rng(device)
@@ -99,7 +121,19 @@ def make_train_step(
             metrics["lr"] = hp["lr"]
         return TrainState(params, buffers, opt_state, state.step + 1, rng), metrics
 
-    return step
+
+def make_train_step(
+    apply_fn: ApplyFn,
+    loss_fn: LossFn,
+    optimizer: GradientTransformation,
+    *,
+    layouts: Tree | None = None,
+    compile: bool = False,
+) -> TrainStep:
+    """The pure training step of ``apply_fn``, ``loss_fn`` and ``optimizer`` (see
+    :class:`TrainStep`). With ``compile=True`` the forward and backward run under
+    ``torch.compile``."""
+    return TrainStep(apply_fn, loss_fn, optimizer, layouts=layouts, compile=compile)
 
 
 def _device_of(tree: Tree) -> torch.device:

@@ -6,7 +6,12 @@ from funcpar.optim.adamw import AdamWState, adamw
 from funcpar.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from funcpar.optim.came import CAMEState, came
 from funcpar.optim.clip import clip_by_global_norm, global_norm
-from funcpar.optim.hyperparams import HyperState, get_hyperparams, inject_hyperparams, set_hyperparams
+from funcpar.optim.hyperparams import (
+    HyperState,
+    get_hyperparams,
+    inject_hyperparams,
+    set_hyperparams,
+)
 from funcpar.optim.masks import matrices_only
 from funcpar.optim.schedules import constant, cosine, linear, linear_warmup, warmup_cosine
 from funcpar.optim.sgd import SGDState, sgd

@@ -10,7 +10,7 @@ from torch import Tensor
 from funcpar.optim.base import GradientTransformation, check_grads
 from funcpar.state.tree import Tree, tree_map
 
-__all__ = ["accumulate", "AccumulateState"]
+__all__ = ["AccumulateState", "accumulate"]
 
 
 class AccumulateState(NamedTuple):

@@ -31,13 +31,13 @@ from funcpar.state.tree import (
 )
 
 __all__ = [
-    "GradientTransformation",
-    "chain",
-    "apply_updates",
-    "identity",
-    "check_grads",
-    "map_leaves",
     "EmptyState",
+    "GradientTransformation",
+    "apply_updates",
+    "chain",
+    "check_grads",
+    "identity",
+    "map_leaves",
 ]
 
 
@@ -97,7 +97,7 @@ def check_grads(params: Tree, grads: Tree, *, what: str = "grads") -> None:
     """Clear errors for a grads tree that cannot belong to ``params``."""
     if params is None:
         raise ValueError(f"params are required to check {what}: pass update(grads, state, params)")
-    p_leaves, p_spec = tree_flatten(params)
+    _p_leaves, p_spec = tree_flatten(params)
     g_leaves, g_spec = tree_flatten(grads)
     if p_spec != g_spec:
         tree_structure_check(params, grads, what=what, against="params")

@@ -20,7 +20,7 @@ from torch import Tensor
 from funcpar.optim.base import GradientTransformation
 from funcpar.state.tree import Tree
 
-__all__ = ["HyperState", "inject_hyperparams", "set_hyperparams", "get_hyperparams"]
+__all__ = ["HyperState", "get_hyperparams", "inject_hyperparams", "set_hyperparams"]
 
 
 class HyperState(NamedTuple):

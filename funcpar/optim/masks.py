@@ -13,7 +13,7 @@ from torch import Tensor
 
 from funcpar.state.tree import Tree, leaves_like, named_leaves, tree_flatten, tree_unflatten
 
-__all__ = ["Mask", "resolve_mask", "matrices_only"]
+__all__ = ["Mask", "matrices_only", "resolve_mask"]
 
 Mask = Union[None, Callable[[str, Tensor], bool], Tree]
 

@@ -7,7 +7,7 @@ import torch
 
 from funcpar.state.tree import NAMESPACE, Tree, path_name
 
-__all__ = ["state_bytes", "state_bytes_by_leaf", "format_state_report"]
+__all__ = ["format_state_report", "state_bytes", "state_bytes_by_leaf"]
 
 SHARED = "(not per leaf)"
 

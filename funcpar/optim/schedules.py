@@ -15,12 +15,12 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "Schedule",
     "ScalarOrSchedule",
+    "Schedule",
     "constant",
-    "linear_warmup",
-    "linear",
     "cosine",
+    "linear",
+    "linear_warmup",
     "warmup_cosine",
 ]
 

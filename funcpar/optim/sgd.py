@@ -14,7 +14,7 @@ from funcpar.optim.masks import Mask, resolve_mask
 from funcpar.optim.schedules import ScalarOrSchedule
 from funcpar.state.tree import Tree, tree_map
 
-__all__ = ["sgd", "SGDState"]
+__all__ = ["SGDState", "sgd"]
 
 
 class SGDState(NamedTuple):

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["nonnegative", "positive", "in_unit_interval", "betas_in_range", "schedule_or_number"]
+__all__ = ["betas_in_range", "in_unit_interval", "nonnegative", "positive", "schedule_or_number"]
 
 
 def schedule_or_number(who: str, name: str, value: Any) -> float:

@@ -1,0 +1,515 @@
+"""GaLore (Zhao et al. 2024, "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank
+Projection", arXiv 2403.03507), exactly as galore-torch 1.0.
+
+For each chosen 2-D leaf the gradient is projected on a rank-``r`` subspace taken from its own
+SVD, refreshed every ``update_proj_gap`` steps (at steps 0, gap, 2 gap, ... counting from 0);
+the inner optimizer (AdamW or Adafactor) runs on the projected gradient and keeps its state in
+the low-rank shape; its update is projected back and multiplied by ``scale``. The inner
+optimizer's moments are *not* reset at a refresh (as in the reference). Other leaves get the
+inner optimizer unprojected. The projection math is :mod:`funcpar.optim.projector`'s; the
+projection matrices are part of the state (a pytree of tensors), so it is checkpointable.
+
+Which leaves, with which rank: ``galore_mask`` is ``None`` (every 2-D leaf, with the default
+config), a predicate ``fn(name, param)`` or a tree with the structure of ``params``, giving per
+leaf ``False``/``None`` (unprojected), ``True`` (the default config), a :class:`GaLoreConfig`
+or a dict of its fields overriding the defaults (per-leaf rank, gap, scale, proj_type).
+:func:`galore_param_groups` builds such a tree by parameter name.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from funcpar.optim import validate
+from funcpar.optim.adafactor import adafactor, adafactor_leaf_init, adafactor_leaf_update
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.factored import decoupled_decay
+from funcpar.optim.hyperparams import inject_hyperparams
+from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.projector import (
+    PROJ_TYPES,
+    Projector,
+    fit_projector,
+    init_projector,
+    low_rank_shape,
+    project,
+    project_back,
+)
+from funcpar.optim.quant8 import Quantized, dequantize, dynamic_map, quantize, quantized_zeros
+from funcpar.optim.schedules import ScalarOrSchedule
+from funcpar.state.tree import (
+    Tree,
+    leaves_like,
+    named_leaves,
+    tree_flatten,
+    tree_map_with_path,
+    tree_unflatten,
+)
+
+__all__ = [
+    "DEFAULT_GALORE_TARGETS",
+    "GaLoreAdafactorState",
+    "GaLoreAdamWState",
+    "GaLoreConfig",
+    "galore_adafactor",
+    "galore_adamw",
+    "galore_param_groups",
+]
+
+
+class GaLoreConfig(NamedTuple):
+    """How one leaf is projected (galore-torch's per-group ``rank``, ``update_proj_gap``,
+    ``scale``, ``proj_type``)."""
+
+    rank: int
+    update_proj_gap: int = 200
+    scale: float = 0.25
+    proj_type: str = "std"
+
+
+GaLoreMask = Any  # None | Callable[[str, Tensor], bool | GaLoreConfig | dict | None] | Tree
+
+
+def _check_config(who: str, cfg: GaLoreConfig, name: str | None = None,
+                  param: Tensor | None = None) -> GaLoreConfig:
+    where = f" for leaf {name!r}" if name is not None else ""
+    rank, gap = cfg.rank, cfg.update_proj_gap
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise ValueError(f"{who}: rank must be an int > 0{where}, got {rank!r}")
+    if isinstance(gap, bool) or not isinstance(gap, int) or gap <= 0:
+        raise ValueError(f"{who}: update_proj_gap must be an int > 0{where}, got {gap!r}")
+    if isinstance(cfg.scale, bool) or not isinstance(cfg.scale, (int, float)) or not (
+        math.isfinite(cfg.scale) and cfg.scale >= 0
+    ):
+        raise ValueError(f"{who}: scale must be a finite number >= 0{where}, got {cfg.scale!r}")
+    if cfg.proj_type not in PROJ_TYPES:
+        raise ValueError(f"{who}: proj_type must be one of {PROJ_TYPES}{where}, "
+                         f"got {cfg.proj_type!r}")
+    if param is not None:
+        if param.dim() != 2:
+            raise ValueError(f"{who}: leaf {name!r} has shape {tuple(param.shape)}; GaLore "
+                             "projects 2-D leaves only (leave it out of galore_mask)")
+        if rank > min(param.shape):
+            raise ValueError(f"{who}: rank {rank} exceeds min{tuple(param.shape)} = "
+                             f"{min(param.shape)} for leaf {name!r}: lower its rank or leave "
+                             "it out of galore_mask")
+    return cfg._replace(scale=float(cfg.scale))
+
+
+def resolve_galore(who: str, galore_mask: GaLoreMask, params: Tree,
+                   default: GaLoreConfig) -> list[GaLoreConfig | None]:
+    """Per leaf of ``params`` (flattening order): its checked config, or None (unprojected)."""
+    named = named_leaves(params)
+    if galore_mask is None:
+        raw: list[Any] = [p is not None and p.dim() == 2 for _, p in named]
+    elif callable(galore_mask):
+        raw = [galore_mask(name, p) for name, p in named]
+    else:
+        raw = leaves_like(params, galore_mask, what="galore_mask", against="params")
+    out: list[GaLoreConfig | None] = []
+    for (name, p), r in zip(named, raw):
+        if r is None or r is False or p is None:
+            out.append(None)
+            continue
+        if r is True:
+            cfg = default
+        elif isinstance(r, GaLoreConfig):
+            cfg = r
+        elif isinstance(r, Mapping):
+            unknown = set(r) - set(GaLoreConfig._fields)
+            if unknown:
+                raise ValueError(f"{who}: galore_mask for leaf {name!r} has unknown keys "
+                                 f"{sorted(unknown)}; expected some of {GaLoreConfig._fields}")
+            cfg = default._replace(**r)
+        else:
+            raise TypeError(f"{who}: galore_mask for leaf {name!r} is {type(r).__name__}; "
+                            "expected a bool, None, a GaLoreConfig or a dict of its fields")
+        out.append(_check_config(who, cfg, name, p))
+    return out
+
+
+def _config_tree(params: Tree, cfgs: list[GaLoreConfig | None]) -> Tree:
+    # Configs are NamedTuples: rebuilt under params' structure they sit at its leaves, which
+    # map_leaves (flatten_up_to) hands over whole.
+    return tree_unflatten(tree_flatten(params)[1], cfgs)
+
+
+def _project_in(g: Tensor, proj: Projector, cfg: GaLoreConfig, count: int, svd_dtype,
+                layout) -> tuple[Tensor, Projector]:
+    """galore-torch's ``project``: refit at counts 0, gap, 2 gap, ... then project."""
+    if count % cfg.update_proj_gap == 0:
+        proj = fit_projector(g, cfg.rank, cfg.proj_type, svd_dtype=svd_dtype, layout=layout)
+    return project(g, proj, layout=layout), proj
+
+
+def _init_projectors(params: Tree, cfgs: list[GaLoreConfig | None]) -> Tree:
+    leaves, spec = tree_flatten(params)
+    return tree_unflatten(spec, [
+        None if c is None else init_projector(p.shape, c.rank, c.proj_type, dtype=p.dtype,
+                                              device=p.device)
+        for p, c in zip(leaves, cfgs)
+    ])
+
+
+def _state_shapes(params: Tree, cfgs: list[GaLoreConfig | None]) -> list[tuple[int, ...]]:
+    return [tuple(p.shape) if c is None else low_rank_shape(p.shape, c.rank, c.proj_type)
+            for p, c in zip(tree_flatten(params)[0], cfgs)]
+
+
+# --------------------------------------------------------------------------------------------
+# GaLore-AdamW (+ 8-bit states)
+# --------------------------------------------------------------------------------------------
+
+
+class GaLoreAdamWState(NamedTuple):
+    count: Tensor  # 0-d int64: updates done
+    projector: Tree  # per leaf: Projector, or None for an unprojected leaf
+    exp_avg: Tree  # per leaf: low-rank shaped for a projected leaf; Quantized when 8-bit
+    exp_avg_sq: Tree
+
+
+def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_variant,
+                  eight_bit, block_size, min_8bit_size, svd_dtype, weight_decay_mask):
+    who = "galore_adamw"
+    beta1, beta2 = betas
+    code_m, code_v = dynamic_map(signed=True), dynamic_map(signed=False)
+
+    def moment_zeros(shape, p, code):
+        if eight_bit and math.prod(shape) >= min_8bit_size:
+            return quantized_zeros(shape, code, block_size, device=p.device)
+        return torch.zeros(shape, dtype=p.dtype, device=p.device)
+
+    def init(params: Tree) -> GaLoreAdamWState:
+        check_floating(params, who=who)
+        cfgs = resolve_galore(who, galore_mask, params, default)
+        leaves, spec = tree_flatten(params)
+        shapes = _state_shapes(params, cfgs)
+        return GaLoreAdamWState(
+            torch.zeros((), dtype=torch.int64),
+            _init_projectors(params, cfgs),
+            tree_unflatten(spec, [moment_zeros(s, p, code_m) for s, p in zip(shapes, leaves)]),
+            tree_unflatten(spec, [moment_zeros(s, p, code_v) for s, p in zip(shapes, leaves)]),
+        )
+
+    def update(grads, state: GaLoreAdamWState, params=None, *, layouts=None):
+        check_grads(params, grads)
+        cfgs = _config_tree(params, resolve_galore(who, galore_mask, params, default))
+        decay = resolve_mask(weight_decay_mask, params)
+        # Host int: the refresh is data-independent control flow on the step count.
+        c = int(state.count)
+        count = state.count + 1
+        t = count.to(torch.float64)
+        bc1 = 1 - beta1**t
+        bc2_sqrt = (1 - beta2**t).sqrt()
+        # "hf": eps added to sqrt(v), both corrections in the step size (galore-torch's AdamW);
+        # "bnb": eps added to sqrt(v / bc2), 1 / bc1 in the step size (bitsandbytes' Adam).
+        step_size = lr * bc2_sqrt / bc1 if adam_variant == "hf" else lr / bc1
+
+        def load(s, code, like):
+            return dequantize(s, code, block_size, like.dtype) if isinstance(s, Quantized) else s
+
+        def store(s, new, code):
+            return quantize(new, code, block_size) if isinstance(s, Quantized) else new
+
+        def leaf(g, p, proj, m, v, cfg, use_decay, layout):
+            low = g
+            if cfg is not None:
+                low, proj = _project_in(g, proj, cfg, c, svd_dtype, layout)
+            m_new = torch.add(load(m, code_m, low) * beta1, low, alpha=1 - beta1)
+            v_new = torch.addcmul(load(v, code_v, low) * beta2, low, low, value=1 - beta2)
+            if adam_variant == "hf":
+                direction = m_new / (v_new.sqrt() + eps)
+            else:
+                direction = m_new / (v_new.sqrt() / bc2_sqrt + eps)
+            if cfg is not None:
+                direction = project_back(direction, proj, cfg.scale, layout=layout)
+            new_p = p - step_size * direction
+            if use_decay and adam_variant == "bnb" and cfg is None:
+                # bitsandbytes' own AdamW shrinks the weight before its step ...
+                new_p = p * (1 - lr * weight_decay) - step_size * direction
+            elif use_decay:
+                # ... galore-torch shrinks the already updated weight (both AdamWs).
+                new_p = new_p - (lr * weight_decay) * new_p
+            # new - old is exact while the step is under half the weight, so apply_updates
+            # rebuilds new_p with the rounding computed here.
+            return new_p - p, proj, store(m, m_new, code_m), store(v, v_new, code_v)
+
+        u, proj, m, v = map_leaves(
+            leaf, grads, params, state.projector, state.exp_avg, state.exp_avg_sq, cfgs, decay,
+            layouts, n_out=4,
+        )
+        return u, GaLoreAdamWState(count, proj, m, v)
+
+    return GradientTransformation(init, update)
+
+
+def _check_common(who: str, rank, update_proj_gap, scale, proj_type, svd_dtype) -> GaLoreConfig:
+    if svd_dtype is not None and svd_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{who}: svd_dtype must be torch.float32, torch.float64 or None, "
+                         f"got {svd_dtype!r}")
+    return _check_config(who, GaLoreConfig(rank, update_proj_gap, scale, proj_type))
+
+
+def galore_adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: ScalarOrSchedule = 1e-6,
+    weight_decay: ScalarOrSchedule = 0.0,
+    *,
+    rank: int = 128,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    proj_type: str = "std",
+    galore_mask: GaLoreMask = None,
+    eight_bit: bool = False,
+    block_size: int = 256,
+    min_8bit_size: int = 4096,
+    adam_variant: str = "hf",
+    svd_dtype: torch.dtype | None = torch.float32,
+    weight_decay_mask: Mask = None,
+) -> GradientTransformation:
+    """GaLore with an AdamW inner optimizer: galore-torch's ``GaLoreAdamW`` (and, 8-bit,
+    ``GaLoreAdamW8bit``).
+
+    Per leaf, with ``G~`` the projected gradient of a projected leaf (else ``G~ = G``) and
+    ``t`` the step (from 1), ``bc1 = 1 - b1^t``, ``bc2 = 1 - b2^t``::
+
+        m <- b1 m + (1 - b1) G~;   v <- b2 v + (1 - b2) G~^2
+        "hf":  N = m / (sqrt(v) + eps),          s = lr sqrt(bc2) / bc1
+        "bnb": N = m / (sqrt(v) / sqrt(bc2) + eps), s = lr / bc1
+        N <- scale * project_back(N)             (projected leaves)
+        W' = W - s N;  W <- W' - lr wd W'         (decay after the step)
+        "bnb", unprojected leaf:  W <- W (1 - lr wd) - s N   (decay before)
+
+    ``adam_variant="hf"`` (the default) is galore-torch's ``GaLoreAdamW`` exactly (Hugging
+    Face's AdamW: eps outside the uncorrected sqrt, the bias corrections folded into the step
+    size, decay after the update); galore-torch's defaults are ``eps=1e-6``,
+    ``weight_decay=0.0``. ``adam_variant="bnb"`` is the Adam of bitsandbytes that
+    ``GaLoreAdamW8bit`` runs (its defaults: ``eps=1e-8``, ``weight_decay=1e-2``), with the
+    decay placement above.
+
+    ``eight_bit=True`` keeps ``m`` and ``v`` of every leaf whose (low-rank) state has at least
+    ``min_8bit_size`` elements blockwise-quantized (:mod:`funcpar.optim.quant8`: ``m`` with the
+    signed dynamic map, ``v`` with the unsigned one, ``block_size`` elements per absmax); each
+    step dequantizes, updates in the leaf's dtype and requantizes, as bitsandbytes does (the
+    size test is on the state, as in ``GaLoreAdamW8bit``, where a projected leaf's parameter is
+    swapped for its low-rank stand-in before the test). Smaller states stay full precision.
+
+    ``rank``, ``update_proj_gap``, ``scale``, ``proj_type`` are the default
+    :class:`GaLoreConfig`; ``galore_mask`` picks the leaves and may override them per leaf (see
+    the module docstring; default: every 2-D leaf). ``svd_dtype``: see
+    :mod:`funcpar.optim.projector`. ``lr``, ``weight_decay`` and ``eps`` may be schedules; the
+    decay applies where ``weight_decay_mask`` allows (galore-torch: every leaf of the group).
+    """
+    who = "galore_adamw"
+    validate.nonnegative(who, "lr", lr)
+    validate.positive(who, "eps", eps)
+    validate.nonnegative(who, "weight_decay", weight_decay)
+    betas = validate.betas_in_range(who, betas)
+    default = _check_common(who, rank, update_proj_gap, scale, proj_type, svd_dtype)
+    if adam_variant not in ("hf", "bnb"):
+        raise ValueError(f"{who}: adam_variant must be 'hf' or 'bnb', got {adam_variant!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"{who}: block_size must be an int > 0, got {block_size!r}")
+    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+        raise ValueError(f"{who}: min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
+    return inject_hyperparams(
+        _galore_adamw,
+        ("lr", "weight_decay", "eps"),
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        betas=betas,
+        default=default,
+        galore_mask=galore_mask,
+        adam_variant=adam_variant,
+        eight_bit=bool(eight_bit),
+        block_size=block_size,
+        min_8bit_size=min_8bit_size,
+        svd_dtype=svd_dtype,
+        weight_decay_mask=weight_decay_mask,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing the leaves by name
+# --------------------------------------------------------------------------------------------
+
+#: Name patterns (``re.search``) of the attention and MLP weights of common transformers
+#: (Llama/Mistral ``self_attn``/``mlp``, GPT-2 ``attn``/``mlp``, BERT ``attention``/
+#: ``intermediate``/``layer.N.output``, T5 ``SelfAttention``/``DenseReluDense``, ...).
+DEFAULT_GALORE_TARGETS: tuple[str, ...] = (
+    r"attn", r"[Aa]ttention", r"mlp", r"ffn", r"feed_forward", r"intermediate",
+    r"layers?\.\d+\.output\.", r"DenseReluDense",
+)
+
+
+def galore_param_groups(
+    params: Tree | nn.Module,
+    *,
+    rank: int = 128,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    proj_type: str = "std",
+    targets: Sequence[str] = DEFAULT_GALORE_TARGETS,
+    overrides: Mapping[str, Mapping[str, Any] | None] | None = None,
+) -> Tree:
+    """A ``galore_mask`` tree: a :class:`GaLoreConfig` for each 2-D leaf whose dotted name
+    matches one of ``targets`` (regular expressions, ``re.search``), None elsewhere.
+
+    ``overrides`` maps a name pattern to config fields for the targeted leaves it matches (the
+    first matching pattern wins), e.g. ``{"mlp": {"rank": 64}, r"attn": {"rank": 32,
+    "update_proj_gap": 100}}``; a pattern mapped to None leaves its leaves unprojected. An
+    ``nn.Module`` stands for its ``named_parameters()`` dict (:func:`funcpar.state.functionalize`'s
+    params). Ranks are checked against the shapes here (and again by the optimizer's init).
+    """
+    who = "galore_param_groups"
+    if isinstance(params, nn.Module):
+        params = {k: v.detach() for k, v in params.named_parameters()}
+    default = _check_config(who, GaLoreConfig(rank, update_proj_gap, scale, proj_type))
+    compiled = [re.compile(t) for t in targets]
+    rules = [(re.compile(k), v) for k, v in (overrides or {}).items()]
+
+    def pick(name: str, p: Tensor) -> GaLoreConfig | None:
+        if p is None or p.dim() != 2 or not any(t.search(name) for t in compiled):
+            return None
+        cfg = default
+        for pattern, fields in rules:
+            if pattern.search(name):
+                if fields is None:
+                    return None
+                cfg = default._replace(**fields)
+                break
+        return _check_config(who, cfg, name, p)
+
+    return tree_map_with_path(pick, params)
+
+
+# --------------------------------------------------------------------------------------------
+# GaLore-Adafactor
+# --------------------------------------------------------------------------------------------
+
+
+class GaLoreAdafactorState(NamedTuple):
+    count: Tensor  # 0-d int64: updates done
+    projector: Tree  # per leaf: Projector, or None for an unprojected leaf
+    stats: Tree  # per leaf: Adafactor's statistics dict (of the low-rank shape if projected)
+
+
+def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, decay_rate, beta1,
+                      scale_parameter, relative_step, warmup_init, min_dim_size_to_factor,
+                      default, galore_mask, svd_dtype, weight_decay_mask):
+    who = "galore_adafactor"
+
+    def init(params: Tree) -> GaLoreAdafactorState:
+        check_floating(params, who=who)
+        cfgs = resolve_galore(who, galore_mask, params, default)
+        leaves, spec = tree_flatten(params)
+        stats = [
+            adafactor_leaf_init(shape, dtype=p.dtype, device=p.device, beta1=beta1,
+                                min_dim_size_to_factor=min_dim_size_to_factor)
+            for shape, p in zip(_state_shapes(params, cfgs), leaves)
+        ]
+        return GaLoreAdafactorState(torch.zeros((), dtype=torch.int64),
+                                    _init_projectors(params, cfgs), tree_unflatten(spec, stats))
+
+    def update(grads, state: GaLoreAdafactorState, params=None, *, layouts=None):
+        check_grads(params, grads)
+        cfgs = _config_tree(params, resolve_galore(who, galore_mask, params, default))
+        decay = resolve_mask(weight_decay_mask, params)
+        c = int(state.count)
+        count = state.count + 1
+
+        def leaf(g, p, proj, st, cfg, use_decay, layout):
+            low, low_layout = g, layout
+            if cfg is not None:
+                low, proj = _project_in(g, proj, cfg, c, svd_dtype, layout)
+                # The projected gradient is whole on this process (a sharded leaf is refused
+                # by the projector until its refresh gathers).
+                low_layout = None
+            out = adafactor_leaf_update(
+                low, p, st, count, lr=lr, eps=eps, clip_threshold=clip_threshold,
+                decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
+                relative_step=relative_step, warmup_init=warmup_init, layout=low_layout,
+                param_layout=layout,
+            )
+            u = out.update
+            if cfg is not None:
+                u = project_back(u, proj, cfg.scale, layout=layout)
+            p = p.to(u.dtype)
+            # galore-torch's order: decay with alpha_t on the pre-update weight, then the step.
+            new_p = decoupled_decay(p, weight_decay * out.step_size) if use_decay else p
+            return (new_p - u) - p, proj, out.state
+
+        u, proj, stats = map_leaves(leaf, grads, params, state.projector, state.stats, cfgs,
+                                    decay, layouts, n_out=3)
+        return u, GaLoreAdafactorState(count, proj, stats)
+
+    return GradientTransformation(init, update)
+
+
+def galore_adafactor(
+    lr: Any = None,
+    eps: Sequence[float] = (1e-30, 1e-3),
+    clip_threshold: Any = 1.0,
+    decay_rate: float = -0.8,
+    beta1: float | None = None,
+    weight_decay: Any = 0.0,
+    scale_parameter: bool = True,
+    relative_step: bool = True,
+    warmup_init: bool = False,
+    *,
+    rank: int = 128,
+    update_proj_gap: int = 200,
+    scale: float = 0.25,
+    proj_type: str = "std",
+    galore_mask: GaLoreMask = None,
+    svd_dtype: torch.dtype | None = torch.float32,
+    min_dim_size_to_factor: int = 0,
+    weight_decay_mask: Mask = None,
+) -> GradientTransformation:
+    """GaLore with a Hugging Face Adafactor inner optimizer: galore-torch's ``GaLoreAdafactor``.
+
+    For a projected leaf ``W`` the Adafactor step (:func:`funcpar.optim.adafactor`'s, via
+    :func:`~funcpar.optim.adafactor.adafactor_leaf_update`) runs on the projected gradient
+    ``G~`` with statistics of ``G~``'s shape (factored: it is 2-D): ``beta2_t`` from the step;
+    ``u = G~ V^-1/2`` clipped by ``RMS(u)`` (of the *low-rank* ``u``) over ``clip_threshold``;
+    ``u <- alpha_t u`` with ``alpha_t = max(eps2, RMS(W)) rho_t`` from the *full* ``W``; with
+    ``beta1`` the low-rank momentum ``M <- beta1 M + (1 - beta1) u``, ``u = M``. Then
+    ``W <- W - weight_decay alpha_t W - scale * project_back(u)``. Unprojected leaves are plain
+    :func:`~funcpar.optim.adafactor`. Arguments as there; ``rank``, ``update_proj_gap``,
+    ``scale``, ``proj_type``, ``galore_mask``, ``svd_dtype`` as in :func:`galore_adamw`.
+    """
+    who = "galore_adafactor"
+    # The Adafactor arguments are checked exactly as adafactor() checks them.
+    adafactor(lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
+              weight_decay=weight_decay, scale_parameter=scale_parameter,
+              relative_step=relative_step, warmup_init=warmup_init,
+              min_dim_size_to_factor=min_dim_size_to_factor)
+    default = _check_common(who, rank, update_proj_gap, scale, proj_type, svd_dtype)
+    kwargs: dict[str, Any] = {} if lr is None else {"lr": lr}
+    eps1, eps2 = eps
+    return inject_hyperparams(
+        _galore_adafactor,
+        ("lr", "weight_decay", "clip_threshold"),
+        **kwargs,
+        weight_decay=weight_decay,
+        clip_threshold=clip_threshold,
+        eps=(float(eps1), float(eps2)),
+        decay_rate=float(decay_rate),
+        beta1=None if beta1 is None else float(beta1),
+        scale_parameter=bool(scale_parameter),
+        relative_step=bool(relative_step),
+        warmup_init=bool(warmup_init),
+        min_dim_size_to_factor=min_dim_size_to_factor,
+        default=default,
+        galore_mask=galore_mask,
+        svd_dtype=svd_dtype,
+        weight_decay_mask=weight_decay_mask,
+    )

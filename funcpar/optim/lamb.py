@@ -1,0 +1,231 @@
+"""Lamb (You et al. 2019, "Large Batch Optimization for Deep Learning: Training BERT in 76
+minutes", arXiv 1904.00962): Adam moments with a layer-wise trust ratio.
+
+The references disagree on almost every detail (bias correction, where weight decay enters,
+clamping, an eps in the trust ratio); :func:`lamb` has one code path with an option for each
+difference and a ``variant`` preset per reference, each tested step by step against it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from funcpar.optim import validate
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.hyperparams import inject_hyperparams
+from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.schedules import ScalarOrSchedule
+from funcpar.shard.reduce import norm
+from funcpar.state.tree import Tree, tree_map
+
+__all__ = ["LAMB_VARIANTS", "LambState", "lamb"]
+
+#: The structural options each ``variant`` stands for (an explicit argument overrides one).
+LAMB_VARIANTS: dict[str, dict] = {
+    # The paper's Algorithm 2 with Adam's bias correction (as NVIDIA apex's FusedLAMB).
+    "default": dict(bias_correction="moments", weight_decay_mode="in_update",
+                    max_weight_norm=None, eps_in_trust_ratio=False, grad_averaging=True),
+    # torch_optimizer.Lamb defaults (debias=False, clamp_value=10).
+    "torch_optimizer": dict(bias_correction="none", weight_decay_mode="in_update",
+                            max_weight_norm=10.0, eps_in_trust_ratio=False, grad_averaging=True),
+    # pytorch_optimizer.Lamb defaults (weight_decouple=True, its class-level clamp = 10).
+    "pytorch_optimizer": dict(bias_correction="step_size_m", weight_decay_mode="decoupled",
+                              max_weight_norm=10.0, eps_in_trust_ratio=True, grad_averaging=True),
+    # colossalai.nn.optimizer.DistributedLamb (bias_correction=True).
+    "colossalai": dict(bias_correction="step_size", weight_decay_mode="in_update",
+                       max_weight_norm=None, eps_in_trust_ratio=False, grad_averaging=True),
+}
+
+
+class LambState(NamedTuple):
+    count: Tensor  # 0-d int64
+    exp_avg: Tree
+    exp_avg_sq: Tree
+    # 0-d per leaf: the trust ratio of the last update, before ``adam`` replaces it by 1
+    # (the references keep it in their state for the paper's histograms).
+    trust_ratio: Tree
+
+
+def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, max_weight_norm,
+          max_trust_ratio, eps_in_trust_ratio, grad_averaging, adam, maximize, weight_decay_mask):
+    beta1, beta2 = betas
+    # A Python number, not a tensor: torch.add's alpha fuses the way the references' add_ does.
+    m_coef = (1.0 - beta1) if grad_averaging else 1.0
+
+    def init(params: Tree) -> LambState:
+        check_floating(params, who="lamb")
+        return LambState(
+            torch.zeros((), dtype=torch.int64),
+            tree_map(torch.zeros_like, params),
+            tree_map(torch.zeros_like, params),
+            tree_map(lambda p: torch.ones((), dtype=p.dtype, device=p.device), params),
+        )
+
+    def update(grads, state: LambState, params=None, *, layouts=None):
+        check_grads(params, grads)
+        decay = resolve_mask(weight_decay_mask, params)
+        count = state.count + 1
+        t = count.to(torch.float64)
+        bc1 = 1 - beta1**t
+        bc2 = 1 - beta2**t
+        step_size = {
+            "moments": lr,
+            "none": lr,
+            "step_size": lr * bc2.sqrt() / bc1,
+            "step_size_m": lr / bc1,
+        }[bias_correction]
+
+        def leaf(g, p, m, v, use_decay, layout):
+            if maximize:
+                g = -g
+            m = torch.add(m * beta1, g, alpha=m_coef)
+            v = torch.addcmul(v * beta2, g, g, value=1 - beta2)
+            if bias_correction == "moments":
+                a = (m / bc1) / ((v / bc2).sqrt() + eps)
+            else:
+                a = m / (v.sqrt() + eps)
+            w = p
+            if use_decay and weight_decay_mode == "in_update":
+                a = a + weight_decay * p
+            elif use_decay:
+                # pytorch_optimizer shrinks the weight first; its norm is the shrunk one's.
+                w = p * (1 - lr * weight_decay)
+            w_norm = norm(w, layout=layout, purpose="lamb weight norm")
+            if max_weight_norm is not None:
+                w_norm = w_norm.clamp(max=max_weight_norm)
+            a_norm = norm(a, layout=layout, purpose="lamb update norm")
+            ratio = w_norm / ((a_norm + eps) if eps_in_trust_ratio else a_norm)
+            ratio = torch.where((w_norm > 0) & (a_norm > 0), ratio, torch.ones_like(ratio))
+            if max_trust_ratio is not None:
+                ratio = ratio.clamp(max=max_trust_ratio)
+            used = torch.ones_like(ratio) if adam else ratio
+            u = (w - p) - (step_size * used) * a
+            return u, m, v, ratio
+
+        u, m, v, ratio = map_leaves(
+            leaf, grads, params, state.exp_avg, state.exp_avg_sq, decay, layouts, n_out=4
+        )
+        return u, LambState(count, m, v, ratio)
+
+    return GradientTransformation(init, update)
+
+
+def lamb(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: ScalarOrSchedule = 1e-6,
+    weight_decay: ScalarOrSchedule = 0.0,
+    bias_correction: bool | str | None = None,
+    adam: bool = False,
+    *,
+    variant: str = "default",
+    weight_decay_mode: str | None = None,
+    max_weight_norm: float | str | None = "variant",
+    max_trust_ratio: float | None = None,
+    eps_in_trust_ratio: bool | None = None,
+    grad_averaging: bool | None = None,
+    maximize: bool = False,
+    weight_decay_mask: Mask = None,
+) -> GradientTransformation:
+    """Lamb: Adam's direction, rescaled per leaf by the trust ratio ``||w|| / ||a||``.
+
+    With ``t`` the step (from 1), ``bc1 = 1 - b1^t``, ``bc2 = 1 - b2^t``:
+
+    * ``m_t = b1 m_{t-1} + c g`` (``c = 1 - b1``; ``c = 1`` with ``grad_averaging=False``),
+      ``v_t = b2 v_{t-1} + (1 - b2) g^2``;
+    * ``a = m_hat / (sqrt(v_hat) + eps) [+ wd * w]`` where ``bias_correction`` decides
+      ``m_hat, v_hat``: ``"moments"`` (``True``) ``m/bc1, v/bc2``; otherwise ``m, v``;
+    * ``weight_decay_mode``: ``"in_update"`` adds ``wd * w`` to ``a`` (the paper);
+      ``"decoupled"`` first shrinks ``w' = w (1 - lr wd)`` and uses ``w'`` from there on;
+    * ``tau = ||w'|| / ||a||`` (``/ (||a|| + eps)`` with ``eps_in_trust_ratio``), with
+      ``||w'||`` clamped to ``max_weight_norm`` when given; ``tau = 1`` when either norm is 0;
+      then ``tau <= max_trust_ratio`` when given; ``adam=True`` uses ``tau = 1`` (Adam);
+    * ``w <- w' - s * tau * a`` with the step size ``s = lr`` (``"moments"``, ``"none"``),
+      ``lr sqrt(bc2) / bc1`` (``"step_size"``) or ``lr / bc1`` (``"step_size_m"``). Folding the
+      correction into ``s`` is *not* the same as correcting the moments: eps is not rescaled
+      and ``tau`` is computed from the uncorrected ``a``, so the correction does not cancel in
+      ``tau * a`` as it does (up to eps, without decay) with ``"moments"``.
+
+    Both norms are :func:`funcpar.shard.reduce.norm` with the leaf's layout (one scalar
+    all-reduce each over the axes that split the leaf). ``lr``, ``weight_decay`` and ``eps``
+    may be schedules. The decay applies where ``weight_decay_mask`` allows.
+
+    Which options reproduce which reference exactly (tested step by step):
+
+    * ``variant="default"``: the paper's Algorithm 2 with bias-corrected moments (apex
+      FusedLAMB's formula), no clamp.
+    * ``variant="torch_optimizer"``: ``torch_optimizer.Lamb`` (0.3.0) defaults: no bias
+      correction, decay in ``a``, ``||w||`` clamped to 10; its ``debias=True`` is
+      ``bias_correction="step_size"``, its ``clamp_value=x`` is ``max_weight_norm=x``.
+    * ``variant="pytorch_optimizer"``: ``pytorch_optimizer.Lamb`` (4.x) defaults: step size
+      ``lr / bc1`` only, decoupled decay applied before the norms, ``||w||`` clamped to 10,
+      ``tau = ||w|| / (||a|| + eps)``; its ``weight_decouple=False`` is
+      ``weight_decay_mode="in_update"``, its ``grad_averaging=False`` ours. Not covered:
+      ``rectify``, ``pre_norm`` (a global gradient-norm scaling; chain
+      :func:`funcpar.optim.clip_by_global_norm` instead, which differs by its eps),
+      ``fixed_decay``, ``adanorm``.
+    * ``variant="colossalai"``: Colossal-AI's ``DistributedLamb`` (its ``bias_correction=True``
+      default, which Colossal-AI added to the cybertronai code): the correction folded into the
+      step size, ``lr sqrt(bc2) / bc1``, no clamp. Its older ``colossalai.nn.optimizer.Lamb``
+      has no correction: ``variant="colossalai", bias_correction=False``.
+
+    ``bias_correction``, ``weight_decay_mode``, ``max_weight_norm``, ``eps_in_trust_ratio``
+    and ``grad_averaging`` default to the variant's value (:data:`LAMB_VARIANTS`); pass one to
+    override it (``max_weight_norm=None`` removes the clamp).
+    """
+    who = "lamb"
+    if variant not in LAMB_VARIANTS:
+        raise ValueError(f"{who}: variant must be one of {sorted(LAMB_VARIANTS)}, got {variant!r}")
+    preset = LAMB_VARIANTS[variant]
+    if bias_correction is None:
+        bias_correction = preset["bias_correction"]
+    elif bias_correction is True:
+        bias_correction = "moments"
+    elif bias_correction is False:
+        bias_correction = "none"
+    if bias_correction not in ("moments", "step_size", "step_size_m", "none"):
+        raise ValueError(f"{who}: bias_correction must be a bool or one of 'moments', "
+                         f"'step_size', 'step_size_m', 'none', got {bias_correction!r}")
+    weight_decay_mode = weight_decay_mode or preset["weight_decay_mode"]
+    if weight_decay_mode not in ("in_update", "decoupled"):
+        raise ValueError(f"{who}: weight_decay_mode must be 'in_update' or 'decoupled', "
+                         f"got {weight_decay_mode!r}")
+    if isinstance(max_weight_norm, str):
+        if max_weight_norm != "variant":
+            raise ValueError(f"{who}: max_weight_norm must be a number or None, "
+                             f"got {max_weight_norm!r}")
+        max_weight_norm = preset["max_weight_norm"]
+    if eps_in_trust_ratio is None:
+        eps_in_trust_ratio = preset["eps_in_trust_ratio"]
+    if grad_averaging is None:
+        grad_averaging = preset["grad_averaging"]
+    validate.nonnegative(who, "lr", lr)
+    validate.positive(who, "eps", eps)
+    validate.nonnegative(who, "weight_decay", weight_decay)
+    betas = validate.betas_in_range(who, betas)
+    if max_weight_norm is not None:
+        validate.positive(who, "max_weight_norm", max_weight_norm)
+        max_weight_norm = float(max_weight_norm)
+    if max_trust_ratio is not None:
+        validate.positive(who, "max_trust_ratio", max_trust_ratio)
+        max_trust_ratio = float(max_trust_ratio)
+    return inject_hyperparams(
+        _lamb,
+        ("lr", "weight_decay", "eps"),
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        betas=betas,
+        bias_correction=bias_correction,
+        weight_decay_mode=weight_decay_mode,
+        max_weight_norm=max_weight_norm,
+        max_trust_ratio=max_trust_ratio,
+        eps_in_trust_ratio=bool(eps_in_trust_ratio),
+        grad_averaging=bool(grad_averaging),
+        adam=bool(adam),
+        maximize=bool(maximize),
+        weight_decay_mask=weight_decay_mask,
+    )

@@ -17,7 +17,7 @@ from funcpar.state.functional import ApplyFn
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
 
-__all__ = ["TrainStep", "make_train_step", "loss_and_grads"]
+__all__ = ["TrainStep", "loss_and_grads", "make_train_step"]
 
 LossFn = Callable[[Any, Any], Tensor]
 

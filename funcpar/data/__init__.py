@@ -1,0 +1,23 @@
+"""Text data: local corpora, tokenized through Hugging Face ``datasets``, packed into
+deterministic, resumable language-model batches.
+
+``datasets`` is an optional extra (``funcpar[data]``), imported only when text is loaded;
+packing and corpus discovery work without it.
+"""
+
+from funcpar.data.corpus import DEFAULT_STDLIB_BYTES, corpus_files, stdlib_files
+from funcpar.data.packing import DataPosition, PackedBatches
+from funcpar.data.text import BYTE_VOCAB_SIZE, Tokenizer, byte_tokenize, load_tokens, text_batches
+
+__all__ = [
+    "BYTE_VOCAB_SIZE",
+    "DEFAULT_STDLIB_BYTES",
+    "DataPosition",
+    "PackedBatches",
+    "Tokenizer",
+    "byte_tokenize",
+    "corpus_files",
+    "load_tokens",
+    "stdlib_files",
+    "text_batches",
+]

@@ -1,0 +1,279 @@
+"""A small Llama-style decoder-only transformer (Touvron et al. 2023, arXiv 2302.13971).
+
+Pre-norm blocks ``h = x + Attn(RMSNorm(x)); y = h + MLP(RMSNorm(h))`` with
+
+* RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * w``;
+* rotary position embeddings (Su et al. 2021, arXiv 2104.09864) in the "rotate half" layout
+  that Hugging Face's Llama uses (the two halves of each head are the real and imaginary
+  parts), so weights move between the two models by renaming only;
+* causal attention through ``scaled_dot_product_attention``, with grouped-query attention when
+  ``n_kv_heads < n_heads`` (Ainslie et al. 2023);
+* the SwiGLU MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020, arXiv 2002.05202).
+
+The module layout is the one sharding rules expect: every projection is its own ``nn.Linear``
+(``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, no
+fused QKV), blocks live in the ``nn.ModuleList`` ``layers``, and the ends are ``embed_tokens``,
+``norm`` and ``lm_head``. Block sub-modules carry Hugging Face's names (``self_attn``, ``mlp``,
+``input_layernorm``, ``post_attention_layernorm``): a parameter ``n`` here is
+``model.n`` in ``transformers.LlamaForCausalLM`` (``lm_head.weight`` keeps its name).
+
+The model holds no buffers: rotary angles are computed from the positions in ``forward`` (a few
+thousand sin/cos, negligible next to the matmuls), so the functional state is parameters only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+__all__ = ["Llama", "LlamaConfig", "RMSNorm", "lm_loss", "rotary_cos_sin"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes of a :class:`Llama`.
+
+    ``n_kv_heads=None`` means ``n_heads`` (plain multi-head attention). ``ffn_hidden=None``
+    gives Llama's SwiGLU width: ``8/3 * dim`` rounded up to a multiple of 32.
+    """
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"LlamaConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"rotary embeddings need an even head_dim, got dim/n_heads = {self.head_dim}"
+            )
+        kv = self.kv_heads
+        if kv <= 0 or self.n_heads % kv:
+            raise ValueError(
+                f"LlamaConfig.n_kv_heads ({self.n_kv_heads}) must be positive and divide "
+                f"n_heads ({self.n_heads})"
+            )
+        if self.ffn_hidden is not None and self.ffn_hidden <= 0:
+            raise ValueError(f"LlamaConfig.ffn_hidden must be positive, got {self.ffn_hidden}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"LlamaConfig.{name} must be finite and > 0, got {value!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return 32 * math.ceil(8 * self.dim / 3 / 32)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Norm statistics and rotary angles in at least float32 (bf16 angles lose whole positions);
+    # float64 models stay float64 so that gradient checks are exact.
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2, -1) + eps) * weight``, the statistic in at least float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Float[Tensor, "*batch dim"]) -> Float[Tensor, "*batch dim"]:
+        h = x.to(_compute_dtype(x.dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotary_cos_sin(
+    seq_len: int, head_dim: int, theta: float, *, dtype: torch.dtype, device: torch.device
+) -> tuple[Float[Tensor, "seq head_dim"], Float[Tensor, "seq head_dim"]]:
+    """cos and sin of the angles ``pos * theta^(-2i/head_dim)``, each half of a head repeated."""
+    work = _compute_dtype(dtype)
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=device, dtype=work) / head_dim
+    )
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=work), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate(
+    x: Float[Tensor, "batch heads seq head_dim"],
+    cos: Float[Tensor, "seq head_dim"],
+    sin: Float[Tensor, "seq head_dim"],
+) -> Float[Tensor, "batch heads seq head_dim"]:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(
+        self,
+        x: Float[Tensor, "batch seq dim"],
+        cos: Float[Tensor, "seq head_dim"],
+        sin: Float[Tensor, "seq head_dim"],
+    ) -> Float[Tensor, "batch seq dim"]:
+        b, t, _ = x.shape
+        # Head counts are read from the projections' outputs, not from the config, so that a
+        # tensor-parallel shard (fewer local heads) runs the same code.
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            # expand + reshape rather than sdpa(enable_gqa=...): the latter needs torch >= 2.5
+            k = k[:, :, None].expand(-1, -1, group, -1, -1).reshape(b, -1, t, self.head_dim)
+            v = v[:, :, None].expand(-1, -1, group, -1, -1).reshape(b, -1, t, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.hidden, cfg.dim, bias=False)
+
+    def forward(self, x: Float[Tensor, "batch seq dim"]) -> Float[Tensor, "batch seq dim"]:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: Float[Tensor, "batch seq dim"],
+        cos: Float[Tensor, "seq head_dim"],
+        sin: Float[Tensor, "seq head_dim"],
+    ) -> Float[Tensor, "batch seq dim"]:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Llama(nn.Module):
+    """Token ids ``[batch, seq]`` to next-token logits ``[batch, seq, vocab]``.
+
+    Initialisation is a function of ``seed`` alone (a private generator, the global RNG is
+    untouched): every weight matrix and the embedding ~ N(0, init_std^2), the residual-branch
+    outputs (``o_proj``, ``down_proj``) scaled by ``1/sqrt(2 n_layers)`` as in GPT-2, norms 1.
+    The weights are drawn on the CPU in float32 and then moved, so the same seed gives the same
+    model on every device and dtype.
+    """
+
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # Built on the meta device: torch's own per-layer init would draw from the global RNG
+        # and be thrown away by reset_parameters anyway.
+        with torch.device("meta"):
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.to_empty(device="cpu")
+        if cfg.tie_embeddings:  # after to_empty, which gives each module its own tensor
+            self.lm_head.weight = self.embed_tokens.weight
+        self.reset_parameters(seed)
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std, residual_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        # named_parameters visits each tensor once (a tied lm_head is skipped), in registration
+        # order: the draw order, and so the weights, are fixed by the architecture and the seed.
+        for name, p in self.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.fill_(1.0)
+                continue
+            s = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
+
+    def forward(self, tokens: Int[Tensor, "batch seq"]) -> Float[Tensor, "batch seq vocab"]:
+        t = tokens.shape[1]
+        if t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.cfg.max_seq_len}")
+        x = self.embed_tokens(tokens)
+        cos, sin = rotary_cos_sin(
+            t, self.cfg.head_dim, self.cfg.rope_theta, dtype=x.dtype, device=x.device
+        )
+        for block in self.layers:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def lm_loss(
+    logits: Float[Tensor, "batch seq vocab"],
+    targets: Int[Tensor, "batch seq"],
+    ignore_index: int = -100,
+) -> Float[Tensor, ""]:
+    """Mean next-token cross-entropy over the targets that are not ``ignore_index``.
+
+    Low-precision logits are upcast to float32 first: the log-sum-exp over a large vocabulary
+    loses too much in bf16.
+    """
+    logits = logits.to(_compute_dtype(logits.dtype))
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index
+    )
+
+
+# Declares what lm_loss computes, so that tensor parallelism may swap in the vocab-parallel
+# cross-entropy (funcpar.transforms.shard_params) when the LM head's logits stay split.
+lm_loss.token_cross_entropy = True

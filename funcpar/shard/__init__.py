@@ -1,0 +1,52 @@
+"""Sharding: the device mesh, per-leaf layouts, accounted collectives, layout-aware reductions.
+
+See docs/SHARDING.md. Imports flow ``mesh <- comm <- layout``; :mod:`funcpar.shard.reduce`
+depends on none of them (it asks only for the :class:`~funcpar.shard.reduce.Reducible`
+protocol that :class:`Layout` satisfies).
+"""
+
+from funcpar.shard.comm import CommRecord, comm_log, comm_report
+from funcpar.shard.layout import (
+    Layout,
+    Replicate,
+    Shard,
+    check_layouts,
+    shard_tensor,
+    shard_tree,
+    unshard,
+    unshard_tree,
+    with_leaf_names,
+)
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.reduce import (
+    Reducible,
+    norm,
+    reduce_max,
+    reduce_mean,
+    reduce_sum,
+    rms,
+    sum_of_squares,
+)
+
+__all__ = [
+    "CommRecord",
+    "DeviceMesh",
+    "Layout",
+    "Reducible",
+    "Replicate",
+    "Shard",
+    "check_layouts",
+    "comm_log",
+    "comm_report",
+    "norm",
+    "reduce_max",
+    "reduce_mean",
+    "reduce_sum",
+    "rms",
+    "shard_tensor",
+    "shard_tree",
+    "sum_of_squares",
+    "unshard",
+    "unshard_tree",
+    "with_leaf_names",
+]

@@ -22,13 +22,13 @@ from torch import Tensor
 
 __all__ = [
     "Reducible",
-    "reduce_sum",
-    "reduce_mean",
-    "reduce_max",
-    "sum_of_squares",
-    "norm",
-    "rms",
     "global_shape",
+    "norm",
+    "reduce_max",
+    "reduce_mean",
+    "reduce_sum",
+    "rms",
+    "sum_of_squares",
 ]
 
 
@@ -101,7 +101,14 @@ def reduce_max(
     purpose: str = "max",
 ) -> Tensor:
     d = _dims(x, dims)
-    local = x.amax(dim=d, keepdim=keepdim) if d else x.clone()
+    if layout is not None and any(x.shape[i] == 0 for i in d):
+        # An uneven split can leave this rank an empty shard: it contributes max's identity
+        # (amax itself refuses an empty reduced dim).
+        shape = [1 if i in d else n for i, n in enumerate(x.shape) if keepdim or i not in d]
+        lowest = -math.inf if x.dtype.is_floating_point else torch.iinfo(x.dtype).min
+        local = x.new_full(shape, lowest)
+    else:
+        local = x.amax(dim=d, keepdim=keepdim) if d else x.clone()
     return _finish(local, d, layout, "max", purpose)
 
 

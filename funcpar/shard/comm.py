@@ -1,0 +1,374 @@
+"""Collectives over one mesh axis, each recorded with what asked for it.
+
+Thin wrappers over torch.distributed: :func:`all_reduce`, :func:`all_gather` (uneven pieces
+included), :func:`reduce_scatter`, :func:`broadcast`, :func:`send` / :func:`recv`. Each takes the
+mesh, the axis to communicate over and a ``purpose`` (the leaf name or what asked), and is
+functional: it returns a new tensor and leaves its input alone (``all_reduce(inplace=True)``
+excepted). Over an axis of size 1 nothing is issued, nothing is recorded, and the input itself
+is returned.
+
+Accounting: every collective actually issued is appended as a :class:`CommRecord` (step, op,
+axis, bytes, purpose) to the process-local :data:`comm_log` while it is enabled, and to every
+open :meth:`CommLog.capture`. ``bytes`` follows nccl-tests' convention - the size of the largest
+buffer of the operation on this rank: the tensor for all_reduce / broadcast / send / recv, the
+gathered output for all_gather, the full input for reduce_scatter (uneven pieces padded to the
+largest one, as they travel). :func:`comm_report` prints a table per step.
+
+These are not autograd functions: a differentiable collective (Megatron's f/g operators) wraps
+them in a ``torch.autograd.Function`` so that its traffic is recorded too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from funcpar.shard.mesh import DeviceMesh
+
+__all__ = [
+    "CommLog",
+    "CommRecord",
+    "CommSummary",
+    "Pending",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "chunk_sizes",
+    "comm_log",
+    "comm_report",
+    "recv",
+    "reduce_scatter",
+    "send",
+    "summarize",
+]
+
+
+# ----------------------------------------------------------------------------------- recorder
+class CommRecord(NamedTuple):
+    """One collective issued by this process."""
+
+    step: int | None
+    op: str
+    axis: str
+    axis_size: int
+    nbytes: int
+    purpose: str
+    dtype: str
+
+
+class CommLog:
+    """Process-local record of the collectives issued, tagged with the current step.
+
+    The log keeps records only while :attr:`enabled` (off by default, so a long run does not
+    grow it); :meth:`capture` collects the records of a block whatever :attr:`enabled` says.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+        self.enabled = False
+        self.step: int | None = None
+        self._captures: list[list[CommRecord]] = []
+
+    def begin_step(self, step: int) -> None:
+        """Tag the collectives that follow with ``step``."""
+        self.step = int(step)
+
+    def enable(self, on: bool = True) -> None:
+        self.enabled = on
+
+    def clear(self) -> None:
+        self.records.clear()
+        self.step = None
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[list[CommRecord]]:
+        """``with comm_log.capture() as recs:`` - ``recs`` fills with the block's collectives."""
+        recs: list[CommRecord] = []
+        self._captures.append(recs)
+        try:
+            yield recs
+        finally:
+            self._captures.remove(recs)
+
+    def record(self, op: str, mesh: DeviceMesh, axis: str, nbytes: int, purpose: str,
+               dtype: torch.dtype) -> None:
+        if not (self.enabled or self._captures):
+            return
+        rec = CommRecord(self.step, op, axis, mesh.size(axis), int(nbytes), purpose,
+                         str(dtype).removeprefix("torch."))
+        if self.enabled:
+            self.records.append(rec)
+        for recs in self._captures:
+            recs.append(rec)
+
+
+#: The process-local log every collective of this module reports to.
+comm_log = CommLog()
+
+
+class CommSummary(NamedTuple):
+    """The collectives of one (step, op, axis): how many, how many bytes, asked by whom."""
+
+    step: int | None
+    op: str
+    axis: str
+    count: int
+    nbytes: int
+    purposes: tuple[str, ...]
+
+
+def summarize(records: Sequence[CommRecord]) -> list[CommSummary]:
+    """Records grouped by (step, op, axis), in order of first appearance."""
+    groups: dict[tuple[Any, str, str], list[CommRecord]] = {}
+    for r in records:
+        groups.setdefault((r.step, r.op, r.axis), []).append(r)
+    return [
+        CommSummary(step, op, axis, len(rs), sum(r.nbytes for r in rs),
+                    tuple(dict.fromkeys(r.purpose for r in rs)))
+        for (step, op, axis), rs in groups.items()
+    ]
+
+
+def comm_report(
+    records: Sequence[CommRecord] | None = None, *, echo: bool = True, max_purposes: int = 4
+) -> str:
+    """A table per step of the collectives in ``records`` (default: :data:`comm_log`).
+
+    One row per (op, axis): count, total bytes, the purposes that asked (first
+    ``max_purposes``). Printed when ``echo``; returned either way.
+    """
+    rows = summarize(comm_log.records if records is None else records)
+    lines = []
+    if not rows:
+        lines.append("no collectives recorded")
+    header = f"{'op':<15} {'axis':<6} {'count':>6} {'bytes':>14}  purposes"
+    step_seen = object()
+    for row in rows:
+        if row.step != step_seen:
+            step_seen = row.step
+            total = sum(r.nbytes for r in rows if r.step == row.step)
+            label = "outside steps" if row.step is None else f"step {row.step}"
+            lines.append(f"{label} ({total:,} bytes)")
+            lines.append("  " + header)
+        shown = ", ".join(row.purposes[:max_purposes])
+        if len(row.purposes) > max_purposes:
+            shown += f", ... (+{len(row.purposes) - max_purposes})"
+        lines.append(f"  {row.op:<15} {row.axis:<6} {row.count:>6} {row.nbytes:>14,}  {shown}")
+    text = "\n".join(lines)
+    if echo:
+        print(text)
+    return text
+
+
+# -------------------------------------------------------------------------------- collectives
+_OPS = ("sum", "max", "min")
+
+
+def _reduce_op(op: str) -> Any:
+    import torch.distributed as dist
+
+    if op not in _OPS:
+        raise ValueError(f"reduction op must be one of {_OPS}, got {op!r}")
+    return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """How torch.chunk (and DTensor's ``Shard``) cuts ``n`` into ``parts``: ``ceil(n / parts)``
+    each, the last ones fewer or none (``7 -> [2, 2, 2, 1]``, ``6 -> [2, 2, 2, 0]`` over 4)."""
+    c = -(-n // parts) if parts else 0
+    return [max(0, min(n, c * (i + 1)) - c * i) for i in range(parts)]
+
+
+class Pending:
+    """An all-reduce in flight; :meth:`wait` returns its result."""
+
+    def __init__(self, work: Any, out: Tensor) -> None:
+        self._work, self._out = work, out
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._out
+
+
+def all_reduce(
+    t: Tensor,
+    mesh: DeviceMesh,
+    axis: str,
+    *,
+    op: str = "sum",
+    purpose: str = "",
+    inplace: bool = False,
+    async_op: bool = False,
+) -> Any:
+    """``op`` (sum, max, min) of ``t`` over the ranks of ``axis``; same shape on every rank.
+
+    Returns a new tensor (``t`` itself when ``inplace`` or the axis has size 1), or a
+    :class:`Pending` when ``async_op``.
+    """
+    red = _reduce_op(op)
+    if mesh.size(axis) == 1:
+        return Pending(None, t) if async_op else t
+    group = mesh.group(axis)
+    import torch.distributed as dist
+
+    out = t if inplace else t.clone(memory_format=torch.contiguous_format)
+    comm_log.record("all_reduce", mesh, axis, _nbytes(out), purpose, out.dtype)
+    work = dist.all_reduce(out, op=red, group=group, async_op=async_op)
+    return Pending(work, out) if async_op else out
+
+
+def _pad0(t: Tensor, n: int) -> Tensor:
+    """``t`` (dim 0 first) padded with zeros to ``n`` rows, contiguous."""
+    if t.shape[0] == n:
+        return t.contiguous()
+    return torch.cat([t, t.new_zeros((n - t.shape[0], *t.shape[1:]))]).contiguous()
+
+
+def all_gather(
+    t: Tensor,
+    mesh: DeviceMesh,
+    axis: str,
+    *,
+    dim: int = 0,
+    sizes: Sequence[int] | None = None,
+    purpose: str = "",
+) -> Tensor:
+    """The pieces of the ranks of ``axis`` concatenated along ``dim``, in coordinate order.
+
+    Pieces may differ in length along ``dim``: pass every rank's length in ``sizes`` (a layout
+    knows them), or leave it None to exchange them first (one small extra all_gather). Pieces
+    travel padded to the longest one.
+    """
+    k = mesh.size(axis)
+    if k == 1:
+        return t
+    if t.dim() == 0:
+        raise ValueError(f"all_gather of a 0-d tensor along dim {dim} ({purpose})")
+    d = dim % t.dim()
+    group = mesh.group(axis)
+    import torch.distributed as dist
+
+    if sizes is None:
+        mine = torch.tensor([t.shape[d]], dtype=torch.int64, device=t.device)
+        got = [torch.empty_like(mine) for _ in range(k)]
+        comm_log.record("all_gather", mesh, axis, _nbytes(mine) * k, f"{purpose} (sizes)",
+                        mine.dtype)
+        dist.all_gather(got, mine, group=group)
+        sizes = [int(g.item()) for g in got]
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != k or sizes[mesh.rank(axis)] != t.shape[d]:
+        raise ValueError(
+            f"all_gather over {axis} ({purpose}): sizes {sizes} do not fit {k} ranks with this "
+            f"rank ({mesh.rank(axis)}) holding {t.shape[d]} along dim {d}"
+        )
+    longest = max(sizes)
+    front = t.movedim(d, 0)
+    if longest == 0:
+        return t.clone()
+    piece = _pad0(front, longest)
+    bufs = [torch.empty_like(piece) for _ in range(k)]
+    comm_log.record("all_gather", mesh, axis, _nbytes(piece) * k, purpose, t.dtype)
+    dist.all_gather(bufs, piece, group=group)
+    out = torch.cat([b[:s] for b, s in zip(bufs, sizes)])
+    return out.movedim(0, d).contiguous()
+
+
+def reduce_scatter(
+    t: Tensor,
+    mesh: DeviceMesh,
+    axis: str,
+    *,
+    dim: int = 0,
+    op: str = "sum",
+    sizes: Sequence[int] | None = None,
+    purpose: str = "",
+) -> Tensor:
+    """``op`` of ``t`` over the ranks of ``axis``, of which this rank keeps its piece along
+    ``dim``: pieces of :func:`chunk_sizes` (torch.chunk's cut) unless ``sizes`` says otherwise.
+    """
+    red = _reduce_op(op)
+    k = mesh.size(axis)
+    if k == 1:
+        return t
+    if t.dim() == 0:
+        raise ValueError(f"reduce_scatter of a 0-d tensor ({purpose})")
+    d = dim % t.dim()
+    sizes = chunk_sizes(t.shape[d], k) if sizes is None else [int(s) for s in sizes]
+    if len(sizes) != k or sum(sizes) != t.shape[d] or min(sizes) < 0:
+        raise ValueError(
+            f"reduce_scatter over {axis} ({purpose}): sizes {sizes} do not cut dim {d} of "
+            f"length {t.shape[d]} into {k} pieces"
+        )
+    mine = sizes[mesh.rank(axis)]
+    longest = max(sizes)
+    front = t.movedim(d, 0)
+    if longest == 0:
+        return t.clone()
+    group = mesh.group(axis)
+    import torch.distributed as dist
+
+    pieces = [_pad0(p, longest) for p in torch.split(front, sizes)]
+    out = torch.empty_like(pieces[0])
+    comm_log.record("reduce_scatter", mesh, axis, _nbytes(out) * k, purpose, t.dtype)
+    dist.reduce_scatter(out, pieces, op=red, group=group)
+    return out[:mine].movedim(0, d).contiguous()
+
+
+def broadcast(
+    t: Tensor, mesh: DeviceMesh, axis: str, *, src: int = 0, purpose: str = ""
+) -> Tensor:
+    """The tensor of the rank at coordinate ``src`` of ``axis``, on every rank of that axis
+    (``t`` gives the shape and dtype elsewhere)."""
+    k = mesh.size(axis)
+    if not 0 <= src < k:
+        raise ValueError(f"broadcast src {src} is outside axis {axis!r} of size {k}")
+    if k == 1:
+        return t
+    group = mesh.group(axis)
+    import torch.distributed as dist
+
+    out = t.clone(memory_format=torch.contiguous_format)
+    comm_log.record("broadcast", mesh, axis, _nbytes(out), purpose, out.dtype)
+    dist.broadcast(out, src=mesh.group_ranks(axis)[src], group=group)
+    return out
+
+
+def _peer(mesh: DeviceMesh, axis: str, peer: int, what: str) -> int:
+    k = mesh.size(axis)
+    if not 0 <= peer < k or peer == mesh.rank(axis):
+        raise ValueError(
+            f"{what} {peer} must be another coordinate of axis {axis!r} (size {k}, this rank "
+            f"is {mesh.rank(axis)})"
+        )
+    return mesh.group_ranks(axis)[peer]
+
+
+def send(t: Tensor, mesh: DeviceMesh, axis: str, *, dst: int, purpose: str = "") -> None:
+    """Send ``t`` to the rank at coordinate ``dst`` of ``axis`` (which calls :func:`recv`)."""
+    peer = _peer(mesh, axis, dst, "send dst")
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    comm_log.record("send", mesh, axis, _nbytes(t), purpose, t.dtype)
+    dist.send(t, dst=peer, group=mesh.group(axis))
+
+
+def recv(like: Tensor, mesh: DeviceMesh, axis: str, *, src: int, purpose: str = "") -> Tensor:
+    """Receive, from the rank at coordinate ``src`` of ``axis``, a tensor shaped like ``like``."""
+    peer = _peer(mesh, axis, src, "recv src")
+    import torch.distributed as dist
+
+    out = torch.empty_like(like, memory_format=torch.contiguous_format)
+    comm_log.record("recv", mesh, axis, _nbytes(out), purpose, out.dtype)
+    dist.recv(out, src=peer, group=mesh.group(axis))
+    return out

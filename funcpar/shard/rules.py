@@ -1,0 +1,264 @@
+"""Sharding rules: module-name patterns -> tensor-parallel styles -> per-leaf layouts.
+
+A rule names modules by a pattern over their dotted names (``*`` matches one name component,
+as in Hugging Face's ``tp_plan``: ``"layers.*.self_attn.q_proj"``) and gives them a style:
+
+=======================  ===============================================  ==================
+style                    what the module computes on its shard            weight / bias
+=======================  ===============================================  ==================
+``colwise``              ``x @ W_r^T + b_r``: a slice of the outputs      Shard(out), Shard(0)
+``rowwise``              ``sum_r x_r @ W_r^T + b``: partial sums reduced  Shard(in), Replicate
+``embedding_rowwise``    vocab-parallel lookup (rows of the table split)  Shard(0)
+``vocab_parallel``       the LM head's logits for a vocabulary slice;     Shard(out)
+                         the loss is computed vocab-parallel, no gather
+``colwise_gather_output`` column split, logits all-gathered (any loss)    Shard(out), Shard(0)
+``replicate``            whole on every rank                              Replicate
+=======================  ===============================================  ==================
+
+``nn.Linear`` stores ``(out, in)``; Hugging Face's ``Conv1D`` (GPT-2) stores ``(in, out)``: the
+split dim follows the module type. A rule may carry ``unit``: the split dim must cut into whole
+units (attention heads of ``head_dim`` features), so ``n_units % tp == 0`` is required and
+checked before any compute. Leaves matched by no rule are replicated; a rule that matches no
+module is an error (a typo would otherwise silently replicate everything).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from funcpar.shard.layout import Layout, Shard
+from funcpar.shard.mesh import DeviceMesh
+
+__all__ = [
+    "STYLES",
+    "ModulePlan",
+    "Rule",
+    "ShardingPlan",
+    "hf_rules",
+    "llama_rules",
+    "plan_sharding",
+]
+
+STYLES = (
+    "colwise",
+    "rowwise",
+    "embedding_rowwise",
+    "vocab_parallel",
+    "colwise_gather_output",
+    "replicate",
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    style: str
+    unit: int | None = None  # the split dim must cut into whole units of this many entries
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(f"rule {self.pattern!r}: unknown style {self.style!r}; one of {STYLES}")
+        if self.unit is not None and self.unit <= 0:
+            raise ValueError(f"rule {self.pattern!r}: unit must be > 0, got {self.unit}")
+
+    def matches(self, name: str) -> bool:
+        regex = "".join("[^.]+" if part == "*" else re.escape(part)
+                        for part in re.split(r"(\*)", self.pattern))
+        return re.fullmatch(regex, name) is not None
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    name: str
+    module: nn.Module
+    style: str
+    rule: Rule
+    kind: str  # "linear", "conv1d" or "embedding"
+    weight_name: str  # the weight's parameter name (a tied weight has its first name)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """The resolved rules: per module its style, per parameter its layout."""
+
+    mesh: DeviceMesh
+    axis: str
+    modules: tuple[ModulePlan, ...]
+    layouts: dict[str, Layout]  # by parameter name, every parameter
+    matched_by: dict[str, str]  # parameter name -> rule pattern (or "(no rule)")
+
+    @property
+    def vocab_parallel_head(self) -> ModulePlan | None:
+        return next((m for m in self.modules if m.style == "vocab_parallel"), None)
+
+    def report(self) -> str:
+        """Which rule matched which leaf, and the leaf's layout."""
+        width = max((len(n) for n in self.layouts), default=4)
+        lines = [f"{'leaf'.ljust(width)}  rule -> layout"]
+        for name, lay in self.layouts.items():
+            lines.append(f"{name.ljust(width)}  {self.matched_by[name]} -> {lay!r}")
+        return "\n".join(lines)
+
+
+def _kind(name: str, module: nn.Module) -> str:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return "conv1d"
+    raise TypeError(f"sharding rule for {name!r}: {type(module).__name__} is not supported "
+                    "(nn.Linear, nn.Embedding or transformers' Conv1D)")
+
+
+def _weight_dims(kind: str, style: str) -> tuple[int | None, int | None]:
+    """(weight dim, bias dim) split by ``style`` for a module of ``kind``; None: replicated."""
+    out_dim = {"linear": 0, "conv1d": 1, "embedding": 0}[kind]
+    in_dim = {"linear": 1, "conv1d": 0, "embedding": None}[kind]
+    if style in ("colwise", "colwise_gather_output"):
+        return out_dim, 0
+    if style == "vocab_parallel":
+        return out_dim, 0
+    if style == "rowwise":
+        return in_dim, None
+    if style == "embedding_rowwise":
+        return 0, None
+    return None, None
+
+
+def plan_sharding(
+    module: nn.Module, rules: Sequence[Rule], mesh: DeviceMesh, axis: str = "tp"
+) -> ShardingPlan:
+    """Resolve ``rules`` against ``module``: a style per matched module, a layout per parameter.
+
+    Errors, all before any compute: a rule matching no module, a module matched by two rules,
+    an unsupported module type or style/type pair, a dim shorter than the axis, a split that
+    does not cut whole units (heads), and a tied parameter given two different layouts.
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"the mesh has no axis {axis!r}: its axes are {mesh.axis_names}")
+    size = mesh.size(axis)
+    modules = dict(module.named_modules())
+    # Parameters by identity, so a tied weight (embedding = LM head) is seen once.
+    names = {id(p): n for n, p in module.named_parameters()}
+    plans: list[ModulePlan] = []
+    used = set()
+    for rule in rules:
+        hits = [n for n in modules if n and rule.matches(n)]
+        if not hits:
+            raise ValueError(f"sharding rule {rule.pattern!r} ({rule.style}) matches no module")
+        for n in hits:
+            if n in used:
+                raise ValueError(f"module {n!r} is matched by more than one rule")
+            used.add(n)
+            if rule.style == "replicate":
+                continue
+            kind = _kind(n, modules[n])
+            if (kind == "embedding") != (rule.style == "embedding_rowwise"):
+                raise ValueError(f"rule {rule.pattern!r}: style {rule.style!r} does not apply to "
+                                 f"{n!r} ({type(modules[n]).__name__})")
+            if kind == "embedding" and (modules[n].padding_idx is not None or modules[n].max_norm):
+                raise ValueError(f"{n!r}: vocab-parallel embedding supports neither padding_idx "
+                                 "nor max_norm")
+            weight = names[id(modules[n].weight)]
+            plans.append(ModulePlan(n, modules[n], rule.style, rule, kind, weight))
+
+    layouts: dict[str, Layout] = {}
+    matched_by: dict[str, str] = {}
+    for mp in plans:
+        wdim, bdim = _weight_dims(mp.kind, mp.style)
+        for pname, dim in (("weight", wdim), ("bias", bdim)):
+            p = getattr(mp.module, pname, None)
+            if p is None or id(p) not in names:
+                continue
+            full = names[id(p)]
+            shape = tuple(p.shape)
+            if dim is None:
+                lay = Layout(mesh, shape, None, name=full)
+            else:
+                _check_split(full, shape[dim], size, mp.rule, axis)
+                lay = Layout(mesh, shape, {axis: Shard(dim)}, name=full)
+            if full in layouts and layouts[full] != lay:
+                raise ValueError(f"{full!r} is tied between modules given different layouts "
+                                 f"({layouts[full]!r} and {lay!r})")
+            layouts[full] = lay
+            matched_by[full] = mp.rule.pattern
+    for n, p in module.named_parameters():
+        if n not in layouts:
+            layouts[n] = Layout(mesh, tuple(p.shape), None, name=n)
+            matched_by[n] = "(no rule)"
+    ordered = {n: layouts[n] for n, _ in module.named_parameters()}
+    return ShardingPlan(mesh, axis, tuple(plans), ordered, matched_by)
+
+
+def _check_split(name: str, n: int, size: int, rule: Rule, axis: str) -> None:
+    if n < size:
+        raise ValueError(f"{name!r}: cannot split a dim of {n} over {axis}={size}")
+    if rule.unit is not None:
+        if n % rule.unit:
+            raise ValueError(f"{name!r}: dim {n} is not a whole number of units of {rule.unit}")
+        units = n // rule.unit
+        if units % size:
+            raise ValueError(f"{name!r}: {axis} size {size} does not divide the number of "
+                             f"heads {units} (rule {rule.pattern!r})")
+
+
+def llama_rules(head_dim: int, *, prefix: str = "", vocab_parallel_loss: bool = True,
+                embedding: bool = True) -> list[Rule]:
+    """Rules for :class:`funcpar.models.Llama` (and, with ``prefix="model."``, the decoder of
+    Hugging Face's ``LlamaForCausalLM``): attention and MLP input projections column-split,
+    output projections row-split (heads kept whole), embedding and LM head split on the vocab.
+    With ``vocab_parallel_loss`` the head's logits stay split and the loss is computed
+    vocab-parallel; otherwise they are gathered."""
+    p = prefix
+    rules = [
+        Rule(f"{p}layers.*.self_attn.q_proj", "colwise", head_dim),
+        Rule(f"{p}layers.*.self_attn.k_proj", "colwise", head_dim),
+        Rule(f"{p}layers.*.self_attn.v_proj", "colwise", head_dim),
+        Rule(f"{p}layers.*.self_attn.o_proj", "rowwise", head_dim),
+        Rule(f"{p}layers.*.mlp.gate_proj", "colwise"),
+        Rule(f"{p}layers.*.mlp.up_proj", "colwise"),
+        Rule(f"{p}layers.*.mlp.down_proj", "rowwise"),
+        Rule("lm_head", "vocab_parallel" if vocab_parallel_loss else "colwise_gather_output"),
+    ]
+    if embedding:
+        rules.append(Rule(f"{p}embed_tokens", "embedding_rowwise"))
+    return rules
+
+
+_HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "embedding_rowwise": "embedding_rowwise",
+    "colwise_gather_output": "colwise_gather_output",
+    "colwise_rep": "colwise_gather_output",
+}
+
+
+def hf_rules(model: nn.Module, *, vocab_parallel_loss: bool = True) -> list[Rule]:
+    """Rules from a Hugging Face model's own ``tp_plan`` (heads kept whole via the config).
+
+    Styles funcpar does not implement (sequence-parallel or packed variants) are an error naming
+    them. With ``vocab_parallel_loss`` the LM head's ``colwise_gather_output`` becomes
+    ``vocab_parallel`` (no logits gather; the loss must be funcpar's cross-entropy).
+    """
+    plan = getattr(model, "tp_plan", None) or {}
+    if not plan:
+        raise ValueError(f"{type(model).__name__} has no tp_plan; write rules for it by hand")
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rules = []
+    for pattern, style in plan.items():
+        if style not in _HF_STYLES:
+            raise ValueError(f"tp_plan style {style!r} of {pattern!r} is not supported; "
+                             f"supported: {sorted(_HF_STYLES)}")
+        ours = _HF_STYLES[style]
+        if ours == "colwise_gather_output" and vocab_parallel_loss and pattern == "lm_head":
+            ours = "vocab_parallel"
+        unit = head_dim if re.search(r"(q|k|v|o)_proj$", pattern) else None
+        rules.append(Rule(pattern, ours, unit))
+    return rules

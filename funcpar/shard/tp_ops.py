@@ -1,0 +1,143 @@
+"""The tensor-parallel building blocks (Shoeybi et al. 2019, Megatron-LM, arXiv 1909.08053).
+
+Two conjugate autograd functions carry every tensor-parallel region:
+
+* :func:`enter_region` (Megatron's *f*): identity forward, all-reduce of the gradient backward.
+  A replicated activation that feeds column-parallel weights gets a partial gradient from each
+  rank's columns; the sum is its true gradient.
+* :func:`exit_region` (Megatron's *g*): all-reduce forward, identity backward. A row-parallel
+  product leaves each rank with a partial sum of the output.
+
+On top of them, vocab-parallel embedding lookup and vocab-parallel cross-entropy, which never
+gather the full logits: each rank holds the logits of its vocabulary slice, and only per-token
+maxima and sums cross the wire.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from funcpar.shard.comm import all_gather, all_reduce
+from funcpar.shard.mesh import DeviceMesh
+
+__all__ = [
+    "enter_region",
+    "exit_region",
+    "gather_last_dim",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
+]
+
+
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, mesh: DeviceMesh, axis: str, purpose: str) -> Tensor:
+        ctx.mesh, ctx.axis, ctx.purpose = mesh, axis, purpose
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out = all_reduce(grad, ctx.mesh, ctx.axis, purpose=ctx.purpose + " (grad)")
+        return out, None, None, None
+
+
+class _Exit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, mesh: DeviceMesh, axis: str, purpose: str) -> Tensor:
+        return all_reduce(x, mesh, axis, purpose=purpose)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None, None, None
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, mesh: DeviceMesh, axis: str, sizes: list[int], purpose: str):
+        ctx.start = sum(sizes[: mesh.rank(axis)])
+        ctx.n = x.shape[-1]
+        return all_gather(x, mesh, axis, dim=x.dim() - 1, sizes=sizes, purpose=purpose)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # The loss is computed whole on every rank: each rank's slice of the gradient is its own.
+        return grad[..., ctx.start : ctx.start + ctx.n], None, None, None, None
+
+
+def gather_last_dim(
+    x: Tensor, mesh: DeviceMesh, axis: str, sizes: list[int], purpose: str = "tp gather"
+) -> Tensor:
+    """All-gather of ``x`` along its last dim (rank ``r`` holds ``sizes[r]`` entries)."""
+    if mesh.size(axis) == 1:
+        return x
+    return _GatherLast.apply(x, mesh, axis, list(sizes), purpose)
+
+
+def enter_region(x: Tensor, mesh: DeviceMesh, axis: str, purpose: str = "tp enter") -> Tensor:
+    """Identity forward; the gradient is summed over ``axis`` backward."""
+    if mesh.size(axis) == 1:
+        return x
+    return _Enter.apply(x, mesh, axis, purpose)
+
+
+def exit_region(x: Tensor, mesh: DeviceMesh, axis: str, purpose: str = "tp exit") -> Tensor:
+    """Sum over ``axis`` forward; the gradient passes through unchanged backward."""
+    if mesh.size(axis) == 1:
+        return x
+    return _Exit.apply(x, mesh, axis, purpose)
+
+
+def vocab_parallel_embedding(
+    ids: Tensor, weight: Tensor, start: int, mesh: DeviceMesh, axis: str, purpose: str = "embed"
+) -> Tensor:
+    """Rows ``ids`` of an embedding whose rows ``[start, start + weight.shape[0])`` live here.
+
+    Each rank looks up the ids in its slice, zeroes the others, and the sum over ``axis`` is the
+    full lookup; backward, each rank's rows get exactly their tokens' gradients.
+    """
+    local = ids - start
+    inside = (local >= 0) & (local < weight.shape[0])
+    out = F.embedding(local.clamp(0, max(weight.shape[0] - 1, 0)), weight) if weight.shape[0] else (
+        weight.new_zeros((*ids.shape, weight.shape[1]))
+    )
+    out = out * inside.unsqueeze(-1).to(out.dtype)
+    return exit_region(out, mesh, axis, purpose)
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor,
+    targets: Tensor,
+    start: int,
+    mesh: DeviceMesh,
+    axis: str,
+    *,
+    ignore_index: int = -100,
+    purpose: str = "cross_entropy",
+) -> Tensor:
+    """Mean cross-entropy over tokens of logits split on the vocabulary (last) dim.
+
+    ``logits[..., j]`` here is the logit of token ``start + j``. ``log sum exp`` is assembled
+    from the per-rank maximum (all-reduce max, no gradient: any constant shift gives the same
+    value) and the per-rank sums of exponentials (all-reduce sum); the target's logit comes
+    from the one rank that holds it. Autograd through :func:`exit_region` then gives each rank
+    ``softmax - onehot`` for its slice. Tokens equal to ``ignore_index`` do not count, as in
+    ``F.cross_entropy``.
+    """
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    n_local = z.shape[-1]
+    local_max = z.detach().amax(dim=-1) if n_local else z.new_full(z.shape[:-1], -torch.inf)
+    shift = all_reduce(local_max, mesh, axis, op="max", purpose=purpose + " max")
+    shifted = z - shift.unsqueeze(-1)
+    sum_exp = exit_region(shifted.exp().sum(dim=-1), mesh, axis, purpose + " sum_exp")
+    local_t = targets - start
+    here = (local_t >= 0) & (local_t < n_local)
+    if n_local:
+        picked = shifted.gather(-1, local_t.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1)
+    else:  # an empty vocabulary shard (uneven split): holds no target
+        picked = shifted.new_zeros(targets.shape)
+    target_logit = exit_region(picked * here.to(z.dtype), mesh, axis, purpose + " target")
+    loss = sum_exp.log() - target_logit
+    keep = targets != ignore_index
+    return (loss * keep.to(loss.dtype)).sum() / keep.sum().clamp_min(1)

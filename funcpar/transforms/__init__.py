@@ -1,0 +1,7 @@
+"""Transforms of a (step, state) pair: each returns a new pair computing the same training."""
+
+from funcpar.transforms.compose import compose
+from funcpar.transforms.data_parallel import data_parallel
+from funcpar.transforms.shard_params import logits_of, shard_params
+
+__all__ = ["compose", "data_parallel", "logits_of", "shard_params"]

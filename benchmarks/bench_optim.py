@@ -22,8 +22,8 @@ import argparse
 import importlib
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

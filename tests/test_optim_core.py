@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from conftest import max_rel_err
 
 import funcpar.optim as fo
-from conftest import max_rel_err
 
 # Leaves of several ranks, a scalar and a 3-D one: a state bug tied to a shape shows here.
 SHAPES = {"w": (5, 7), "sq": (4, 4), "b": (7,), "s": (), "t": (2, 3, 4), "one": (1,)}

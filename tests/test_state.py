@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import funcpar.optim as fo
 from funcpar.state import (
     LeafSpec,
     functionalize,
@@ -15,7 +16,6 @@ from funcpar.state import (
     tree_unflatten,
 )
 from funcpar.state.tree import leaves_like, tree_structure_check
-import funcpar.optim as fo
 
 
 def test_tree_helpers():

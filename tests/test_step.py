@@ -74,7 +74,7 @@ def test_step_is_pure_and_rng_is_state():
         assert torch.equal(s1.params[k], s2.params[k])
         assert torch.equal(state.params[k], snapshot[k])  # inputs untouched
     assert not torch.equal(s1.rng, state.rng)  # dropout drew from the state's generator
-    s3, m3 = step(s1, batch)
+    _s3, m3 = step(s1, batch)
     assert not torch.equal(m3["loss"], m1["loss"])  # a new mask on the next step
 
 

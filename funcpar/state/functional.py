@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["functionalize", "ApplyFn"]
+__all__ = ["ApplyFn", "functionalize"]
 
 #: ``apply_fn(params, buffers, *args, **kwargs) -> (output, new_buffers)``
 ApplyFn = Callable[..., tuple[Any, dict[str, Tensor]]]

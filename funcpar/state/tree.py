@@ -16,18 +16,18 @@ import optree
 import torch
 
 __all__ = [
+    "LeafSpec",
     "Tree",
+    "leaves_like",
+    "named_leaves",
+    "path_name",
     "tree_flatten",
-    "tree_unflatten",
+    "tree_leaves",
     "tree_map",
     "tree_map_with_path",
-    "tree_leaves",
-    "named_leaves",
     "tree_shapes",
     "tree_structure_check",
-    "leaves_like",
-    "path_name",
-    "LeafSpec",
+    "tree_unflatten",
 ]
 
 NAMESPACE = "funcpar"

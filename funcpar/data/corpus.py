@@ -51,7 +51,9 @@ def stdlib_files(max_bytes: int = DEFAULT_STDLIB_BYTES) -> list[Path]:
     return chosen
 
 
-def corpus_files(corpus: str | Path | Sequence[str | Path], pattern: str = "**/*.txt") -> list[Path]:
+def corpus_files(
+    corpus: str | Path | Sequence[str | Path], pattern: str = "**/*.txt"
+) -> list[Path]:
     """The files of ``corpus``: a file, a directory (its files matching ``pattern``, sorted,
     hidden ones skipped) or a sequence of files.
 

@@ -1,5 +1,6 @@
 """Training steps and logging."""
 
+from funcpar.train.logger import Logger, host_scalars
 from funcpar.train.step import TrainStep, loss_and_grads, make_train_step
 
-__all__ = ["TrainStep", "loss_and_grads", "make_train_step"]
+__all__ = ["Logger", "TrainStep", "host_scalars", "loss_and_grads", "make_train_step"]

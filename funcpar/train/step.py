@@ -32,7 +32,9 @@ def loss_and_grads(
     attention (shared/PEERS.md), while this path is as fast as ``loss.backward()``.
     """
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise TypeError("a batch must be a pair (inputs, targets); inputs may be a tuple of tensors")
+        raise TypeError(
+            "a batch must be a pair (inputs, targets); inputs may be a tuple of tensors"
+        )
     inputs, targets = batch
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     leaves, spec = tree_flatten(params)

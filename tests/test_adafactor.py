@@ -119,7 +119,8 @@ def test_adafactor_weight_decay_mask_matches_param_groups(dtype):
 def test_adafactor_lr_schedule_matches_changing_group_lr():
     # The count arrives as an int64 tensor (an int when validated): in float64, 0.8**count is
     # what Python computes to an ulp.
-    sched = lambda count: 2e-2 * 0.8 ** torch.as_tensor(count, dtype=torch.float64)
+    def sched(count):
+        return 2e-2 * 0.8 ** torch.as_tensor(count, dtype=torch.float64)
 
     def set_lr(theirs, i):
         theirs.param_groups[0]["lr"] = 2e-2 * 0.8**i

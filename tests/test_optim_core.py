@@ -57,7 +57,7 @@ def _inner(state):
     ],
 )
 def test_sgd_matches_torch(kwargs):
-    params, state, theirs, theirs_p, err = _run_pair(
+    _p, state, theirs, theirs_p, err = _run_pair(
         fo.sgd(**kwargs), lambda ps: torch.optim.SGD(ps, **kwargs)
     )
     assert err <= TOL64
@@ -79,7 +79,7 @@ def test_sgd_matches_torch(kwargs):
     ],
 )
 def test_adamw_matches_torch(kwargs):
-    params, state, theirs, theirs_p, err = _run_pair(
+    _p, state, theirs, theirs_p, err = _run_pair(
         fo.adamw(**kwargs), lambda ps: torch.optim.AdamW(ps, **kwargs)
     )
     assert err <= TOL64
@@ -249,7 +249,9 @@ def test_bad_trees_and_leaves():
         fo.chain(fo.sgd(), "adam")
 
 
-@pytest.mark.parametrize("opt", [fo.adamw(weight_decay=0.1), fo.sgd(momentum=0.9, weight_decay=0.1)])
+@pytest.mark.parametrize(
+    "opt", [fo.adamw(weight_decay=0.1), fo.sgd(momentum=0.9, weight_decay=0.1)]
+)
 def test_updates_keep_the_leaf_dtype(opt):
     params = _params(torch.float32)
     grads = {k: torch.ones_like(v) for k, v in params.items()}

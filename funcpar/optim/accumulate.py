@@ -32,7 +32,9 @@ def accumulate(inner: GradientTransformation, every: int) -> GradientTransformat
 
     def init(params: Tree) -> AccumulateState:
         return AccumulateState(
-            torch.zeros((), dtype=torch.int64), tree_map(torch.zeros_like, params), inner.init(params)
+            torch.zeros((), dtype=torch.int64),
+            tree_map(torch.zeros_like, params),
+            inner.init(params),
         )
 
     def update(grads, state: AccumulateState, params=None, *, layouts=None):

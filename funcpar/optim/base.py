@@ -68,7 +68,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply ``transforms`` in order; the state is the tuple of their states."""
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
-            raise TypeError(f"chain argument {i} is {type(t).__name__}, not a GradientTransformation")
+            raise TypeError(
+                f"chain argument {i} is {type(t).__name__}, not a GradientTransformation"
+            )
 
     def init(params: Tree) -> tuple:
         return tuple(t.init(params) for t in transforms)

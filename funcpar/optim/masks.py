@@ -7,7 +7,6 @@ name and the tensor, or a tree of bools with the structure of ``params``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Union
 
 from torch import Tensor
 
@@ -15,7 +14,7 @@ from funcpar.state.tree import Tree, leaves_like, named_leaves, tree_flatten, tr
 
 __all__ = ["Mask", "matrices_only", "resolve_mask"]
 
-Mask = Union[None, Callable[[str, Tensor], bool], Tree]
+Mask = None | Callable[[str, Tensor], bool] | Tree
 
 
 def matrices_only(name: str, param: Tensor) -> bool:

@@ -182,12 +182,19 @@ def test_trust_ratio_edge_cases():
     assert max_rel_err(updates["zero"], -0.02 * g / (g.abs() + 1e-6)) <= 1e-14
 
 
-def test_float32_matches_torch_optimizer():
+@pytest.mark.parametrize(
+    "variant, theirs",
+    [
+        ("torch_optimizer", lambda ps: torch_optimizer.Lamb(ps, lr=0.02, weight_decay=0.1)),
+        ("pytorch_optimizer",
+         lambda ps: pytorch_optimizer.Lamb(ps, lr=0.02, weight_decay=0.1, foreach=False)),
+    ],
+)
+def test_float32_matches_references(variant, theirs):
     # float32: the references' scalar arithmetic is in double, ours in 0-d float64 tensors
     # cast to float32 at the multiply: agreement to float32 rounding.
-    ours = lamb(lr=0.02, weight_decay=0.1, variant="torch_optimizer")
-    err, *_ = _run(ours, lambda ps: torch_optimizer.Lamb(ps, lr=0.02, weight_decay=0.1),
-                   dtype=torch.float32)
+    ours = lamb(lr=0.02, weight_decay=0.1, variant=variant)
+    err, *_ = _run(ours, theirs, dtype=torch.float32)
     assert err <= 1e-6
 
 

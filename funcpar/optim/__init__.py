@@ -6,13 +6,23 @@ from funcpar.optim.adamw import AdamWState, adamw
 from funcpar.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from funcpar.optim.came import CAMEState, came
 from funcpar.optim.clip import clip_by_global_norm, global_norm
+from funcpar.optim.galore import (
+    GaLoreAdafactorState,
+    GaLoreAdamWState,
+    GaLoreConfig,
+    galore_adafactor,
+    galore_adamw,
+    galore_param_groups,
+)
 from funcpar.optim.hyperparams import (
     HyperState,
     get_hyperparams,
     inject_hyperparams,
     set_hyperparams,
 )
+from funcpar.optim.lamb import LambState, lamb
 from funcpar.optim.masks import matrices_only
+from funcpar.optim.memory import format_state_report, state_bytes, state_bytes_by_leaf
 from funcpar.optim.schedules import constant, cosine, linear, linear_warmup, warmup_cosine
 from funcpar.optim.sgd import SGDState, sgd
 
@@ -22,8 +32,12 @@ __all__ = [
     "AdamWState",
     "CAMEState",
     "EmptyState",
+    "GaLoreAdafactorState",
+    "GaLoreAdamWState",
+    "GaLoreConfig",
     "GradientTransformation",
     "HyperState",
+    "LambState",
     "SGDState",
     "accumulate",
     "adafactor",
@@ -35,14 +49,21 @@ __all__ = [
     "clip_by_global_norm",
     "constant",
     "cosine",
+    "format_state_report",
+    "galore_adafactor",
+    "galore_adamw",
+    "galore_param_groups",
     "get_hyperparams",
     "global_norm",
     "identity",
     "inject_hyperparams",
+    "lamb",
     "linear",
     "linear_warmup",
     "matrices_only",
     "set_hyperparams",
     "sgd",
+    "state_bytes",
+    "state_bytes_by_leaf",
     "warmup_cosine",
 ]

@@ -325,7 +325,9 @@ def adafactor(
         validate.nonnegative(who, "lr", lr)
     eps1, eps2 = eps_pair(who, eps)
     validate.positive(who, "eps[0]", eps1)
-    validate.nonnegative(who, "eps[1]", eps2)
+    # eps2 > 0: it is the floor of RMS(W) in alpha_t, so eps2 = 0 would freeze a zero-initialised
+    # leaf forever (Hugging Face accepts it silently).
+    validate.positive(who, "eps[1]", eps2)
     validate.positive(who, "clip_threshold", clip_threshold)
     if callable(decay_rate) or not (math.isfinite(float(decay_rate)) and decay_rate <= 0):
         raise ValueError(f"{who}: decay_rate must be a number <= 0 (beta2_t = 1 - t^decay_rate "
@@ -466,7 +468,8 @@ def adafactor_torch(
     eps1, eps2 = eps_pair(who, eps)
     if eps1 is not None:
         validate.positive(who, "eps[0]", eps1)
-    validate.nonnegative(who, "eps[1]", eps2)
+    # eps2 > 0 (torch accepts 0): the floor of RMS(W) in alpha_t; 0 freezes a zero leaf.
+    validate.positive(who, "eps[1]", eps2)
     if callable(beta2_decay) or not (math.isfinite(float(beta2_decay)) and beta2_decay <= 0):
         raise ValueError(f"{who}: beta2_decay must be a number <= 0, got {beta2_decay!r}")
     if callable(d) or not (math.isfinite(float(d)) and d >= 1.0):

@@ -23,6 +23,12 @@ Uneven splits follow torch.chunk (and DTensor's ``Shard``): a dim of ``n`` over 
 ``ceil(n / k)`` to each rank in coordinate order and what is left to the last ones - fewer, or
 none (``7`` over 4: ``2, 2, 2, 1``; ``6`` over 4: ``2, 2, 2, 0``). Shards may be empty; the
 reductions handle that. Splitting a dim shorter than the number of pieces is an error.
+
+A dim may also be split *blocked*: ``blocks={dim: k}`` views the dim as ``k`` equal blocks laid
+end to end (a fused ``[q | k | v]`` projection, ``k = 3``) and cuts each block as above; a rank's
+shard is its piece of every block, in block order. The shard is then not one slice of the global
+tensor (:meth:`Layout.local_slices` refuses), but reductions over the dim are unchanged: every
+element is still on exactly one rank.
 """
 
 from __future__ import annotations
@@ -117,10 +123,11 @@ class Layout:
     path) goes into error messages and into the ``purpose`` of the layout's collectives.
     """
 
-    __slots__ = ("dim_axes", "global_shape", "mesh", "name")
+    __slots__ = ("dim_axes", "dim_blocks", "global_shape", "mesh", "name")
     mesh: DeviceMesh
     global_shape: tuple[int, ...]
     dim_axes: tuple[tuple[str, ...], ...]
+    dim_blocks: tuple[int, ...]
     name: str
 
     def __init__(
@@ -129,6 +136,7 @@ class Layout:
         global_shape: Sequence[int] | torch.Size,
         placements: Mapping[str, Any] | Sequence[Any] | None = None,
         *,
+        blocks: Mapping[int, int] | None = None,
         name: str = "",
     ) -> None:
         shape = tuple(int(s) for s in global_shape)
@@ -166,7 +174,13 @@ class Layout:
                     f"(global shape {shape})"
                 )
             dim_axes[q.dim % nd].append(axis)
-        self._set(mesh, shape, tuple(tuple(a) for a in dim_axes), name)
+        dim_blocks = [1] * nd
+        for d, k in (blocks or {}).items():
+            if not -nd <= d < nd or isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"{_who(name)}: blocks must map dims of {nd} to counts >= 1, "
+                                 f"got {dict(blocks or {})}")
+            dim_blocks[d % nd] = k
+        self._set(mesh, shape, tuple(tuple(a) for a in dim_axes), name, tuple(dim_blocks))
 
     @classmethod
     def from_spec(
@@ -203,13 +217,16 @@ class Layout:
 
     @classmethod
     def _make(cls, mesh: DeviceMesh, shape: tuple[int, ...],
-              dim_axes: tuple[tuple[str, ...], ...], name: str) -> Layout:
+              dim_axes: tuple[tuple[str, ...], ...], name: str,
+              dim_blocks: tuple[int, ...] | None = None) -> Layout:
         obj = cls.__new__(cls)
-        obj._set(mesh, shape, dim_axes, name)
+        obj._set(mesh, shape, dim_axes, name, dim_blocks)
         return obj
 
     def _set(self, mesh: DeviceMesh, shape: tuple[int, ...],
-             dim_axes: tuple[tuple[str, ...], ...], name: str) -> None:
+             dim_axes: tuple[tuple[str, ...], ...], name: str,
+             dim_blocks: tuple[int, ...] | None = None) -> None:
+        dim_blocks = dim_blocks or (1,) * len(shape)
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"{_who(name)}: mesh must be a funcpar DeviceMesh, got {mesh!r}")
         if any(s < 0 for s in shape):
@@ -228,14 +245,19 @@ class Layout:
                     )
                 seen[axis] = d
             parts = math.prod(mesh.size(a) for a in axes)
-            if parts > 1 and shape[d] < parts:
+            k = dim_blocks[d]
+            if shape[d] % k:
+                raise ValueError(f"{_who(name)}: dim {d} of size {shape[d]} (global shape "
+                                 f"{shape}) is not {k} equal blocks")
+            if parts > 1 and shape[d] // k < parts:
                 over = " x ".join(f"{a} ({mesh.size(a)})" for a in axes)
+                what = f"a block of {shape[d] // k} of " if k > 1 else ""
                 raise ValueError(
-                    f"{_who(name)}: dim {d} of size {shape[d]} (global shape {shape}) cannot be "
-                    f"split over {over}: it is smaller than the {parts} pieces"
+                    f"{_who(name)}: {what}dim {d} of size {shape[d]} (global shape {shape}) "
+                    f"cannot be split over {over}: it is smaller than the {parts} pieces"
                 )
         for attr, value in (("mesh", mesh), ("global_shape", shape), ("dim_axes", dim_axes),
-                            ("name", name)):
+                            ("dim_blocks", dim_blocks), ("name", name)):
             object.__setattr__(self, attr, value)
 
     def __setattr__(self, attr: str, value: Any) -> None:
@@ -249,10 +271,10 @@ class Layout:
             raise ValueError(f"{_who(self.name)}: dim {dim} out of range for {nd} dims")
         d = dim % nd
         dim_axes = tuple(a + (axis,) if i == d else a for i, a in enumerate(self.dim_axes))
-        return Layout._make(self.mesh, self.global_shape, dim_axes, self.name)
+        return Layout._make(self.mesh, self.global_shape, dim_axes, self.name, self.dim_blocks)
 
     def named(self, name: str) -> Layout:
-        return Layout._make(self.mesh, self.global_shape, self.dim_axes, name)
+        return Layout._make(self.mesh, self.global_shape, self.dim_axes, name, self.dim_blocks)
 
     @property
     def spec(self) -> tuple[tuple[str, ...], ...]:
@@ -286,19 +308,28 @@ class Layout:
         return tuple(a for a in self.mesh.axis_names if a in split)
 
     def _intervals(self, rank: int | None) -> list[tuple[int, int]]:
+        """Per dim, ``(start, length)`` of the rank's piece within one block of the dim."""
         coords = self.mesh.coords(rank)
         out = []
-        for n, axes in zip(self.global_shape, self.dim_axes):
-            lv = _levels(n, [self.mesh.size(a) for a in axes], [coords[a] for a in axes])
+        for n, axes, k in zip(self.global_shape, self.dim_axes, self.dim_blocks):
+            lv = _levels(n // k, [self.mesh.size(a) for a in axes], [coords[a] for a in axes])
             out.append(lv[-1])
         return out
 
+    @property
+    def is_blocked(self) -> bool:
+        return any(k > 1 for k in self.dim_blocks)
+
     def local_shape(self, rank: int | None = None) -> tuple[int, ...]:
         """The shape of the shard held by global ``rank`` (this process when None)."""
-        return tuple(length for _, length in self._intervals(rank))
+        return tuple(k * length for (_, length), k in zip(self._intervals(rank), self.dim_blocks))
 
     def local_slices(self, rank: int | None = None) -> tuple[slice, ...]:
-        """Where ``rank``'s shard sits in the global tensor."""
+        """Where ``rank``'s shard sits in the global tensor (not for blocked splits, whose
+        shard is several slices)."""
+        if self.is_blocked:
+            raise ValueError(f"{_who(self.name)}: a blocked split (blocks {self.dim_blocks}) "
+                             "has no single slice; use shard_tensor")
         return tuple(slice(s, s + n) for s, n in self._intervals(rank))
 
     # ------------------------------------------------------------------------------ contract
@@ -317,7 +348,7 @@ class Layout:
 
     # ---------------------------------------------------------------------------- dunder
     def _key(self) -> tuple[Any, ...]:
-        return (id(self.mesh), self.global_shape, self.dim_axes)
+        return (id(self.mesh), self.global_shape, self.dim_axes, self.dim_blocks)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Layout):
@@ -332,7 +363,9 @@ class Layout:
             "None" if not a else (repr(a[0]) if len(a) == 1 else repr(a)) for a in self.dim_axes
         )
         name = f", name={self.name!r}" if self.name else ""
-        return f"Layout({list(self.global_shape)}, spec=({spec}){name})"
+        blocks = {d: k for d, k in enumerate(self.dim_blocks) if k > 1}
+        blocked = f", blocks={blocks}" if blocks else ""
+        return f"Layout({list(self.global_shape)}, spec=({spec}){blocked}{name})"
 
 
 # ----------------------------------------------------------------------------- tensor level
@@ -344,7 +377,10 @@ def shard_tensor(x: Tensor, layout: Layout, rank: int | None = None) -> Tensor:
             f"{_who(layout.name)}: global shape {layout.global_shape} but the tensor to shard "
             f"has shape {tuple(x.shape)}"
         )
-    return x[layout.local_slices(rank)].clone(memory_format=torch.contiguous_format)
+    for d, ((start, n), k) in enumerate(zip(layout._intervals(rank), layout.dim_blocks)):
+        # Each of the k blocks of dim d gives its piece [start, start + n).
+        x = x.unflatten(d, (k, -1)).narrow(d + 1, start, n).flatten(d, d + 1)
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def unshard(local: Tensor, layout: Layout, *, purpose: str | None = None) -> Tensor:
@@ -363,12 +399,16 @@ def unshard(local: Tensor, layout: Layout, *, purpose: str | None = None) -> Ten
     coords = mesh.coords()
     why = purpose if purpose is not None else layout._purpose("unshard")
     t = local
-    for d, axes in enumerate(layout.dim_axes):
+    for d, (axes, k) in enumerate(zip(layout.dim_axes, layout.dim_blocks)):
+        if not axes:
+            continue
         sizes = [mesh.size(a) for a in axes]
-        lv = _levels(layout.global_shape[d], sizes, [coords[a] for a in axes])
+        lv = _levels(layout.global_shape[d] // k, sizes, [coords[a] for a in axes])
+        t = t.unflatten(d, (k, -1))  # gather each block's pieces side by side
         for j in reversed(range(len(axes))):
             pieces = comm.chunk_sizes(lv[j][1], sizes[j])
-            t = comm.all_gather(t, mesh, axes[j], dim=d, sizes=pieces, purpose=why)
+            t = comm.all_gather(t, mesh, axes[j], dim=d + 1, sizes=pieces, purpose=why)
+        t = t.flatten(d, d + 1)
     return t
 
 

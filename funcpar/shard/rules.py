@@ -18,7 +18,11 @@ style                    what the module computes on its shard            weight
 ``nn.Linear`` stores ``(out, in)``; Hugging Face's ``Conv1D`` (GPT-2) stores ``(in, out)``: the
 split dim follows the module type. A rule may carry ``unit``: the split dim must cut into whole
 units (attention heads of ``head_dim`` features), so ``n_units % tp == 0`` is required and
-checked before any compute. Leaves matched by no rule are replicated; a rule that matches no
+checked before any compute. A rule may carry ``blocks`` for a fused projection (GPT-2's
+``c_attn`` computes ``[q | k | v]``, ``blocks=3``): each block is split on its own (a blocked
+:class:`~funcpar.shard.layout.Layout`), so every rank gets its heads of q, of k and of v. A model
+that cuts such an output by a stored width (GPT-2's ``split_size``) names that attribute with a
+:class:`LocalAttr`: inside the sharded forward it holds the local width. Leaves matched by no rule are replicated; a rule that matches no
 module is an error (a typo would otherwise silently replicate everything).
 """
 
@@ -35,9 +39,12 @@ from funcpar.shard.mesh import DeviceMesh
 
 __all__ = [
     "STYLES",
+    "LocalAttr",
     "ModulePlan",
     "Rule",
     "ShardingPlan",
+    "bert_rules",
+    "gpt2_rules",
     "hf_rules",
     "llama_rules",
     "plan_sharding",
@@ -58,17 +65,38 @@ class Rule:
     pattern: str
     style: str
     unit: int | None = None  # the split dim must cut into whole units of this many entries
+    blocks: int = 1  # the split dim is this many equal blocks, each split on its own (fused qkv)
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:
             raise ValueError(f"rule {self.pattern!r}: unknown style {self.style!r}; one of {STYLES}")
         if self.unit is not None and self.unit <= 0:
             raise ValueError(f"rule {self.pattern!r}: unit must be > 0, got {self.unit}")
+        if self.blocks < 1:
+            raise ValueError(f"rule {self.pattern!r}: blocks must be >= 1, got {self.blocks}")
+        if self.blocks > 1 and self.style != "colwise":
+            raise ValueError(f"rule {self.pattern!r}: blocks apply to the 'colwise' style only")
 
     def matches(self, name: str) -> bool:
-        regex = "".join("[^.]+" if part == "*" else re.escape(part)
-                        for part in re.split(r"(\*)", self.pattern))
-        return re.fullmatch(regex, name) is not None
+        return _matches(self.pattern, name)
+
+
+@dataclass(frozen=True)
+class LocalAttr:
+    """An int attribute of the matched modules that counts features of a split dim (GPT-2
+    attention's ``split_size``): divided by the axis size inside the sharded forward."""
+
+    pattern: str
+    attr: str
+
+    def matches(self, name: str) -> bool:
+        return _matches(self.pattern, name)
+
+
+def _matches(pattern: str, name: str) -> bool:
+    regex = "".join("[^.]+" if part == "*" else re.escape(part)
+                    for part in re.split(r"(\*)", pattern))
+    return re.fullmatch(regex, name) is not None
 
 
 @dataclass(frozen=True)
@@ -90,6 +118,7 @@ class ShardingPlan:
     modules: tuple[ModulePlan, ...]
     layouts: dict[str, Layout]  # by parameter name, every parameter
     matched_by: dict[str, str]  # parameter name -> rule pattern (or "(no rule)")
+    local_attrs: tuple[tuple[nn.Module, str, int], ...] = ()  # (module, attr, local value)
 
     @property
     def vocab_parallel_head(self) -> ModulePlan | None:
@@ -131,7 +160,7 @@ def _weight_dims(kind: str, style: str) -> tuple[int | None, int | None]:
 
 
 def plan_sharding(
-    module: nn.Module, rules: Sequence[Rule], mesh: DeviceMesh, axis: str = "tp"
+    module: nn.Module, rules: Sequence[Rule | LocalAttr], mesh: DeviceMesh, axis: str = "tp"
 ) -> ShardingPlan:
     """Resolve ``rules`` against ``module``: a style per matched module, a layout per parameter.
 
@@ -146,9 +175,13 @@ def plan_sharding(
     # Parameters by identity, so a tied weight (embedding = LM head) is seen once.
     names = {id(p): n for n, p in module.named_parameters()}
     plans: list[ModulePlan] = []
+    local_attrs: list[tuple[nn.Module, str, int]] = []
     used = set()
     for rule in rules:
         hits = [n for n in modules if n and rule.matches(n)]
+        if isinstance(rule, LocalAttr):
+            local_attrs += _local_attrs(rule, hits, modules, size, axis)
+            continue
         if not hits:
             raise ValueError(f"sharding rule {rule.pattern!r} ({rule.style}) matches no module")
         for n in hits:
@@ -161,9 +194,10 @@ def plan_sharding(
             if (kind == "embedding") != (rule.style == "embedding_rowwise"):
                 raise ValueError(f"rule {rule.pattern!r}: style {rule.style!r} does not apply to "
                                  f"{n!r} ({type(modules[n]).__name__})")
-            if kind == "embedding" and (modules[n].padding_idx is not None or modules[n].max_norm):
-                raise ValueError(f"{n!r}: vocab-parallel embedding supports neither padding_idx "
-                                 "nor max_norm")
+            if kind == "embedding" and (modules[n].max_norm or modules[n].scale_grad_by_freq
+                                        or modules[n].sparse):
+                raise ValueError(f"{n!r}: vocab-parallel embedding supports neither max_norm, "
+                                 "scale_grad_by_freq nor sparse")
             weight = names[id(modules[n].weight)]
             plans.append(ModulePlan(n, modules[n], rule.style, rule, kind, weight))
 
@@ -180,8 +214,12 @@ def plan_sharding(
             if dim is None:
                 lay = Layout(mesh, shape, None, name=full)
             else:
-                _check_split(full, shape[dim], size, mp.rule, axis)
-                lay = Layout(mesh, shape, {axis: Shard(dim)}, name=full)
+                k = mp.rule.blocks
+                if shape[dim] % k:
+                    raise ValueError(f"{full!r}: dim {dim} of {shape[dim]} is not {k} equal "
+                                     f"blocks (rule {mp.rule.pattern!r})")
+                _check_split(full, shape[dim] // k, size, mp.rule, axis)
+                lay = Layout(mesh, shape, {axis: Shard(dim)}, blocks={dim: k}, name=full)
             if full in layouts and layouts[full] != lay:
                 raise ValueError(f"{full!r} is tied between modules given different layouts "
                                  f"({layouts[full]!r} and {lay!r})")
@@ -192,7 +230,23 @@ def plan_sharding(
             layouts[n] = Layout(mesh, tuple(p.shape), None, name=n)
             matched_by[n] = "(no rule)"
     ordered = {n: layouts[n] for n, _ in module.named_parameters()}
-    return ShardingPlan(mesh, axis, tuple(plans), ordered, matched_by)
+    return ShardingPlan(mesh, axis, tuple(plans), ordered, matched_by, tuple(local_attrs))
+
+
+def _local_attrs(rule: LocalAttr, hits: list[str], modules: dict[str, nn.Module], size: int,
+                 axis: str) -> list[tuple[nn.Module, str, int]]:
+    if not hits:
+        raise ValueError(f"sharding rule LocalAttr({rule.pattern!r}, {rule.attr!r}) matches no "
+                         "module")
+    out = []
+    for n in hits:
+        value = getattr(modules[n], rule.attr, None)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{n!r} has no int attribute {rule.attr!r} (got {value!r})")
+        if value % size:
+            raise ValueError(f"{n!r}.{rule.attr} = {value} does not divide by {axis}={size}")
+        out.append((modules[n], rule.attr, value // size))
+    return out
 
 
 def _check_split(name: str, n: int, size: int, rule: Rule, axis: str) -> None:
@@ -227,6 +281,54 @@ def llama_rules(head_dim: int, *, prefix: str = "", vocab_parallel_loss: bool = 
     ]
     if embedding:
         rules.append(Rule(f"{p}embed_tokens", "embedding_rowwise"))
+    return rules
+
+
+def gpt2_rules(head_dim: int, *, prefix: str = "transformer.",
+               vocab_parallel_loss: bool = True) -> list[Rule | LocalAttr]:
+    """Rules for Hugging Face's ``GPT2LMHeadModel`` (``prefix=""`` for ``GPT2Model``).
+
+    The fused ``c_attn`` (``Conv1D`` storing ``(in, 3 * embed)``) is column-split per block of
+    q, k and v, with the attention's ``split_size`` made local; ``c_proj`` and the MLP's
+    ``c_proj`` are row-split, ``c_fc`` column-split; the token embedding and the LM head tied to
+    it are vocab-split. Position embeddings and layer norms are replicated.
+    """
+    p = prefix
+    rules: list[Rule | LocalAttr] = [
+        Rule(f"{p}h.*.attn.c_attn", "colwise", head_dim, blocks=3),
+        LocalAttr(f"{p}h.*.attn", "split_size"),
+        Rule(f"{p}h.*.attn.c_proj", "rowwise", head_dim),
+        Rule(f"{p}h.*.mlp.c_fc", "colwise"),
+        Rule(f"{p}h.*.mlp.c_proj", "rowwise"),
+        Rule(f"{p}wte", "embedding_rowwise"),
+    ]
+    if p:
+        rules.append(Rule("lm_head", "vocab_parallel" if vocab_parallel_loss
+                          else "colwise_gather_output"))
+    return rules
+
+
+def bert_rules(head_dim: int, *, prefix: str = "bert.", mlm_head: bool = True,
+               vocab_parallel_loss: bool = True) -> list[Rule]:
+    """Rules for Hugging Face's ``BertForMaskedLM`` (``prefix=""``, ``mlm_head=False`` for
+    ``BertModel``): query/key/value and the intermediate dense column-split, the attention and
+    layer output dense row-split, word embeddings and the MLM decoder (tied to them) vocab-split.
+    Position and token-type embeddings, layer norms, the pooler and the MLM transform are
+    replicated."""
+    p = prefix
+    layer = f"{p}encoder.layer.*"
+    rules = [
+        Rule(f"{layer}.attention.self.query", "colwise", head_dim),
+        Rule(f"{layer}.attention.self.key", "colwise", head_dim),
+        Rule(f"{layer}.attention.self.value", "colwise", head_dim),
+        Rule(f"{layer}.attention.output.dense", "rowwise", head_dim),
+        Rule(f"{layer}.intermediate.dense", "colwise"),
+        Rule(f"{layer}.output.dense", "rowwise"),
+        Rule(f"{p}embeddings.word_embeddings", "embedding_rowwise"),
+    ]
+    if mlm_head:
+        rules.append(Rule("cls.predictions.decoder", "vocab_parallel" if vocab_parallel_loss
+                          else "colwise_gather_output"))
     return rules
 
 

@@ -90,16 +90,21 @@ def exit_region(x: Tensor, mesh: DeviceMesh, axis: str, purpose: str = "tp exit"
 
 
 def vocab_parallel_embedding(
-    ids: Tensor, weight: Tensor, start: int, mesh: DeviceMesh, axis: str, purpose: str = "embed"
+    ids: Tensor, weight: Tensor, start: int, mesh: DeviceMesh, axis: str, purpose: str = "embed",
+    *, padding_idx: int | None = None,
 ) -> Tensor:
     """Rows ``ids`` of an embedding whose rows ``[start, start + weight.shape[0])`` live here.
 
     Each rank looks up the ids in its slice, zeroes the others, and the sum over ``axis`` is the
-    full lookup; backward, each rank's rows get exactly their tokens' gradients.
+    full lookup; backward, each rank's rows get exactly their tokens' gradients. A global
+    ``padding_idx`` (``nn.Embedding``'s: that row gets no gradient) is kept by the rank that
+    holds the row.
     """
+    n = weight.shape[0]
     local = ids - start
-    inside = (local >= 0) & (local < weight.shape[0])
-    out = F.embedding(local.clamp(0, max(weight.shape[0] - 1, 0)), weight) if weight.shape[0] else (
+    inside = (local >= 0) & (local < n)
+    pad = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < n else None
+    out = F.embedding(local.clamp(0, max(n - 1, 0)), weight, padding_idx=pad) if n else (
         weight.new_zeros((*ids.shape, weight.shape[1]))
     )
     out = out * inside.unsqueeze(-1).to(out.dtype)

@@ -16,7 +16,6 @@
   lm_loss`` has it); any other loss needs the ``colwise_gather_output`` style.
 
 The optimizer receives the layouts, so every reduction it makes is global (DESIGN principle 2).
-Sequence parallelism is not implemented.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from torch import Tensor
 from funcpar.shard import comm
 from funcpar.shard.layout import shard_tree
 from funcpar.shard.mesh import DeviceMesh
-from funcpar.shard.rules import ModulePlan, Rule, ShardingPlan, plan_sharding
+from funcpar.shard.rules import LocalAttr, ModulePlan, Rule, ShardingPlan, plan_sharding
 from funcpar.shard.tp_ops import (
     enter_region,
     exit_region,
@@ -53,7 +52,7 @@ def logits_of(output: Any) -> Tensor:
 
 
 def shard_params(
-    rules: Sequence[Rule], mesh: DeviceMesh, *, axis: str = "tp"
+    rules: Sequence[Rule | LocalAttr], mesh: DeviceMesh, *, axis: str = "tp"
 ) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
     """The tensor-parallel transform over mesh axis ``axis`` (see the module docstring).
 
@@ -130,11 +129,16 @@ def _installed(plan: ShardingPlan) -> Iterator[None]:
 
     for mp in plan.modules:
         mp.module.forward = _forward(mp, plan, enter)
+    whole = [(m, attr, getattr(m, attr)) for m, attr, _ in plan.local_attrs]
+    for m, attr, local in plan.local_attrs:
+        setattr(m, attr, local)
     try:
         yield
     finally:
         for mp in plan.modules:
             del mp.module.forward
+        for m, attr, value in whole:
+            setattr(m, attr, value)
 
 
 def _forward(mp: ModulePlan, plan: ShardingPlan, enter: Callable) -> Callable:
@@ -161,5 +165,6 @@ def _forward(mp: ModulePlan, plan: ShardingPlan, enter: Callable) -> Callable:
         return lambda x: add_bias(exit_region(matmul(x), mesh, axis, f"{who}: output"))
     if mp.style == "embedding_rowwise":
         start = plan.layouts[mp.weight_name].local_slices()[0].start
-        return lambda ids: vocab_parallel_embedding(ids, m.weight, start, mesh, axis, who)
+        return lambda ids: vocab_parallel_embedding(ids, m.weight, start, mesh, axis, who,
+                                                    padding_idx=m.padding_idx)
     raise AssertionError(mp.style)

@@ -73,7 +73,8 @@ def train(tp, dp, optim, dtype, *, vocab_parallel_loss=True):
 
 
 def _cases(world):
-    return [(tp, world // tp) for tp in (1, 2, 4) if world % tp == 0 and not (tp == 1 and world == 1)]
+    return [(tp, world // tp) for tp in (1, 2, 4)
+            if world % tp == 0 and not (tp == 1 and world == 1)]
 
 
 def _all_cases(world, dtype):

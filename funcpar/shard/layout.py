@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -93,7 +93,7 @@ def _placement(p: Any) -> Shard | Replicate | None:
     return None
 
 
-Placement = Union[Shard, Replicate]
+Placement = Shard | Replicate
 
 
 def _who(name: str) -> str:
@@ -457,4 +457,5 @@ def shard_tree(tree: Tree, layouts: Tree) -> Tree:
 def unshard_tree(tree: Tree, layouts: Tree) -> Tree:
     """The global tree from every rank's shards (a collective: every rank calls it)."""
     check_layouts(tree, layouts, shapes="local")
-    return tree_map(lambda x, lay: x if lay is None or x is None else unshard(x, lay), tree, layouts)
+    return tree_map(lambda x, lay: x if lay is None or x is None else unshard(x, lay),
+                    tree, layouts)

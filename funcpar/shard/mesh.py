@@ -210,7 +210,8 @@ class DeviceMesh:
 
     @property
     def torch_mesh(self) -> Any:
-        """torch's DeviceMesh underneath (None for local and virtual meshes): for DTensor interop."""
+        """torch's DeviceMesh underneath (None for local and virtual meshes), for DTensor
+        interop."""
         return self._torch_mesh
 
     def _axis(self, axis: str) -> str:

@@ -22,7 +22,9 @@ checked before any compute. A rule may carry ``blocks`` for a fused projection (
 ``c_attn`` computes ``[q | k | v]``, ``blocks=3``): each block is split on its own (a blocked
 :class:`~funcpar.shard.layout.Layout`), so every rank gets its heads of q, of k and of v. A model
 that cuts such an output by a stored width (GPT-2's ``split_size``) names that attribute with a
-:class:`LocalAttr`: inside the sharded forward it holds the local width. Leaves matched by no rule are replicated; a rule that matches no
+:class:`LocalAttr`: inside the sharded forward it holds the local width.
+
+Leaves matched by no rule are replicated; a rule that matches no
 module is an error (a typo would otherwise silently replicate everything).
 """
 
@@ -69,7 +71,8 @@ class Rule:
 
     def __post_init__(self) -> None:
         if self.style not in STYLES:
-            raise ValueError(f"rule {self.pattern!r}: unknown style {self.style!r}; one of {STYLES}")
+            raise ValueError(f"rule {self.pattern!r}: unknown style {self.style!r}; "
+                             f"one of {STYLES}")
         if self.unit is not None and self.unit <= 0:
             raise ValueError(f"rule {self.pattern!r}: unit must be > 0, got {self.unit}")
         if self.blocks < 1:

@@ -171,8 +171,8 @@ def _rank_main(
             pickle.loads(exc)
         except Exception:
             exc = None
-        msg = ("error", failed_at or time.time(), type(err).__qualname__, str(err), traceback.format_exc(),
-               exc)
+        msg = ("error", failed_at or time.time(), type(err).__qualname__, str(err),
+               traceback.format_exc(), exc)
     try:
         conn.send(msg)
     finally:

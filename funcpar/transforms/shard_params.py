@@ -69,7 +69,8 @@ def shard_params(
             raise ValueError(f"shard_params takes a fresh state (step 0), got step "
                              f"{int(state.step)}; reshard trained states through a checkpoint")
         if step.layouts is not None:
-            raise ValueError("the step is already sharded (it has layouts): apply shard_params once")
+            raise ValueError("the step is already sharded (it has layouts): "
+                             "apply shard_params once")
         plan = plan_sharding(module, rules, mesh, axis)
         layouts = {n: plan.layouts[n] for n in state.params}
         params = shard_tree(state.params, layouts)

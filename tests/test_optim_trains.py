@@ -110,3 +110,20 @@ def test_loss_falls_over_50_steps(name):
         assert q is not None and inner.projector["norm.weight"] is None
         if name == "galore8bit":
             assert isinstance(inner.exp_avg["layers.0.mlp.up_proj.weight"], Quantized)
+
+
+def test_galore8bit_tracks_the_fp32_galore_run():
+    """The same 50 steps with 8-bit moments (every moment quantized, blocks of 64) and with fp32
+    ones: the two loss curves stay together.
+
+    Measured (torch 2.13, CPU): max |loss8 - loss32| = 6.7e-4 over the 50 steps (at step 22,
+    loss ~0.7), max relative difference 1.5 % (late, where the loss is ~0.01); the bound below
+    is ~7x the absolute one. (tests/test_galore.py::test_eight_bit_tracks_fp32 bounds the
+    moments and parameters themselves on random gradients.)
+    """
+    l8, _ = _train("galore8bit")
+    l32, _ = _train("galore")
+    diff = max(abs(a - b) for a, b in zip(l8, l32))
+    assert diff <= 5e-3, (diff, l8, l32)
+    # Not vacuous: the run learns, and the 8-bit run is not bit-identical to the fp32 one.
+    assert l32[-1] < 0.25 * l32[0] and l8 != l32

@@ -7,17 +7,18 @@ rank applies the update of the whole batch. For a loss that is a mean over equal
 this is exactly the single-process step on the global batch; the reported loss is the mean
 over ranks too.
 
-Gradients travel in buckets: leaves are packed in order into flat buffers of at most
-``bucket_mb`` (one dtype per buffer), each all-reduced asynchronously so that the buckets'
-transfers overlap one another, and unpacked when they land. The step's backward is one
-``torch.autograd.grad`` call that returns all gradients together, so the all-reduces start
-after the backward rather than during it.
+Gradients travel in buckets: leaves, in reverse order (the order the backward produces them),
+are packed into flat buffers of at most ``bucket_mb`` (one dtype per buffer), and each bucket is
+all-reduced asynchronously as soon as the backward has produced all of its gradients (tensor
+hooks on the differentiated leaves, :attr:`~funcpar.train.step.TrainStep.overlap_grads`), so
+the transfers overlap the rest of the backward. Under ``compile=True`` the hooks are not
+installed and every bucket starts after the backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
 from funcpar.train.step import TrainStep
 
-__all__ = ["bucketed_mean", "data_parallel", "split_batch"]
+__all__ = ["BucketedMean", "bucketed_mean", "data_parallel", "split_batch"]
 
 
 def split_batch(batch: Any, mesh: DeviceMesh, axis: str) -> Any:
@@ -49,38 +50,66 @@ def split_batch(batch: Any, mesh: DeviceMesh, axis: str) -> Any:
     return tree_unflatten(spec, out)
 
 
+class BucketedMean:
+    """The mean over ``axis`` of one step's gradients, all-reduced bucket by bucket.
+
+    ``ready(i, grad)`` (from the backward's hooks, ``i`` the leaf's flat index) launches a
+    bucket's asynchronous all-reduce once all its leaves are in; ``finish(grads)`` launches the
+    buckets still waiting (all of them when no hook ran; a leaf the loss does not reach gets
+    its zero gradient there), waits, and returns the averaged tree.
+    """
+
+    def __init__(self, leaves: list[Tensor], mesh: DeviceMesh, axis: str, bucket_bytes: int):
+        self.mesh, self.axis = mesh, axis
+        self.buckets: list[list[int]] = []
+        size = 0
+        for i in reversed(range(len(leaves))):
+            g = leaves[i]
+            nbytes = g.numel() * g.element_size()
+            last = self.buckets[-1] if self.buckets else None
+            if not last or size + nbytes > bucket_bytes or leaves[last[0]].dtype != g.dtype:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(i)
+            size += nbytes
+        self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self.got: dict[int, Tensor] = {}
+        self.pending: dict[int, comm.Pending] = {}
+
+    def _launch(self, b: int, grads: Sequence[Tensor] | Mapping[int, Tensor]) -> None:
+        idx = self.buckets[b]
+        flat = torch.cat([grads[i].reshape(-1) for i in idx])
+        self.pending[b] = comm.all_reduce(flat, self.mesh, self.axis, inplace=True,
+                                          async_op=True, purpose=f"dp grads ({len(idx)} leaves)")
+
+    def ready(self, i: int, grad: Tensor) -> None:
+        self.got[i] = grad
+        b = self.bucket_of[i]
+        if b not in self.pending and all(j in self.got for j in self.buckets[b]):
+            self._launch(b, self.got)
+
+    def finish(self, grads: Tree) -> Tree:
+        leaves, spec = tree_flatten(grads)
+        for b in range(len(self.buckets)):
+            if b not in self.pending:
+                self._launch(b, leaves)
+        n = self.mesh.size(self.axis)
+        out = list(leaves)
+        for b, idx in enumerate(self.buckets):
+            flat = self.pending[b].wait() / n
+            offset = 0
+            for i in idx:
+                k = leaves[i].numel()
+                out[i] = flat[offset : offset + k].view_as(leaves[i])
+                offset += k
+        return tree_unflatten(spec, out)
+
+
 def bucketed_mean(grads: Tree, mesh: DeviceMesh, axis: str, bucket_bytes: int) -> Tree:
-    """The mean of ``grads`` over ``axis``, all-reduced in flat buckets."""
-    n = mesh.size(axis)
-    leaves, spec = tree_flatten(grads)
-    if n == 1:
+    """The mean of ``grads`` over ``axis``, all-reduced in flat buckets (after the backward)."""
+    if mesh.size(axis) == 1:
         return grads
-    buckets: list[list[int]] = []
-    size = 0
-    for i, g in enumerate(leaves):
-        if g is None:
-            continue
-        nbytes = g.numel() * g.element_size()
-        fits = buckets and size + nbytes <= bucket_bytes and leaves[buckets[-1][0]].dtype == g.dtype
-        if not fits:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += nbytes
-    pending = []
-    for b in buckets:
-        flat = torch.cat([leaves[i].reshape(-1) for i in b])
-        pending.append((b, comm.all_reduce(flat, mesh, axis, purpose=f"dp grads ({len(b)} leaves)",
-                                           inplace=True, async_op=True)))
-    out = list(leaves)
-    for b, work in pending:
-        flat = work.wait() / n
-        offset = 0
-        for i in b:
-            k = leaves[i].numel()
-            out[i] = flat[offset : offset + k].view_as(leaves[i])
-            offset += k
-    return tree_unflatten(spec, out)
+    return BucketedMean(tree_flatten(grads)[0], mesh, axis, bucket_bytes).finish(grads)
 
 
 def data_parallel(
@@ -94,22 +123,26 @@ def data_parallel(
     bucket_bytes = int(bucket_mb * 2**20)
 
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
-        inner_batch, inner_sync, inner_loss = step.local_batch, step.sync_grads, step.sync_loss
+        if step.overlap_grads is not None:
+            raise ValueError("the step already overlaps a gradient reduction with its backward "
+                             "(data_parallel applied twice?)")
+        inner_batch, inner_loss = step.local_batch, step.sync_loss
 
         def local_batch(batch: Any) -> Any:
             batch = split_batch(batch, mesh, axis)
             return inner_batch(batch) if inner_batch is not None else batch
 
-        def sync_grads(grads: Tree) -> Tree:
-            grads = inner_sync(grads) if inner_sync is not None else grads
-            return bucketed_mean(grads, mesh, axis, bucket_bytes)
+        def overlap_grads(leaves: list[Tensor]) -> BucketedMean:
+            return BucketedMean(leaves, mesh, axis, bucket_bytes)
 
         def sync_loss(loss: Tensor) -> Tensor:
             loss = inner_loss(loss) if inner_loss is not None else loss
             return comm.all_reduce(loss, mesh, axis, purpose="dp loss") / mesh.size(axis)
 
+        if mesh.size(axis) == 1:
+            return step, state
         return dataclasses.replace(
-            step, local_batch=local_batch, sync_grads=sync_grads, sync_loss=sync_loss
+            step, local_batch=local_batch, overlap_grads=overlap_grads, sync_loss=sync_loss
         ), state
 
     return transform

@@ -3,20 +3,30 @@
     python examples/train_lm.py                          # Python's stdlib as corpus, AdamW
     python examples/train_lm.py --optim sgd --lr 0.3 --steps 500
     python examples/train_lm.py --corpus my_texts/ --corpus-glob '**/*.md' --device cuda
+    torchrun --nproc_per_node 4 examples/train_lm.py --tp 2 --dp 2 --comm-report
     tensorboard --logdir runs/
 
 The model becomes a pure function (``functionalize``), the optimizer a pure init/update pair
 (``chain(clip_by_global_norm, <optim>)`` with a warm-up + cosine learning rate), and training
 is ``state, metrics = step(state, batch)`` in a loop; the :class:`~funcpar.train.logger.Logger`
 writes TensorBoard scalars, an optional JSON-lines file, and a progress bar on a terminal.
-The default run (byte-level tokens, a 0.5M-parameter model, 200 steps) takes about a minute
+The default run (byte-level tokens, a 0.5M-parameter model, 200 steps) takes under a minute
 on two CPU cores.
+
+Under ``torchrun`` the same script trains on a ``dp x tp`` device mesh (gloo on CPU, NCCL on
+CUDA): ``shard_params`` splits heads, MLP and vocabulary over ``tp`` and ``data_parallel``
+splits every global batch over ``dp``, composed as transforms of the same step and state. Each
+rank reads the same global batches (the transform takes its slice), every rank computes the
+same loss, and only rank 0 prints and writes logs. The losses are those of the one-process run
+up to rounding. ``--comm-report`` prints the collectives rank 0 issued, step by step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,9 +38,16 @@ from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, text_batches
 from funcpar.models import Llama, LlamaConfig, lm_loss
 from funcpar.optim import chain, clip_by_global_norm, matrices_only, warmup_cosine
 from funcpar.optim.base import GradientTransformation
+from funcpar.shard.comm import comm_log, comm_report
+from funcpar.shard.layout import unshard_tree
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.rules import llama_rules
 from funcpar.state import Tree, functionalize, init_state
 from funcpar.train.logger import Logger
 from funcpar.train.step import make_train_step
+from funcpar.transforms import compose, data_parallel, shard_params
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 class OptimSpec(NamedTuple):
@@ -108,6 +125,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument("--seed", type=int, default=0, help="model init, data order and RNG state")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--compile", action="store_true", help="torch.compile forward+backward")
+    run.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                     help="parameter and compute dtype (float64 for exactness checks)")
+    run.add_argument("--save", default=None,
+                     help="write the trained (whole, unsharded) parameters here with torch.save; "
+                          "they load with Llama(...).load_state_dict")
+    par = p.add_argument_group("parallelism (launch with torchrun; tp x dp = processes)")
+    par.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel size: heads, MLP width and vocabulary split")
+    par.add_argument("--dp", type=int, default=None,
+                     help="data-parallel size: global batch split (default: processes / tp)")
+    par.add_argument("--comm-report", type=int, nargs="?", const=1, default=0, metavar="N",
+                     help="print the collectives of the first N steps (default 1), per step")
     opt = p.add_argument_group("optimizer")
     opt.add_argument("--optim", default="adamw", choices=sorted(OPTIMIZERS))
     opt.add_argument("--lr", type=float, default=None,
@@ -136,51 +165,153 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     log.add_argument("--print-every", type=int, default=50,
                      help="a plain log line every N steps when stdout is not a terminal")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every"):
+    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.dp is not None and args.dp <= 0:
+        p.error(f"--dp must be positive, got {args.dp}")
+    if args.comm_report < 0:
+        p.error(f"--comm-report must be >= 0, got {args.comm_report}")
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup ({args.warmup}) must be in [0, --steps ({args.steps}))")
+    # Tensor parallelism splits attention by whole heads (query and key/value alike).
+    kv = args.heads if args.kv_heads is None else args.kv_heads
+    for flag, heads in (("--heads", args.heads), ("--kv-heads", kv)):
+        if heads % args.tp:
+            p.error(f"--tp {args.tp} does not divide the number of heads {flag} {heads}: "
+                    "tensor parallelism gives every rank whole heads")
+    if args.dp is not None and args.batch_size % args.dp:
+        p.error(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp}: "
+                "data parallelism gives every rank an equal slice of each batch")
     return args
 
 
+def build_mesh(args: argparse.Namespace) -> DeviceMesh:
+    """The ``dp x tp`` mesh of the torchrun world (a local mesh for one process).
+
+    A size that does not fit the number of processes is reported as a usage error (SystemExit
+    with DeviceMesh's message: the sizes and the world size) before anything is computed.
+    """
+    backend = "gloo" if torch.device(args.device).type == "cpu" else None
+    try:
+        mesh = DeviceMesh.from_env(dp=-1 if args.dp is None else args.dp, tp=args.tp,
+                                   backend=backend)
+    except ValueError as err:
+        world = os.environ.get("WORLD_SIZE", "1")
+        raise SystemExit(
+            f"error: --tp {args.tp} --dp {args.dp if args.dp is not None else 'auto'} on "
+            f"{world} process(es): {err}. Launch tp x dp processes, e.g. "
+            f"torchrun --nproc_per_node {args.tp * (args.dp or 1)} examples/train_lm.py ..."
+        ) from None
+    if args.batch_size % mesh.size("dp"):
+        raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by the "
+                         f"data-parallel size {mesh.size('dp')}")
+    if mesh.size("tp") > 1 and args.compile:
+        # shard_params swaps the modules' forwards for one call, which torch.compile's traced
+        # call does not survive (torch 2.13: "'Embedding' object has no attribute 'forward'").
+        raise SystemExit("error: --compile does not work with --tp > 1 yet; it does with --dp")
+    return mesh
+
+
+def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device):
+    """The global batches, the same on every rank. Rank 0 tokenizes first and the others then
+    read ``datasets``' cache, rather than all ranks tokenizing the same files at once."""
+    def load():
+        return text_batches(
+            args.corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+            cache_dir=args.data_cache, pattern=args.corpus_glob, max_bytes=args.corpus_bytes,
+            device=device,
+        )
+
+    if mesh.world_size == 1:
+        return load()
+    import torch.distributed as dist
+
+    loader = load() if mesh.rank() == 0 else None
+    dist.barrier()  # rank 0 has tokenized (or failed, and the others time out into its error)
+    return loader if loader is not None else load()
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run training; returns ``{"first_loss", "last_loss", "history", "state"}``."""
+    """Run training; returns ``{"first_loss", "last_loss", "history", "state", "params"}``.
+
+    ``state`` is this rank's (sharded under ``--tp``); ``params`` are the whole parameters,
+    gathered from the shards (every rank takes part in the gather and gets them).
+    """
     args = parse_args(argv)
-    device = torch.device(args.device)
-    loader = text_batches(
-        args.corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-        cache_dir=args.data_cache, pattern=args.corpus_glob, max_bytes=args.corpus_bytes,
-        device=device,
-    )
+    mesh = build_mesh(args)
+    rank0 = mesh.rank() == 0
+    say = print if rank0 else (lambda *a, **k: None)
+    # Under torchrun each rank's device comes from the mesh (cuda:LOCAL_RANK with NCCL).
+    device = torch.device(args.device) if mesh.world_size == 1 else mesh.device
+    loader = load_batches(args, mesh, device)
     cfg = LlamaConfig(vocab_size=BYTE_VOCAB_SIZE, dim=args.dim, n_layers=args.layers,
                       n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq_len)
-    model = Llama(cfg, seed=args.seed, device=device)
+    # Every rank builds the same whole model from the seed; shard_params then keeps its slices.
+    model = Llama(cfg, seed=args.seed, device=device, dtype=DTYPES[args.dtype])
     apply_fn, params, buffers = functionalize(model)
     optimizer = build_optimizer(args, params)
     state = init_state(params, buffers, optimizer, seed=args.seed)
     step = make_train_step(apply_fn, lm_loss, optimizer, compile=args.compile)
+    transforms = []
+    if mesh.size("tp") > 1:
+        transforms.append(shard_params(llama_rules(cfg.head_dim), mesh))
+    if mesh.size("dp") > 1:
+        transforms.append(data_parallel(mesh))
+    step, state = compose(*transforms)(step, state)
     n_params = sum(p.numel() for p in params.values())
-    print(f"model {n_params / 1e6:.2f}M params | corpus {loader.tokens.numel():,} tokens, "
-          f"{loader.batches_per_epoch} batches/epoch | {args.optim} on {device}", flush=True)
+    where = f"{device}" if mesh.world_size == 1 else (
+        f"{mesh.world_size} x {device.type} (dp {mesh.size('dp')} x tp {mesh.size('tp')})")
+    say(f"model {n_params / 1e6:.2f}M params | corpus {loader.tokens.numel():,} tokens, "
+        f"{loader.batches_per_epoch} batches/epoch | {args.optim} on {where}", flush=True)
 
+    # Only rank 0 writes TensorBoard, JSONL and the terminal; the others keep the history only.
+    logger = Logger(
+        args.logdir if rank0 else None, jsonl=args.metrics_jsonl if rank0 else None,
+        total_steps=args.steps, progress=None if rank0 else False,
+        print_every=args.print_every if rank0 else None, device=device,
+    )
+    comm_log.clear()
+    # Collectives are recorded only when a report is asked for (a long run would pile them up).
+    capture = comm_log.capture() if args.comm_report else contextlib.nullcontext([])
     start = time.perf_counter()
-    with Logger(args.logdir, jsonl=args.metrics_jsonl, total_steps=args.steps,
-                print_every=args.print_every, device=device) as log:
+    with logger as log, capture as comm_records:
         log.reset_timer()
         for i, batch in zip(range(args.steps), loader.batches()):
+            comm_log.begin_step(i + 1)
             state, metrics = step(state, batch)
             log.log(i + 1, metrics, tokens=loader.tokens_per_batch)
     elapsed = time.perf_counter() - start
+    comm_log.clear()
     history = log.history
     first, last = history[0]["loss"], history[-1]["loss"]
     tail = history[-10:]
     tail_mean = sum(r["loss"] for r in tail) / len(tail)
-    print(f"done: {args.steps} steps in {elapsed:.1f}s "
-          f"({args.steps * loader.tokens_per_batch / elapsed:,.0f} tok/s) | "
-          f"loss first {first:.4f} last {last:.4f} (mean of last {len(tail)}: {tail_mean:.4f})",
-          flush=True)
-    return {"first_loss": first, "last_loss": last, "history": history, "state": state}
+    say(f"done: {args.steps} steps in {elapsed:.1f}s "
+        f"({args.steps * loader.tokens_per_batch / elapsed:,.0f} tok/s) | "
+        f"loss first {first:.4f} last {last:.4f} (mean of last {len(tail)}: {tail_mean:.4f})",
+        flush=True)
+    if args.comm_report:
+        shown = [r for r in comm_records if r.step is not None and r.step <= args.comm_report]
+        per_step = {}
+        for r in comm_records:
+            per_step[r.step] = per_step.get(r.step, 0) + r.nbytes
+        say(f"collectives issued by rank 0 (of {mesh.world_size}), first {args.comm_report} "
+            f"step(s):")
+        if rank0:
+            comm_report(shown)
+        if per_step:
+            say(f"all {args.steps} steps: {sum(per_step.values()):,} bytes, per step "
+                f"{min(per_step.values()):,} to {max(per_step.values()):,}", flush=True)
+
+    # The whole parameters: gathered from the tp shards (a collective every rank joins).
+    whole = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
+    if args.save is not None and rank0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
+        torch.save({k: v.detach().cpu() for k, v in whole.items()}, args.save)
+        say(f"saved {len(whole)} whole parameter tensors to {args.save}", flush=True)
+    return {"first_loss": first, "last_loss": last, "history": history, "state": state,
+            "params": whole}
 
 
 if __name__ == "__main__":
@@ -188,3 +319,9 @@ if __name__ == "__main__":
         main()
     except FileNotFoundError as err:  # a mistyped --corpus: the message says it all
         sys.exit(f"error: {err}")
+    finally:
+        # Under torchrun: leave the process group cleanly (torch warns about a live one).
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,14 +1,19 @@
 """examples/train_lm.py runs in-process: the loss falls, the logs are written, and bad flags
-fail clearly."""
+fail clearly; under tp x dp on 4 ranks it trains exactly like one process."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
+
+from funcpar.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,3 +114,80 @@ def test_every_registered_optimizer_runs(name, tmp_path, data_cache):
         pytest.skip(f"funcpar.optim.{spec.module} has no {spec.name} yet")
     out = train_lm.main(_small(tmp_path, data_cache, 3, "--optim", name, "--warmup", "1"))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in out["history"])
+
+
+def _rank_run(argv: list[str]) -> dict:
+    """One rank of the example (run_ranks sets the torchrun environment; the script builds its
+    own mesh and process group): its losses, whole parameters and what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        res = train_lm.main(argv)
+    return {"losses": [r["loss"] for r in res["history"]], "params": res["params"],
+            "stdout": out.getvalue()}
+
+
+def test_tp2_dp2_on_four_ranks_matches_one_process(tmp_path, data_cache):
+    """``--tp 2 --dp 2`` on 4 ranks gives the one-process losses and final (whole) parameters.
+
+    float64: the collectives only reorder sums, so the two runs differ by rounding (~1e-15
+    relative per op); 1e-10 leaves room for 6 steps of AdamW on it, and a wrong reduction
+    (a missing all-reduce, a double-counted shard) is off by O(1).
+    """
+    steps = ["--dtype", "float64", "--print-every", "2"]
+    one = train_lm.main(_small(tmp_path / "one", data_cache, 6, *steps))
+    ref_losses = [r["loss"] for r in one["history"]]
+    argv = _small(tmp_path / "tpdp", data_cache, 6, *steps, "--tp", "2", "--dp", "2",
+                  "--comm-report", "--save", str(tmp_path / "tpdp" / "params.pt"))
+    results = run_ranks(_rank_run, 4, argv, backend=None, timeout=120)
+
+    assert ref_losses[-1] < ref_losses[0] - 0.5  # it trained: the comparison is not of constants
+    for rank, res in enumerate(results):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref_losses))
+        assert len(res["losses"]) == 6 and rel <= 1e-10, (rank, rel)
+        assert set(res["params"]) == set(one["params"])
+        for name, ref in one["params"].items():
+            got = res["params"][name]
+            assert got.shape == ref.shape, (rank, name)  # whole, not a shard
+            err = float((got - ref).abs().max() / ref.abs().max())
+            assert err <= 1e-10, (rank, name, err)
+
+    printed = results[0]["stdout"]
+    assert "dp 2 x tp 2" in printed and "loss first" in printed
+    # The comm report: a table for step 1 with tp all-reduces (activations) and the dp gradient
+    # all-reduce, and the per-step byte total of the whole run.
+    assert "step 1 (" in printed and "step 2 (" not in printed
+    assert "all_reduce      tp" in printed and "all_reduce      dp" in printed
+    assert "dp grads" in printed and "o_proj: output" in printed
+    assert "all 6 steps:" in printed
+    assert all(res["stdout"] == "" for res in results[1:])  # only rank 0 prints
+    # Only rank 0 logs, and what it logged is the one-process run's.
+    rows = [json.loads(line) for line in
+            (tmp_path / "tpdp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert list((tmp_path / "tpdp" / "tb").glob("events.out.tfevents.*"))
+    saved = torch.load(tmp_path / "tpdp" / "params.pt")
+    assert all(torch.equal(saved[k], results[0]["params"][k]) for k in saved)
+
+
+def test_parallel_flag_errors(tmp_path, capsys):
+    # tp x dp must be the number of processes; DeviceMesh's message reaches the user.
+    with pytest.raises(SystemExit, match=r"--tp 2 --dp 2 on 1 process.*product 4.*world size "
+                                         r"is 1.*torchrun --nproc_per_node 4"):
+        train_lm.main(["--tp", "2", "--dp", "2", "--logdir", str(tmp_path / "tb")])
+    with pytest.raises(SystemExit):
+        train_lm.main(["--tp", "3"])
+    assert "--tp 3 does not divide the number of heads --heads 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_lm.main(["--heads", "8", "--kv-heads", "2", "--tp", "4"])
+    assert "--tp 4 does not divide the number of heads --kv-heads 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_lm.main(["--batch-size", "6", "--dp", "4"])
+    assert "--batch-size 6 is not divisible by --dp 4" in capsys.readouterr().err
+
+
+def test_default_model_splits_over_tp2_and_tp4():
+    """The default flags build a model whose heads (and kv heads) divide by 2 and 4."""
+    args = train_lm.parse_args([])
+    for tp in (2, 4):
+        train_lm.parse_args(["--tp", str(tp)])  # no usage error
+        assert args.heads % tp == 0 and (args.kv_heads or args.heads) % tp == 0

@@ -9,6 +9,7 @@ names it.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,8 +37,13 @@ def stdlib_files(max_bytes: int = DEFAULT_STDLIB_BYTES) -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
         raise FileNotFoundError(f"the standard library directory {root} does not exist")
-    rel = [p.relative_to(root) for p in root.rglob("*.py")]
-    rel = [r for r in rel if not _SKIP_DIRS.intersection(r.parts)]
+    rel = []
+    # os.walk with the skipped directories pruned, not rglob + filter: site-packages alone can
+    # hold more files than the whole standard library.
+    for top, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        base = Path(top).relative_to(root)
+        rel.extend(base / n for n in names if n.endswith(".py"))
     rel.sort(key=lambda r: hashlib.blake2b(r.as_posix().encode(), digest_size=8).digest())
     chosen, total = [], 0
     for r in rel:

@@ -221,7 +221,11 @@ class Llama(nn.Module):
         # Built on the meta device: torch's own per-layer init would draw from the global RNG
         # and be thrown away by reset_parameters anyway.
         with torch.device("meta"):
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+            # An explicit (meta) weight skips nn.Embedding's own normal_ init, whose meta
+            # implementation imports torch._dynamo: seconds at start-up in every process.
+            self.embed_tokens = nn.Embedding(
+                cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim)
+            )
             self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

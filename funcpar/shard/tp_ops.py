@@ -11,6 +11,21 @@ Two conjugate autograd functions carry every tensor-parallel region:
 On top of them, vocab-parallel embedding lookup and vocab-parallel cross-entropy, which never
 gather the full logits: each rank holds the logits of its vocabulary slice, and only per-token
 maxima and sums cross the wire.
+
+Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198) replaces *f* and *g* by
+another conjugate pair that keeps the activations between the regions split on the sequence
+dim (rank ``r`` holds ``sizes[r]`` positions):
+
+* :func:`gather_seq` (Megatron's *g-bar*): all-gather over the sequence forward,
+  reduce-scatter backward. Every rank's column-parallel weights give a partial gradient of the
+  whole gathered input; the sum, cut back to this rank's positions, is the true gradient of
+  its chunk.
+* :func:`reduce_scatter_seq` (*g-bar*'s conjugate): reduce-scatter forward (the row-parallel
+  partial sums, summed and cut to this rank's positions), all-gather backward (the chunk's
+  gradient is what every position of the partial product receives).
+
+Same bytes as one all-reduce (which is a reduce-scatter followed by an all-gather), but the
+norms and residual adds between the regions run on ``1 / tp`` of the positions.
 """
 
 from __future__ import annotations
@@ -19,13 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from funcpar.shard.comm import all_gather, all_reduce
+from funcpar.shard.comm import all_gather, all_reduce, reduce_scatter
 from funcpar.shard.mesh import DeviceMesh
 
 __all__ = [
     "enter_region",
     "exit_region",
     "gather_last_dim",
+    "gather_seq",
+    "reduce_scatter_seq",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
 ]
@@ -89,16 +106,76 @@ def exit_region(x: Tensor, mesh: DeviceMesh, axis: str, purpose: str = "tp exit"
     return _Exit.apply(x, mesh, axis, purpose)
 
 
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, mesh: DeviceMesh, axis: str, sizes: list[int], dim: int,
+                purpose: str) -> Tensor:
+        ctx.mesh, ctx.axis, ctx.sizes, ctx.dim, ctx.purpose = mesh, axis, sizes, dim, purpose
+        return all_gather(x, mesh, axis, dim=dim, sizes=sizes, purpose=purpose)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # Each rank's gradient of the gathered tensor is partial (its columns of the weights
+        # that consumed it): sum over ranks, keep this rank's positions.
+        out = reduce_scatter(grad, ctx.mesh, ctx.axis, dim=ctx.dim, sizes=ctx.sizes,
+                             purpose=ctx.purpose + " (grad)")
+        return out, None, None, None, None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, mesh: DeviceMesh, axis: str, sizes: list[int], dim: int,
+                purpose: str) -> Tensor:
+        ctx.mesh, ctx.axis, ctx.sizes, ctx.dim, ctx.purpose = mesh, axis, sizes, dim, purpose
+        return reduce_scatter(x, mesh, axis, dim=dim, sizes=sizes, purpose=purpose)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # d(sum_r x_r)[chunk q] / d x_r = identity on chunk q for every r: every rank's partial
+        # product receives the gradient of all positions, gathered from their owners.
+        out = all_gather(grad, ctx.mesh, ctx.axis, dim=ctx.dim, sizes=ctx.sizes,
+                         purpose=ctx.purpose + " (grad)")
+        return out, None, None, None, None, None
+
+
+def gather_seq(
+    x: Tensor, mesh: DeviceMesh, axis: str, sizes: list[int], purpose: str = "sp gather",
+    *, dim: int = 1,
+) -> Tensor:
+    """The whole sequence from the chunks of ``axis`` (rank ``r`` holds ``sizes[r]`` positions
+    of dim ``dim``); backward, the gradient is reduce-scattered back to the chunks."""
+    if mesh.size(axis) == 1:
+        return x
+    if x.dim() < 1:
+        raise ValueError(f"gather_seq ({purpose}): a 0-d tensor has no sequence dim {dim}")
+    return _GatherSeq.apply(x, mesh, axis, [int(s) for s in sizes], dim % x.dim(), purpose)
+
+
+def reduce_scatter_seq(
+    x: Tensor, mesh: DeviceMesh, axis: str, sizes: list[int], purpose: str = "sp reduce-scatter",
+    *, dim: int = 1,
+) -> Tensor:
+    """The sum over ``axis`` of ``x`` (whole sequence, partial sums), of which this rank keeps
+    its ``sizes[rank]`` positions of dim ``dim``; backward, the gradient is all-gathered."""
+    if mesh.size(axis) == 1:
+        return x
+    if x.dim() < 1:
+        raise ValueError(f"reduce_scatter_seq ({purpose}): a 0-d tensor has no sequence dim")
+    return _ReduceScatterSeq.apply(x, mesh, axis, [int(s) for s in sizes], dim % x.dim(),
+                                   purpose)
+
+
 def vocab_parallel_embedding(
     ids: Tensor, weight: Tensor, start: int, mesh: DeviceMesh, axis: str, purpose: str = "embed",
-    *, padding_idx: int | None = None,
+    *, padding_idx: int | None = None, seq_sizes: list[int] | None = None,
 ) -> Tensor:
     """Rows ``ids`` of an embedding whose rows ``[start, start + weight.shape[0])`` live here.
 
     Each rank looks up the ids in its slice, zeroes the others, and the sum over ``axis`` is the
     full lookup; backward, each rank's rows get exactly their tokens' gradients. A global
     ``padding_idx`` (``nn.Embedding``'s: that row gets no gradient) is kept by the rank that
-    holds the row.
+    holds the row. With ``seq_sizes`` (sequence parallelism) the sum is a reduce-scatter over
+    dim 1 of ``ids``: this rank gets the embeddings of its ``seq_sizes[rank]`` positions only.
     """
     n = weight.shape[0]
     local = ids - start
@@ -108,6 +185,8 @@ def vocab_parallel_embedding(
         weight.new_zeros((*ids.shape, weight.shape[1]))
     )
     out = out * inside.unsqueeze(-1).to(out.dtype)
+    if seq_sizes is not None:
+        return reduce_scatter_seq(out, mesh, axis, seq_sizes, purpose, dim=1)
     return exit_region(out, mesh, axis, purpose)
 
 

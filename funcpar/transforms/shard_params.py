@@ -16,18 +16,62 @@
   lm_loss`` has it); any other loss needs the ``colwise_gather_output`` style.
 
 The optimizer receives the layouts, so every reduction it makes is global (DESIGN principle 2).
+
+Sequence parallelism
+--------------------
+``shard_params(rules, mesh, sequence_parallel=True)`` (Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", arXiv 2205.05198, section 4.2.2): between
+the tensor-parallel regions the activations ``[batch, seq, hidden]`` - the residual stream, the
+norms and whatever else runs there - are split on the sequence dim (dim 1) over the axis, so
+each rank stores and computes ``1 / tp`` of them. The regions are the modules that hold a
+row-split linear and the column-split linears feeding it (the attention and the MLP):
+
+* the vocab-parallel embedding ends in a reduce-scatter over the sequence instead of an
+  all-reduce (:func:`~funcpar.shard.tp_ops.vocab_parallel_embedding` with ``seq_sizes``);
+* a region's module all-gathers its first argument (the hidden states) over the sequence
+  (:func:`~funcpar.shard.tp_ops.gather_seq`; backward: reduce-scatter, which also does the
+  work of *f*'s gradient all-reduce, so the column-split linears get no ``enter_region``);
+* a row-split linear reduce-scatters its partial sums over the sequence instead of
+  all-reducing them (:func:`~funcpar.shard.tp_ops.reduce_scatter_seq`; backward: all-gather),
+  then adds its bias to its chunk;
+* the LM head all-gathers its input over the sequence first, so the logits (and the loss)
+  cover every position, as without sequence parallelism.
+
+Gradients: a parameter used on sequence-split activations - the norm weights, a row-split
+linear's bias, any replicated leaf between the regions - gets on each rank only the gradient
+of that rank's positions. Its true gradient is the sum over the axis, so the step's
+``sync_grads`` (after any inner one) all-reduces the gradients of every leaf not split over
+the axis, in one flat buffer per dtype (purpose ``sequence-parallel grads: <leaves>`` in the
+comm log). This is exact because, with sequence parallelism on, *every* replicated leaf acts on
+split activations: a region may hold no replicated parameter other than its row-split biases
+(checked), and the plan must begin at a vocab-parallel embedding and end at a sharded LM head.
+
+Sequence lengths need not divide by the axis size: rank ``r`` holds
+``chunk_sizes(seq, tp)[r]`` positions (torch.chunk's cut, ``13`` over 4: ``4, 4, 4, 1``). A
+sequence shorter than the axis (a rank would hold no position) is a ValueError raised by the
+embedding, before any collective.
+
+What the model must satisfy (checked where it can be, declared where it cannot): its code
+between the regions must not read the sequence length from hidden states (positions, masks and
+rotary tables computed from the token ids are fine; Hugging Face models derive them from the
+embedding's output, which is split, so they are refused), and nothing after the LM head holds
+parameters. A model declares this with a class attribute ``supports_sequence_parallel = True``;
+funcpar's example :class:`~funcpar.models.Llama` is known to satisfy it. Dropout between the
+regions draws its mask from the same generator state on every rank, so a model with dropout
+there trains correctly but not bit-for-bit like one process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from funcpar.shard import comm
 from funcpar.shard.layout import shard_tree
@@ -37,6 +81,8 @@ from funcpar.shard.tp_ops import (
     enter_region,
     exit_region,
     gather_last_dim,
+    gather_seq,
+    reduce_scatter_seq,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
@@ -52,13 +98,16 @@ def logits_of(output: Any) -> Tensor:
 
 
 def shard_params(
-    rules: Sequence[Rule | LocalAttr], mesh: DeviceMesh, *, axis: str = "tp"
+    rules: Sequence[Rule | LocalAttr], mesh: DeviceMesh, *, axis: str = "tp",
+    sequence_parallel: bool = False,
 ) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
     """The tensor-parallel transform over mesh axis ``axis`` (see the module docstring).
 
     The state must be fresh from ``init_state`` (step 0) and hold whole parameters; its
     optimizer state is re-initialized on the shards (moving a trained state between layouts is
-    the checkpoint's job).
+    the checkpoint's job). ``sequence_parallel``: split the activations between the regions on
+    the sequence dim (module docstring, "Sequence parallelism"); uneven lengths are cut into
+    ``chunk_sizes`` pieces, a sequence shorter than the axis is a ValueError.
     """
 
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
@@ -72,14 +121,20 @@ def shard_params(
             raise ValueError("the step is already sharded (it has layouts): "
                              "apply shard_params once")
         plan = plan_sharding(module, rules, mesh, axis)
+        seq = _seq_plan(module, plan) if sequence_parallel else None
         layouts = {n: plan.layouts[n] for n in state.params}
         params = shard_tree(state.params, layouts)
         loss_fn = step.loss_fn
         head = plan.vocab_parallel_head
         if head is not None:
             loss_fn = _vocab_parallel_loss(step.loss_fn, head, plan)
+        sync_grads = step.sync_grads
+        if seq is not None:
+            split = [n for n in state.params if axis not in _split_axes(layouts[n])]
+            sync_grads = _sum_over_axis(split, mesh, axis, step.sync_grads)
         new_step = dataclasses.replace(
-            step, apply_fn=_sharded_apply(step.apply_fn, plan), loss_fn=loss_fn, layouts=layouts
+            step, apply_fn=_sharded_apply(step.apply_fn, plan, seq), loss_fn=loss_fn,
+            layouts=layouts, sync_grads=sync_grads,
         )
         opt_state = step.optimizer.init(params)
         return new_step, state._replace(params=params, opt_state=opt_state)
@@ -106,13 +161,34 @@ def _vocab_parallel_loss(loss_fn: Callable, head: ModulePlan, plan: ShardingPlan
     return loss
 
 
-def _sharded_apply(apply_fn: Callable, plan: ShardingPlan) -> Callable:
+def _sharded_apply(apply_fn: Callable, plan: ShardingPlan, seq: _SeqPlan | None) -> Callable:
     def sharded(params, buffers, *args, **kwargs):
-        with _installed(plan):
+        with _installed(plan) if seq is None else _installed_seq(plan, seq):
             return apply_fn(params, buffers, *args, **kwargs)
 
     sharded.module = apply_fn.module
     return sharded
+
+
+@contextlib.contextmanager
+def _swapped(plan: ShardingPlan, forwards: dict[nn.Module, Callable]) -> Iterator[None]:
+    """``forwards`` in place of those modules' own, and the local attributes, for one call."""
+    saved = [(m, m.__dict__.get("forward")) for m in forwards]
+    whole = [(m, attr, getattr(m, attr)) for m, attr, _ in plan.local_attrs]
+    for m, fwd in forwards.items():
+        m.forward = fwd
+    for m, attr, local in plan.local_attrs:
+        setattr(m, attr, local)
+    try:
+        yield
+    finally:
+        for m, fwd in saved:
+            if fwd is None:
+                del m.forward
+            else:
+                m.forward = fwd
+        for m, attr, value in whole:
+            setattr(m, attr, value)
 
 
 @contextlib.contextmanager
@@ -128,18 +204,8 @@ def _installed(plan: ShardingPlan) -> Iterator[None]:
             entered[id(x)] = hit
         return hit[1]
 
-    for mp in plan.modules:
-        mp.module.forward = _forward(mp, plan, enter)
-    whole = [(m, attr, getattr(m, attr)) for m, attr, _ in plan.local_attrs]
-    for m, attr, local in plan.local_attrs:
-        setattr(m, attr, local)
-    try:
+    with _swapped(plan, {mp.module: _forward(mp, plan, enter) for mp in plan.modules}):
         yield
-    finally:
-        for mp in plan.modules:
-            del mp.module.forward
-        for m, attr, value in whole:
-            setattr(m, attr, value)
 
 
 def _forward(mp: ModulePlan, plan: ShardingPlan, enter: Callable) -> Callable:
@@ -168,4 +234,237 @@ def _forward(mp: ModulePlan, plan: ShardingPlan, enter: Callable) -> Callable:
         start = plan.layouts[mp.weight_name].local_slices()[0].start
         return lambda ids: vocab_parallel_embedding(ids, m.weight, start, mesh, axis, who,
                                                     padding_idx=m.padding_idx)
+    raise AssertionError(mp.style)
+
+
+# ------------------------------------------------------------------------ sequence parallelism
+#: Models known to satisfy the sequence-parallel contract (module docstring): their code
+#: between the regions reads no sequence length from hidden states. By qualified name, so that
+#: the transforms do not import the models.
+_SP_MODELS = frozenset({"funcpar.models.llama.Llama"})
+_HEADS = ("vocab_parallel", "colwise_gather_output")
+
+
+@dataclasses.dataclass(frozen=True)
+class _SeqPlan:
+    regions: dict[str, nn.Module]  # region name -> module whose hidden-states input is gathered
+    region_of: dict[str, str]  # column/row-split module name -> its region's name
+
+
+def _split_axes(layout: Any) -> set[str]:
+    return {a for axes in layout.dim_axes for a in axes}
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _seq_plan(module: nn.Module, plan: ShardingPlan) -> _SeqPlan:
+    """The regions of ``plan`` for sequence parallelism, or a ValueError saying why not."""
+    cls = type(module)
+    qualname = f"{cls.__module__}.{cls.__qualname__}"
+    if not (getattr(module, "supports_sequence_parallel", False) or qualname in _SP_MODELS):
+        raise ValueError(
+            f"sequence_parallel: {qualname} is not known to keep to the contract (its code "
+            "between the tensor-parallel regions must not read the sequence length from hidden "
+            "states, e.g. positions or masks from the embedding's output, which is split); a "
+            "model that keeps to it declares supports_sequence_parallel = True"
+        )
+    by_style: dict[str, list[ModulePlan]] = {}
+    for mp in plan.modules:
+        by_style.setdefault(mp.style, []).append(mp)
+    if not by_style.get("embedding_rowwise"):
+        raise ValueError("sequence_parallel needs a vocab-parallel embedding (style "
+                         "'embedding_rowwise'): its reduce-scatter is where the split begins")
+    if not any(by_style.get(h) for h in _HEADS):
+        raise ValueError("sequence_parallel needs a sharded LM head (style 'vocab_parallel' or "
+                         "'colwise_gather_output'): its input gather is where the split ends")
+    rows = {_parent(mp.name) for mp in by_style.get("rowwise", [])}
+    cols = {_parent(mp.name) for mp in by_style.get("colwise", [])}
+    for mp in by_style.get("rowwise", []) + by_style.get("colwise", []):
+        region = _parent(mp.name)
+        other = "column" if mp.style == "rowwise" else "row"
+        if region not in (cols if mp.style == "rowwise" else rows):
+            raise ValueError(
+                f"sequence_parallel: {mp.name!r} ({mp.style}) has no {other}-split sibling in "
+                f"{region or 'the model'!r}; a region is a module holding the column-split "
+                "linears and the row-split linear they feed"
+            )
+        if not region:
+            raise ValueError(f"sequence_parallel: {mp.name!r} ({mp.style}) sits at the top of "
+                             "the model; the regions must be sub-modules (attention, MLP)")
+    modules = dict(module.named_modules())
+    regions = {r: modules[r] for r in sorted(rows)}
+    for r in regions:
+        for q in regions:
+            if q != r and q.startswith(r + "."):
+                raise ValueError(f"sequence_parallel: region {q!r} is nested in region {r!r}")
+    for mp in plan.modules:
+        inside = [r for r in regions if mp.name.startswith(r + ".")]
+        if mp.style not in ("rowwise", "colwise") and inside:
+            raise ValueError(f"sequence_parallel: {mp.name!r} ({mp.style}) sits inside the "
+                             f"region {inside[0]!r}")
+    # Every replicated leaf gets its gradient summed over the axis, which is right only for
+    # leaves used on split activations: inside a region, only the row-split biases are.
+    names = {id(p): n for n, p in module.named_parameters()}
+    biases = {id(mp.module.bias) for mp in by_style.get("rowwise", [])
+              if getattr(mp.module, "bias", None) is not None}
+    for r, reg in regions.items():
+        for pn, p in reg.named_parameters():
+            if id(p) not in biases and plan.axis not in _split_axes(plan.layouts[names[id(p)]]):
+                raise ValueError(
+                    f"sequence_parallel: region {r!r} holds the replicated parameter "
+                    f"{r}.{pn}; inside a region it would see the whole sequence and get a "
+                    f"whole gradient, which the sequence-parallel gradient sum would count "
+                    f"{plan.mesh.size(plan.axis)} times"
+                )
+    region_of = {mp.name: _parent(mp.name) for mp in plan.modules
+                 if mp.style in ("rowwise", "colwise")}
+    return _SeqPlan(regions, region_of)
+
+
+def _sum_over_axis(names: list[str], mesh: DeviceMesh, axis: str,
+                   inner: Callable | None) -> Callable:
+    """``sync_grads``: ``inner``'s, then the gradients of ``names`` summed over ``axis``."""
+    purpose = "sequence-parallel grads: " + ", ".join(names)
+
+    def sync(grads: Any) -> Any:
+        if inner is not None:
+            grads = inner(grads)
+        if mesh.size(axis) == 1 or not names:
+            return grads
+        out = copy.copy(grads)
+        # One flat all-reduce per dtype: these leaves are small (norm weights) and many.
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for n in names:
+            by_dtype.setdefault(grads[n].dtype, []).append(n)
+        for group in by_dtype.values():
+            flat = torch.cat([grads[n].reshape(-1) for n in group])
+            flat = comm.all_reduce(flat, mesh, axis, purpose=purpose)
+            for n, piece in zip(group, flat.split([grads[n].numel() for n in group])):
+                out[n] = piece.view_as(grads[n])
+        return out
+
+    return sync
+
+
+@contextlib.contextmanager
+def _installed_seq(plan: ShardingPlan, seq: _SeqPlan) -> Iterator[None]:
+    """The sequence-parallel forwards of the matched modules and of the regions, for one call.
+
+    ``sizes`` (each rank's positions) is set by the embedding from the token ids; ``gathered``
+    holds each region's gathered input while the region runs.
+    """
+    mesh, axis = plan.mesh, plan.axis
+    sizes: list[list[int]] = []
+    gathered: dict[str, Tensor] = {}
+
+    def seq_sizes(who: str) -> list[int]:
+        if not sizes:
+            raise ValueError(f"sequence_parallel: {who!r} ran before the vocab-parallel "
+                             "embedding, which splits the sequence")
+        return sizes[0]
+
+    def embed(mp: ModulePlan) -> Callable:
+        m = mp.module
+        start = plan.layouts[mp.weight_name].local_slices()[0].start
+
+        def fwd(ids: Tensor) -> Tensor:
+            k = mesh.size(axis)
+            if ids.dim() < 2 or ids.shape[1] < k:
+                raise ValueError(
+                    f"sequence_parallel over {axis}={k}: {mp.name!r} got token ids of shape "
+                    f"{tuple(ids.shape)}, whose dim 1 (the sequence) cannot be split into {k} "
+                    "chunks; use sequences of at least as many tokens as ranks"
+                )
+            cut = comm.chunk_sizes(ids.shape[1], k)
+            if sizes and sizes[0] != cut:
+                raise ValueError(f"sequence_parallel: {mp.name!r} got a sequence of "
+                                 f"{ids.shape[1]} after one of {sum(sizes[0])} in one call")
+            sizes[:] = [cut]
+            return vocab_parallel_embedding(ids, m.weight, start, mesh, axis, mp.name,
+                                            padding_idx=m.padding_idx, seq_sizes=cut)
+
+        return fwd
+
+    def region(name: str, own: Callable) -> Callable:
+        def fwd(*args: Any, **kwargs: Any) -> Any:
+            if args:
+                x, rest, key = args[0], args[1:], None
+            elif "hidden_states" in kwargs:
+                key = "hidden_states"
+                x, rest = kwargs[key], ()
+            else:
+                raise ValueError(f"sequence_parallel: region {name!r} was called without a "
+                                 "positional or hidden_states argument to gather")
+            full = gather_seq(x, mesh, axis, seq_sizes(name), f"{name}: input")
+            outer = gathered.get(name)
+            gathered[name] = full
+            try:
+                if key is None:
+                    return own(full, *rest, **kwargs)
+                return own(*rest, **{**kwargs, key: full})
+            finally:
+                if outer is None:
+                    del gathered[name]
+                else:
+                    gathered[name] = outer
+
+        return fwd
+
+    forwards: dict[nn.Module, Callable] = {}
+    for mp in plan.modules:
+        if mp.style == "embedding_rowwise":
+            forwards[mp.module] = embed(mp)
+        else:
+            forwards[mp.module] = _seq_forward(mp, plan, seq, seq_sizes, gathered)
+    for name, reg in seq.regions.items():
+        forwards[reg] = region(name, reg.forward)
+    with _swapped(plan, forwards):
+        yield
+
+
+def _seq_forward(mp: ModulePlan, plan: ShardingPlan, seq: _SeqPlan,
+                 seq_sizes: Callable[[str], list[int]], gathered: dict[str, Tensor]) -> Callable:
+    m, mesh, axis, who = mp.module, plan.mesh, plan.axis, mp.name
+
+    def matmul(x: Tensor) -> Tensor:
+        if mp.kind == "conv1d":
+            return x @ m.weight
+        return F.linear(x, m.weight)
+
+    def add_bias(y: Tensor) -> Tensor:
+        return y if m.bias is None else y + m.bias
+
+    if mp.style == "colwise":
+        region = seq.region_of[who]
+
+        def colwise(x: Tensor) -> Tensor:
+            # The region's gather backward reduce-scatters the gradient of its gathered input,
+            # which is right when that input's consumers are the column-split linears (each
+            # rank's gradient partial); anything else could be counted tp times.
+            if x is not gathered.get(region):
+                raise ValueError(
+                    f"sequence_parallel: {who!r} (colwise) must be called on its region "
+                    f"{region!r}'s input itself, the tensor that the region gathers"
+                )
+            return add_bias(matmul(x))
+
+        return colwise
+    if mp.style == "rowwise":
+        return lambda x: add_bias(
+            reduce_scatter_seq(matmul(x), mesh, axis, seq_sizes(who), f"{who}: output"))
+    if mp.style == "vocab_parallel":
+        return lambda x: add_bias(matmul(gather_seq(x, mesh, axis, seq_sizes(who),
+                                                    f"{who}: input")))
+    if mp.style == "colwise_gather_output":
+        out_dim = 1 if mp.kind == "conv1d" else 0
+        vocab = comm.chunk_sizes(plan.layouts[mp.weight_name].global_shape[out_dim],
+                                 mesh.size(axis))
+
+        def head(x: Tensor) -> Tensor:
+            full = gather_seq(x, mesh, axis, seq_sizes(who), f"{who}: input")
+            return gather_last_dim(add_bias(matmul(full)), mesh, axis, vocab, f"{who}: output")
+
+        return head
     raise AssertionError(mp.style)

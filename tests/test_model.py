@@ -105,6 +105,22 @@ def test_lm_loss():
     assert low.dtype == torch.float32
 
 
+def test_annotations_are_checked_and_name_the_argument():
+    """Under the test suite's jaxtyping import hook (pyproject addopts) a wrong shape or dtype
+    fails at the call with a message naming the parameter, instead of deep inside a kernel or
+    not at all (a float tensor of token ids would silently index after a cast)."""
+    from jaxtyping import TypeCheckError
+
+    logits = torch.randn(2, 5, 16)
+    with pytest.raises(TypeCheckError, match="parameter 'targets'"):
+        lm_loss(logits, _tokens(2, 6, 16))  # seq 6 against the logits' seq 5
+    with pytest.raises(TypeCheckError, match="parameter 'logits'"):
+        lm_loss(logits.long(), _tokens(2, 5, 16))  # integer logits
+    model = Llama(LlamaConfig(**SMALL))
+    with pytest.raises(TypeCheckError, match="parameter 'tokens'"):
+        model(torch.zeros(2, 5))  # float token ids
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_matches_huggingface_llama(tie):
     """Copying our weights into transformers' LlamaForCausalLM (names prefixed with

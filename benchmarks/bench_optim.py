@@ -2,27 +2,41 @@
 
 The parameter set is shaped like a decoder (an embedding, blocks of four square projections, two
 up-projections, one down-projection and two norms, a final norm). At ``--preset h100`` it is the
-888 M-parameter set of shared/PEERS.md; the default ``cpu`` preset is a scaled-down copy that a
-2-core machine steps in seconds. Gradients are random and fixed; each optimizer is timed over
-``--steps`` updates after ``--warmup`` ones, interleaving funcpar and its peers, median reported.
+888 M-parameter set of shared/PEERS.md; the default ``cpu`` preset is a scaled-down copy (2.6 M
+parameters) that a 2-core machine steps in milliseconds. Gradients are random and fixed.
 
-Columns: ms per step (median); bytes per parameter the algorithm must move (our count: each
-tensor read or written once per step, listed per optimizer in BYTES_PER_PARAM); % of the floor
-(bytes / copy bandwidth measured in the same run); optimizer-state bytes; and, for funcpar rows,
-the ratio peer_ms / funcpar_ms (> 1: funcpar is faster). Peers not installed are skipped with a
-note. Usage::
+Each algorithm is a *group*: the funcpar optimizer and the peers configured to compute the same
+thing (the pairs the tests check step by step; e.g. funcpar's Lamb ``variant="torch_optimizer"``
+against ``torch_optimizer.Lamb``). Within a group every optimizer is built, warmed up
+(``--warmup`` steps: GaLore's SVD happens at the first step, so the timed steps are the ones
+between projector refreshes, ``update_proj_gap`` = 200 here), then timed in ``--reps`` rounds
+of ``--steps`` steps each, the optimizers interleaved and their order rotated every round, so
+machine noise hits all of them alike; the median step time is reported. Only one group is alive
+at a time (at the h100 preset a group holds tens of GB).
 
-    python benchmarks/bench_optim.py                      # CPU preset
+Columns: ms per step (the median, and the fastest step: on a shared machine the median is
+noisy); bytes per parameter the algorithm must move at the least (our count: each tensor read
+or written once per step, BYTES_PER_PARAM) and the % of that floor
+reached (bytes / device copy bandwidth measured in the same run); optimizer-state bytes in
+total and per parameter; and, on each peer's row, ``peer ms / funcpar ms`` for the funcpar
+optimizer of its group (of the medians, and of the fastest steps): > 1 means funcpar is
+faster, < 1 that it is slower (reported as such).
+The funcpar step timed is ``update`` + ``apply_updates`` (what a train step runs); the peers'
+is ``optimizer.step()``. Peers not installed are skipped with a note. Usage::
+
+    python benchmarks/bench_optim.py --preset cpu --threads 1   # CPU (the default), ~3 min
     python benchmarks/bench_optim.py --preset h100 --device cuda
+    python benchmarks/bench_optim.py --only lamb,galore_adamw
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,22 +45,27 @@ import funcpar.optim as fo
 from funcpar.optim.memory import state_bytes
 
 PRESETS = {
-    # vocab, dim, ffn, blocks
-    "h100": (32000, 2048, 5632, 16),
-    "cpu": (4000, 256, 704, 2),
-    "tiny": (500, 64, 176, 1),
+    # vocab, dim, ffn, blocks, GaLore rank
+    "h100": (32000, 2048, 5632, 16, 512),
+    "cpu": (4000, 256, 704, 2, 64),
+    "tiny": (500, 64, 176, 1, 16),
 }
 
 # Bytes per fp32 parameter each algorithm must move at the least: reads and writes of the
-# parameter, its gradient and each full-size state (factored states are negligible).
+# parameter, its gradient and each full-size state (factored and low-rank states negligible).
 BYTES_PER_PARAM = {
     "sgd": 20,  # p r/w, g r, momentum r/w
     "adamw": 28,  # p r/w, g r, m r/w, v r/w
     "adafactor": 16,  # g read twice (statistics, update), p r/w
+    "adafactor_torch": 16,
     "came": 24,  # g twice, p r/w, m r/w
     "lamb": 28,
-    "galore_adamw": 12,  # p r/w, g r; low-rank states negligible
+    "galore_adamw": 16,  # g read twice (projection; 1-D leaves' Adam), p r/w
+    "galore_adafactor": 16,
+    "galore_adamw8bit": 16,
 }
+
+LR = 1e-3
 
 
 def decoder_shapes(vocab: int, dim: int, ffn: int, blocks: int) -> dict[str, tuple[int, ...]]:
@@ -65,9 +84,12 @@ def decoder_shapes(vocab: int, dim: int, ffn: int, blocks: int) -> dict[str, tup
 
 @dataclass
 class Entry:
-    name: str  # the algorithm (BYTES_PER_PARAM key)
-    who: str  # "funcpar" or the peer's name
-    build: Callable[[], object]  # -> funcpar GradientTransformation, or a peer factory
+    who: str  # "funcpar ..." or the peer's name
+    build: Callable[[], object]  # funcpar: () -> GradientTransformation; peer: list -> Optimizer
+
+    @property
+    def ours(self) -> bool:
+        return self.who.startswith("funcpar")
 
 
 def _peer(module: str, attr: str, **kwargs) -> Callable[[list], torch.optim.Optimizer]:
@@ -77,54 +99,61 @@ def _peer(module: str, attr: str, **kwargs) -> Callable[[list], torch.optim.Opti
             cls = getattr(cls, part)
         return cls(params, **kwargs)
 
-    make.module = module  # type: ignore[attr-defined]
     return make
 
 
-def entries(device: str) -> list[Entry]:
-    lr = 1e-3
-    out = [
-        Entry("sgd", "funcpar", lambda: fo.sgd(lr=lr, momentum=0.9)),
-        Entry("sgd", "torch.optim.SGD", _peer("torch.optim", "SGD", lr=lr, momentum=0.9)),
-        Entry("adamw", "funcpar", lambda: fo.adamw(lr=lr)),
-        Entry("adamw", "torch AdamW foreach",
-              _peer("torch.optim", "AdamW", lr=lr, foreach=True)),
-        Entry("adamw", "torch AdamW fused", _peer("torch.optim", "AdamW", lr=lr, fused=True)),
-        Entry("adafactor", "funcpar",
-              lambda: fo.adafactor(lr=lr, relative_step=False, scale_parameter=False)),
-        Entry("adafactor", "transformers Adafactor",
-              _peer("transformers.optimization", "Adafactor", lr=lr, relative_step=False,
-                    scale_parameter=False)),
-        Entry("adafactor", "funcpar (torch variant)", lambda: fo.adafactor_torch(lr=lr)),
-        Entry("adafactor", "torch.optim.Adafactor",
-              _peer("torch.optim", "Adafactor", lr=lr, foreach=True)),
-        Entry("came", "funcpar", lambda: fo.came(lr=lr)),
-        Entry("came", "came-pytorch", _peer("came_pytorch", "CAME", lr=lr)),
-        Entry("lamb", "funcpar", lambda: fo.lamb(lr=lr)),
-        Entry("lamb", "pytorch-optimizer Lamb", _peer("pytorch_optimizer", "Lamb", lr=lr)),
-        Entry("lamb", "torch-optimizer Lamb", _peer("torch_optimizer", "Lamb", lr=lr)),
-    ]
-    if hasattr(fo, "galore_adamw"):
-        out += [
-            Entry("galore_adamw", "funcpar", lambda: fo.galore_adamw(lr=lr, rank=128)),
-            Entry("galore_adamw", "galore-torch GaLoreAdamW", _galore_peer(lr, 128)),
-        ]
-    return out
+def _galore_peer(cls_name: str, rank: int, **kwargs) -> Callable[[list], torch.optim.Optimizer]:
+    """galore-torch with every 2-D leaf projected (funcpar's default ``galore_mask``)."""
 
-
-def _galore_peer(lr: float, rank: int) -> Callable[[list], torch.optim.Optimizer]:
     def make(params: list) -> torch.optim.Optimizer:
-        from galore_torch import GaLoreAdamW
+        cls = getattr(importlib.import_module("galore_torch"), cls_name)
+        groups = [{"params": [p for p in params if p.dim() != 2]},
+                  {"params": [p for p in params if p.dim() == 2], "rank": rank,
+                   "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}]
+        return cls(groups, **kwargs)
 
-        mats = [p for p in params if p.dim() == 2]
-        rest = [p for p in params if p.dim() != 2]
-        groups = [{"params": rest},
-                  {"params": mats, "rank": rank, "update_proj_gap": 200, "scale": 0.25,
-                   "proj_type": "std"}]
-        return GaLoreAdamW(groups, lr=lr)
-
-    make.module = "galore_torch"  # type: ignore[attr-defined]
     return make
+
+
+def groups(rank: int) -> dict[str, list[Entry]]:
+    """Per algorithm: the funcpar optimizer first, then the peers that compute the same."""
+    hf_af = dict(lr=LR, relative_step=False, scale_parameter=False)
+    return {
+        "sgd": [Entry("funcpar", lambda: fo.sgd(lr=LR, momentum=0.9)),
+                Entry("torch.optim.SGD foreach",
+                      _peer("torch.optim", "SGD", lr=LR, momentum=0.9, foreach=True))],
+        "adamw": [Entry("funcpar", lambda: fo.adamw(lr=LR)),
+                  Entry("torch AdamW foreach",
+                        _peer("torch.optim", "AdamW", lr=LR, foreach=True)),
+                  Entry("torch AdamW fused", _peer("torch.optim", "AdamW", lr=LR, fused=True))],
+        "adafactor": [Entry("funcpar", lambda: fo.adafactor(**hf_af)),
+                      Entry("transformers Adafactor",
+                            _peer("transformers.optimization", "Adafactor", **hf_af))],
+        "adafactor_torch": [Entry("funcpar", lambda: fo.adafactor_torch(lr=LR)),
+                            Entry("torch.optim.Adafactor foreach",
+                                  _peer("torch.optim", "Adafactor", lr=LR, foreach=True))],
+        "came": [Entry("funcpar", lambda: fo.came(lr=LR)),
+                 Entry("came-pytorch CAME", _peer("came_pytorch", "CAME", lr=LR))],
+        "lamb": [Entry("funcpar (torch_optimizer)",
+                       lambda: fo.lamb(lr=LR, variant="torch_optimizer")),
+                 Entry("torch-optimizer Lamb", _peer("torch_optimizer", "Lamb", lr=LR)),
+                 Entry("funcpar (pytorch_optimizer)",
+                       lambda: fo.lamb(lr=LR, variant="pytorch_optimizer")),
+                 Entry("pytorch-optimizer Lamb", _peer("pytorch_optimizer", "Lamb", lr=LR))],
+        "galore_adamw": [Entry("funcpar", lambda: fo.galore_adamw(lr=LR, rank=rank)),
+                         Entry("galore-torch GaLoreAdamW",
+                               _galore_peer("GaLoreAdamW", rank, lr=LR))],
+        "galore_adafactor": [Entry("funcpar", lambda: fo.galore_adafactor(**hf_af, rank=rank)),
+                             Entry("galore-torch GaLoreAdafactor",
+                                   _galore_peer("GaLoreAdafactor", rank, **hf_af))],
+        "galore_adamw8bit": [
+            Entry("funcpar", lambda: fo.galore_adamw(lr=LR, rank=rank, eight_bit=True,
+                                                     adam_variant="bnb", eps=1e-8,
+                                                     weight_decay=0.0)),
+            Entry("galore-torch GaLoreAdamW8bit (bnb)",
+                  _galore_peer("GaLoreAdamW8bit", rank, lr=LR, eps=1e-8, weight_decay=0.0)),
+        ],
+    }
 
 
 def _sync(device: str) -> None:
@@ -132,12 +161,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def _cpu_cuda_sync_is_noop(device: str) -> Iterator[None]:
+    # GaLoreAdamW8bit calls torch.cuda.synchronize() after every parameter, which raises on a
+    # CPU-only torch; on CPU there is nothing to wait for.
+    if device.startswith("cuda") or torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = saved
+
+
 def copy_bandwidth(device: str, numel: int) -> float:
-    """Bytes per second of a device copy, counting bytes read and written."""
+    """Bytes per second of a device copy of ``numel`` floats (the parameter count, so that a
+    CPU's caches help the copy as much as they help the optimizers), counting bytes read and
+    written; the fastest of 20 copies (a shared machine slows some of them)."""
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
     times = []
-    for _ in range(5):
+    for _ in range(20):
         _sync(device)
         t = time.perf_counter()
         dst.copy_(src)
@@ -146,93 +192,143 @@ def copy_bandwidth(device: str, numel: int) -> float:
     return 2 * src.numel() * 4 / min(times)
 
 
-def time_funcpar(opt, params, grads, device, warmup, steps) -> tuple[float, int]:
-    state = opt.init(params)
-    times = []
-    p = params
-    for i in range(warmup + steps):
-        _sync(device)
-        t = time.perf_counter()
-        updates, state = opt.update(grads, state, p)
-        p = fo.apply_updates(p, updates)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3, state_bytes(state)
+class Runner:
+    """One optimizer with its own copy of the parameters; ``step()`` is what is timed."""
+
+    def __init__(self, entry: Entry, params: dict, grads: dict):
+        self.entry = entry
+        if entry.ours:
+            self.opt = entry.build()
+            self.params = {k: v.clone() for k, v in params.items()}
+            self.grads = grads
+            self.state = self.opt.init(self.params)
+        else:
+            self.live = [v.clone().requires_grad_() for v in params.values()]
+            # Each peer gets its own gradients, set again before every step (as a backward
+            # would): GaLoreAdamW8bit leaves the low-rank gradient in p.grad.
+            self.peer_grads = [g.clone() for g in grads.values()]
+            self.opt = entry.build(self.live)
+
+    def step(self) -> None:
+        if self.entry.ours:
+            updates, self.state = self.opt.update(self.grads, self.state, self.params)
+            self.params = fo.apply_updates(self.params, updates)
+        else:
+            for p, g in zip(self.live, self.peer_grads):
+                p.grad = g
+            self.opt.step()
+
+    def state_bytes(self) -> int:
+        if self.entry.ours:
+            return state_bytes(self.state)
+        total = 0
+        for s in self.opt.state.values():
+            for v in s.values():
+                if hasattr(v, "ortho_matrix"):  # galore-torch's projector object
+                    mats = v.ortho_matrix if isinstance(v.ortho_matrix, list) else [v.ortho_matrix]
+                    v = [m for m in mats if torch.is_tensor(m)]
+                for t in v if isinstance(v, list) else [v]:
+                    if torch.is_tensor(t):
+                        total += t.numel() * t.element_size()
+        return total
 
 
-def time_peer(make, params, grads, device, warmup, steps) -> tuple[float, int]:
-    live = [v.clone().requires_grad_() for v in params.values()]
-    for p, g in zip(live, grads.values()):
-        p.grad = g
-    opt = make(live)
-    times = []
-    for i in range(warmup + steps):
-        _sync(device)
-        t = time.perf_counter()
-        opt.step()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    nbytes = sum(t.numel() * t.element_size() for s in opt.state.values()
-                 for t in s.values() if torch.is_tensor(t))
-    return statistics.median(times) * 1e3, nbytes
+def time_group(entries: list[Entry], params, grads, device, warmup, steps, reps):
+    """[(entry, median ms, min ms, state bytes, note)] (None where skipped), interleaved."""
+    runners, out = [], {}
+    for e in entries:
+        try:
+            r = Runner(e, params, grads)
+            for _ in range(warmup):
+                r.step()
+            _sync(device)
+            runners.append(r)
+        except (ImportError, AttributeError, RuntimeError, ValueError, TypeError) as err:
+            out[e.who] = (None, None, None, f"skipped: {type(err).__name__}: {err}"[:100])
+    times: dict[str, list[float]] = {r.entry.who: [] for r in runners}
+    for rep in range(reps):
+        k = rep % max(len(runners), 1)
+        for r in runners[k:] + runners[:k]:  # rotate the order every round
+            for _ in range(steps):
+                _sync(device)
+                t = time.perf_counter()
+                r.step()
+                _sync(device)
+                times[r.entry.who].append(time.perf_counter() - t)
+    for r in runners:
+        out[r.entry.who] = (statistics.median(times[r.entry.who]) * 1e3,
+                            min(times[r.entry.who]) * 1e3, r.state_bytes(), "")
+    return [(e, *out[e.who]) for e in entries]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per round")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated algorithm names")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads for torch (0: torch's default). On a CPU shared with other "
+                         "work, 1 avoids the multi-ms waits of a parallel region for a "
+                         "descheduled thread, which otherwise dominate the small steps")
     args = ap.parse_args(argv)
+    if args.threads < 0:
+        ap.error(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
-    shapes = decoder_shapes(*PRESETS[args.preset])
+    vocab, dim, ffn, blocks, rank = PRESETS[args.preset]
+    shapes = decoder_shapes(vocab, dim, ffn, blocks)
     gen = torch.Generator().manual_seed(0)
-    params = {k: torch.randn(s, generator=gen).mul_(0.02).to(args.device) for k, s in shapes.items()}
+    params = {k: torch.randn(s, generator=gen).mul_(0.02).to(args.device)
+              for k, s in shapes.items()}
     grads = {k: torch.randn(s, generator=gen).to(args.device) for k, s in shapes.items()}
     n = sum(p.numel() for p in params.values())
-    bw = copy_bandwidth(args.device, min(max(n, 1 << 24), 1 << 28))
-    print(f"device {args.device}  params {n / 1e6:.1f} M  copy bandwidth {bw / 1e9:.1f} GB/s  "
-          f"torch {torch.__version__}")
+    bw = copy_bandwidth(args.device, n)
+    print(f"preset {args.preset}: {n / 1e6:.2f} M fp32 params in {len(shapes)} leaves, GaLore "
+          f"rank {rank}; device {args.device}, {torch.get_num_threads()} threads; copy "
+          f"bandwidth {bw / 1e9:.1f} GB/s; torch {torch.__version__}; median of "
+          f"{args.reps} x {args.steps} steps after {args.warmup} warm-up")
 
+    all_groups = groups(rank)
     only = set(filter(None, args.only.split(",")))
-    rows, ours = [], {}
-    for e in entries(args.device):
-        if only and e.name not in only:
-            continue
-        try:
-            if e.who.startswith("funcpar"):
-                ms, nbytes = time_funcpar(e.build(), params, grads, args.device, args.warmup,
-                                          args.steps)
-            else:
-                ms, nbytes = time_peer(e.build, params, grads, args.device, args.warmup,
-                                       args.steps)
-        except (ImportError, RuntimeError, ValueError) as err:
-            rows.append((e.name, e.who, None, None, f"skipped: {type(err).__name__}: {err}"[:90]))
-            continue
-        if e.who.startswith("funcpar"):
-            ours[(e.name, e.who)] = ms
-        rows.append((e.name, e.who, ms, nbytes, ""))
-
-    floor_ms = {k: b * n / bw * 1e3 for k, b in BYTES_PER_PARAM.items()}
-    print("\n| optimizer | implementation | ms/step | bytes/param | % of floor | state MB | note |")
-    print("|---|---|---|---|---|---|---|")
-    for name, who, ms, nbytes, note in rows:
-        if ms is None:
-            print(f"| {name} | {who} | - | - | - | - | {note} |")
-            continue
-        pct = 100 * floor_ms[name] / ms
-        print(f"| {name} | {who} | {ms:.2f} | {BYTES_PER_PARAM[name]} | {pct:.0f} % | "
-              f"{nbytes / 2**20:.1f} | {note} |")
-    print("\nratio peer ms / funcpar ms (> 1: funcpar faster):")
-    for name, who, ms, _, _ in rows:
-        if ms is None or who.startswith("funcpar"):
-            continue
-        mine = [(k[1], v) for k, v in ours.items() if k[0] == name]
-        for label, v in mine:
-            print(f"  {name:13s} {who:28s} vs {label:24s} {ms / v:5.2f}")
+    unknown = only - set(all_groups)
+    if unknown:
+        ap.error(f"--only: unknown {sorted(unknown)}; choose from {sorted(all_groups)}")
+    print("\n| algorithm | implementation | ms/step (median) | min ms | moved B/param | "
+          "% of floor | state MB | state B/param | peer ms / funcpar ms (median; min) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    summary = []
+    with _cpu_cuda_sync_is_noop(args.device):
+        for name, entries in all_groups.items():
+            if only and name not in only:
+                continue
+            rows = time_group(entries, params, grads, args.device, args.warmup, args.steps,
+                              args.reps)
+            floor_ms = BYTES_PER_PARAM[name] * n / bw * 1e3
+            mine = None  # the funcpar row a peer row is compared with: the last one above it
+            for e, ms, ms_min, nbytes, note in rows:
+                if ms is None:
+                    print(f"| {name} | {e.who} | - | - | - | - | - | - | {note} |")
+                    continue
+                ratio = ""
+                if e.ours:
+                    mine = (e.who, ms, ms_min)
+                elif mine is not None:
+                    r, r_min = ms / mine[1], ms_min / mine[2]
+                    ratio = (f"{r:.2f} ({'funcpar faster' if r > 1 else 'funcpar SLOWER'}); "
+                             f"min {r_min:.2f}")
+                    summary.append((name, e.who, mine[0], r))
+                print(f"| {name} | {e.who} | {ms:.2f} | {ms_min:.2f} | {BYTES_PER_PARAM[name]} | "
+                      f"{100 * floor_ms / ms:.0f} % | {nbytes / 2**20:.2f} | {nbytes / n:.2f} | "
+                      f"{ratio} |")
+    if summary:
+        faster = sum(r > 1 for *_, r in summary)
+        print(f"\nfuncpar faster than the peer in {faster} of {len(summary)} pairs; slower in "
+              f"{len(summary) - faster}: "
+              + ", ".join(f"{a} vs {b} {r:.2f}" for a, b, _, r in summary if r <= 1))
 
 
 if __name__ == "__main__":

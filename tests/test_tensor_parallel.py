@@ -147,6 +147,11 @@ def test_tp2_gathered_logits_and_comm_report():
             assert what in purposes, what
         # k/v share q's input all-reduce; up shares gate's.
         assert "k_proj: input grad" not in purposes and "up_proj: input grad" not in purposes
+        # Exactly the expected collectives: per layer 2 forward (o_proj, down_proj outputs) and
+        # 2 backward (q/k/v and gate/up input grads); the embedding; the head's input grad; 3
+        # for the cross-entropy; 1 for the grad-norm metric (all tp-split leaves together).
+        assert len(records) == 4 * CFG.n_layers + 1 + 1 + 3 + 1, purposes
+        assert sum(p.endswith("global_norm") for *_, p in records) == 1
         # No message is the size of a parameter matrix: activations and scalars only.
         biggest = max(n for _, _, n, _ in records)
         assert biggest <= 8 * 12 * CFG.dim * 8  # one activation [batch, seq, dim] in float64

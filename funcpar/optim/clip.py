@@ -7,7 +7,7 @@ from torch import Tensor
 
 from funcpar.optim import validate
 from funcpar.optim.base import EmptyState, GradientTransformation
-from funcpar.shard.reduce import sum_of_squares
+from funcpar.shard.reduce import total_sum_of_squares
 from funcpar.state.tree import Tree, leaves_like, tree_leaves, tree_map
 
 __all__ = ["clip_by_global_norm", "global_norm"]
@@ -16,17 +16,14 @@ __all__ = ["clip_by_global_norm", "global_norm"]
 def global_norm(tree: Tree, layouts: Tree | None = None) -> Tensor:
     """``sqrt(sum over leaves of ||leaf||^2)`` of the whole (global) tree, as a 0-d tensor.
 
-    Each leaf's square norm goes through the layout-aware reduction, so a sharded leaf counts
-    once, whole.
+    The square norms go through the layout-aware reduction, so a sharded leaf counts once,
+    whole, and all leaves split over the same mesh axes share one all-reduce.
     """
-    leaves = tree_leaves(tree)
-    lays = leaves_like(tree, layouts, what="layouts", against="grads")
-    sq = [sum_of_squares(g.to(torch.float64) if g.dtype == torch.float64 else g.float(),
-                         layout=lay, purpose="global_norm")
-          for g, lay in zip(leaves, lays) if g is not None]
-    if not sq:
-        return torch.zeros(())
-    return torch.stack([s.to(sq[0].device) for s in sq]).sum().sqrt()
+    pairs = [(g, lay) for g, lay in zip(tree_leaves(tree),
+                                        leaves_like(tree, layouts, what="layouts",
+                                                    against="grads")) if g is not None]
+    return total_sum_of_squares([g for g, _ in pairs], [lay for _, lay in pairs],
+                                purpose="global_norm").sqrt()
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

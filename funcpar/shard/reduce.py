@@ -9,6 +9,9 @@ on this process) each function is the plain torch op. A layout is any object wit
   axes that split ``dims`` (a no-op when none does), with ``op`` in ``{"sum", "max"}``.
 
 so optimizer code never asks "which parallelism is this?": it asks for a reduction over dims.
+A layout may also offer ``axes_for(dims)`` (the mesh axes that split ``dims``):
+:func:`total_sum_of_squares` then sums many leaves with one collective per distinct set of
+axes instead of one per leaf.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ __all__ = [
     "reduce_sum",
     "rms",
     "sum_of_squares",
+    "total_sum_of_squares",
 ]
 
 
@@ -119,6 +123,42 @@ def sum_of_squares(
     d = _dims(x, None)
     local = torch.linalg.vector_norm(x).square() if x.numel() else x.new_zeros(())
     return _finish(local, d, layout, "sum", purpose)
+
+
+def total_sum_of_squares(
+    xs: Sequence[Tensor], layouts: Sequence[Reducible | None], *, purpose: str = "sum_of_squares"
+) -> Tensor:
+    """``sum over leaves of sum(x**2)``, each leaf whole (global), as a 0-d tensor.
+
+    Local sums are accumulated in float32 (float64 for float64 leaves) and grouped by the mesh
+    axes that split them, so a tree of sharded leaves costs one all-reduce per distinct set of
+    axes (one per leaf for a layout without ``axes_for``), not one per leaf.
+    """
+    if len(xs) != len(layouts):
+        raise ValueError(f"{len(xs)} tensors but {len(layouts)} layouts")
+    groups: dict[tuple, tuple[Tensor, Reducible | None, int]] = {}
+    for i, (x, lay) in enumerate(zip(xs, layouts)):
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        local = torch.linalg.vector_norm(x, dtype=acc).square() if x.numel() else (
+            torch.zeros((), dtype=acc, device=x.device))
+        dims = tuple(range(x.dim()))
+        if lay is None or not dims:
+            key: tuple = (acc, ())
+        elif hasattr(lay, "axes_for"):
+            key = (acc, tuple(lay.axes_for(dims)))
+        else:
+            key = (acc, ("leaf", i))
+        total, rep, nd = groups.get(key, (None, lay, len(dims)))
+        groups[key] = (local if total is None else total + local.to(total.device), rep, nd)
+    sums = [
+        total if rep is None or not key[1] else rep.all_reduce(total, tuple(range(nd)), "sum",
+                                                               purpose)
+        for key, (total, rep, nd) in groups.items()
+    ]
+    if not sums:
+        return torch.zeros(())
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in sums) else torch.float32
+    return torch.stack([t.to(acc).to(sums[0].device) for t in sums]).sum()
 
 
 def norm(x: Tensor, *, layout: Reducible | None = None, purpose: str = "norm") -> Tensor:

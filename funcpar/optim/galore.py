@@ -277,6 +277,13 @@ def galore_adamw(
     """GaLore with an AdamW inner optimizer: galore-torch's ``GaLoreAdamW`` (and, 8-bit,
     ``GaLoreAdamW8bit``).
 
+    Zhao et al. 2024, arXiv 2403.03507; 8-bit states: Dettmers et al. 2022, arXiv 2110.02861.
+    Defaults: ``lr=1e-3``, ``betas=(0.9, 0.999)``, ``eps=1e-6``, ``weight_decay=0.0``,
+    ``rank=128``, ``update_proj_gap=200``, ``scale=0.25``, ``proj_type="std"``, every 2-D leaf
+    projected, fp32 states, ``block_size=256``, ``min_8bit_size=4096``. Tested step by step
+    against galore-torch 1.0 (tests/test_galore.py: measured 7.4e-17 in float64, 1.1e-7 in
+    float32, all five ``proj_type``; 8-bit: against GaLoreAdamW8bit and against this fp32 run).
+
     Per leaf, with ``G~`` the projected gradient of a projected leaf (else ``G~ = G``) and
     ``t`` the step (from 1), ``bc1 = 1 - b1^t``, ``bc2 = 1 - b2^t``::
 
@@ -475,6 +482,11 @@ def galore_adafactor(
     weight_decay_mask: Mask = None,
 ) -> GradientTransformation:
     """GaLore with a Hugging Face Adafactor inner optimizer: galore-torch's ``GaLoreAdafactor``.
+
+    Zhao et al. 2024 (arXiv 2403.03507) around Shazeer & Stern 2018 (arXiv 1804.04235).
+    Defaults: :func:`~funcpar.optim.adafactor`'s and :func:`galore_adamw`'s GaLore ones. Tested
+    step by step against galore-torch 1.0 (tests/test_galore.py: measured 0 in float64, 8.8e-9
+    in float32).
 
     For a projected leaf ``W`` the Adafactor step (:func:`funcpar.optim.adafactor`'s, via
     :func:`~funcpar.optim.adafactor.adafactor_leaf_update`) runs on the projected gradient

@@ -30,10 +30,13 @@ row-split linear and the column-split linears feeding it (the attention and the 
   all-reduce (:func:`~funcpar.shard.tp_ops.vocab_parallel_embedding` with ``seq_sizes``);
 * a region's module all-gathers its first argument (the hidden states) over the sequence
   (:func:`~funcpar.shard.tp_ops.gather_seq`; backward: reduce-scatter, which also does the
-  work of *f*'s gradient all-reduce, so the column-split linears get no ``enter_region``);
-* a row-split linear reduce-scatters its partial sums over the sequence instead of
-  all-reducing them (:func:`~funcpar.shard.tp_ops.reduce_scatter_seq`; backward: all-gather),
-  then adds its bias to its chunk;
+  work of *f*'s gradient all-reduce, so the column-split linears get no ``enter_region``) and
+  runs on the whole sequence, so its own shape logic (``view(b, t, -1, head_dim)``) is
+  unchanged; the column-split linears must be called on that gathered tensor itself (checked);
+* the region must return its row-split linear's output itself (checked): those partial sums
+  are reduce-scattered over the sequence instead of all-reduced
+  (:func:`~funcpar.shard.tp_ops.reduce_scatter_seq`; backward: all-gather), and the linear's
+  bias is added to this rank's chunk;
 * the LM head all-gathers its input over the sequence first, so the logits (and the loss)
   cover every position, as without sequence parallelism.
 
@@ -249,6 +252,7 @@ _HEADS = ("vocab_parallel", "colwise_gather_output")
 class _SeqPlan:
     regions: dict[str, nn.Module]  # region name -> module whose hidden-states input is gathered
     region_of: dict[str, str]  # column/row-split module name -> its region's name
+    row_of: dict[str, ModulePlan]  # region name -> its row-split linear, whose output it returns
 
 
 def _split_axes(layout: Any) -> set[str]:
@@ -295,6 +299,13 @@ def _seq_plan(module: nn.Module, plan: ShardingPlan) -> _SeqPlan:
                              "the model; the regions must be sub-modules (attention, MLP)")
     modules = dict(module.named_modules())
     regions = {r: modules[r] for r in sorted(rows)}
+    row_of: dict[str, ModulePlan] = {}
+    for mp in by_style.get("rowwise", []):
+        r = _parent(mp.name)
+        if r in row_of:
+            raise ValueError(f"sequence_parallel: region {r!r} holds two row-split linears "
+                             f"({row_of[r].name!r}, {mp.name!r}); its output must be one")
+        row_of[r] = mp
     for r in regions:
         for q in regions:
             if q != r and q.startswith(r + "."):
@@ -320,7 +331,7 @@ def _seq_plan(module: nn.Module, plan: ShardingPlan) -> _SeqPlan:
                 )
     region_of = {mp.name: _parent(mp.name) for mp in plan.modules
                  if mp.style in ("rowwise", "colwise")}
-    return _SeqPlan(regions, region_of)
+    return _SeqPlan(regions, region_of, row_of)
 
 
 def _sum_over_axis(names: list[str], mesh: DeviceMesh, axis: str,
@@ -357,7 +368,8 @@ def _installed_seq(plan: ShardingPlan, seq: _SeqPlan) -> Iterator[None]:
     """
     mesh, axis = plan.mesh, plan.axis
     sizes: list[list[int]] = []
-    gathered: dict[str, Tensor] = {}
+    gathered: dict[str, Tensor] = {}  # region name -> its gathered input, while it runs
+    partial: dict[str, Tensor] = {}  # row-split linear -> its partial sums, for its region
 
     def seq_sizes(who: str) -> list[int]:
         if not sizes:
@@ -388,6 +400,8 @@ def _installed_seq(plan: ShardingPlan, seq: _SeqPlan) -> Iterator[None]:
         return fwd
 
     def region(name: str, own: Callable) -> Callable:
+        row = seq.row_of[name]
+
         def fwd(*args: Any, **kwargs: Any) -> Any:
             if args:
                 x, rest, key = args[0], args[1:], None
@@ -397,18 +411,36 @@ def _installed_seq(plan: ShardingPlan, seq: _SeqPlan) -> Iterator[None]:
             else:
                 raise ValueError(f"sequence_parallel: region {name!r} was called without a "
                                  "positional or hidden_states argument to gather")
-            full = gather_seq(x, mesh, axis, seq_sizes(name), f"{name}: input")
-            outer = gathered.get(name)
+            cut = seq_sizes(name)
+            full = gather_seq(x, mesh, axis, cut, f"{name}: input")
+            outer = gathered.get(name), partial.get(row.name)
             gathered[name] = full
             try:
-                if key is None:
-                    return own(full, *rest, **kwargs)
-                return own(*rest, **{**kwargs, key: full})
+                out = own(full, *rest, **kwargs) if key is None else own(
+                    *rest, **{**kwargs, key: full})
+                product = partial.get(row.name)
             finally:
-                if outer is None:
-                    del gathered[name]
-                else:
-                    gathered[name] = outer
+                for d, k, v in ((gathered, name, outer[0]), (partial, row.name, outer[1])):
+                    if v is None:
+                        d.pop(k, None)
+                    else:
+                        d[k] = v
+            # The module runs on the whole sequence (its own shape logic sees whole tensors) and
+            # returns the row-split linear's partial sums, which are reduce-scattered here, and
+            # the bias added to this rank's chunk. Anything the module did after that linear
+            # would have run on partial sums: refused.
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            if product is None or first is not product:
+                raise ValueError(
+                    f"sequence_parallel: region {name!r} must return the output of its "
+                    f"row-split linear {row.name!r} itself (first, if it returns a tuple)"
+                )
+            m = row.module
+            y = reduce_scatter_seq(product, mesh, axis, cut, f"{row.name}: output")
+            y = y if m.bias is None else y + m.bias
+            if isinstance(out, (tuple, list)):
+                return type(out)((y, *out[1:]))
+            return y
 
         return fwd
 
@@ -417,7 +449,7 @@ def _installed_seq(plan: ShardingPlan, seq: _SeqPlan) -> Iterator[None]:
         if mp.style == "embedding_rowwise":
             forwards[mp.module] = embed(mp)
         else:
-            forwards[mp.module] = _seq_forward(mp, plan, seq, seq_sizes, gathered)
+            forwards[mp.module] = _seq_forward(mp, plan, seq, seq_sizes, gathered, partial)
     for name, reg in seq.regions.items():
         forwards[reg] = region(name, reg.forward)
     with _swapped(plan, forwards):
@@ -425,7 +457,8 @@ def _installed_seq(plan: ShardingPlan, seq: _SeqPlan) -> Iterator[None]:
 
 
 def _seq_forward(mp: ModulePlan, plan: ShardingPlan, seq: _SeqPlan,
-                 seq_sizes: Callable[[str], list[int]], gathered: dict[str, Tensor]) -> Callable:
+                 seq_sizes: Callable[[str], list[int]], gathered: dict[str, Tensor],
+                 partial: dict[str, Tensor]) -> Callable:
     m, mesh, axis, who = mp.module, plan.mesh, plan.axis, mp.name
 
     def matmul(x: Tensor) -> Tensor:
@@ -452,8 +485,14 @@ def _seq_forward(mp: ModulePlan, plan: ShardingPlan, seq: _SeqPlan,
 
         return colwise
     if mp.style == "rowwise":
-        return lambda x: add_bias(
-            reduce_scatter_seq(matmul(x), mesh, axis, seq_sizes(who), f"{who}: output"))
+
+        def rowwise(x: Tensor) -> Tensor:
+            # Partial sums over the whole sequence; the region reduce-scatters them and adds
+            # the bias (see _installed_seq).
+            partial[who] = y = matmul(x)
+            return y
+
+        return rowwise
     if mp.style == "vocab_parallel":
         return lambda x: add_bias(matmul(gather_seq(x, mesh, axis, seq_sizes(who),
                                                     f"{who}: input")))

@@ -93,8 +93,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (one: spin-waiting OpenMP threads make timings on "
+                        "shared cores erratic, and this model is too small to gain from more)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads <= 0:
+        p.error(f"--threads must be positive, got {args.threads}")
+    torch.set_num_threads(args.threads)
 
     cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers,
                       n_heads=args.heads, max_seq_len=args.seq_len)

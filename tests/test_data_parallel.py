@@ -100,5 +100,5 @@ def test_data_parallel_twice_is_an_error():
     opt = fo.sgd(lr=0.1)
     step, state = data_parallel(mesh)(make_train_step(apply_fn, lambda o, y: o.sum(), opt),
                                       init_state(params, buffers, opt))
-    with pytest.raises(ValueError, match="applied twice"):
+    with pytest.raises(ValueError, match="already applied"):
         data_parallel(mesh)(step, state)

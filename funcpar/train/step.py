@@ -97,6 +97,10 @@ class TrainStep:
       under ``compile`` it is not), and ``finish(grads) -> grads`` right after the backward;
     * ``sync_grads(grads) -> grads``: after the backward, before clipping and the optimizer;
     * ``sync_loss(loss) -> loss``: the reported loss, made global.
+
+    ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
+    they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
+    plan and the data-parallel axis, so that the transforms compose in either order.
     """
 
     apply_fn: ApplyFn
@@ -108,6 +112,9 @@ class TrainStep:
     sync_grads: Callable[[Tree], Tree] | None = None
     sync_loss: Callable[[Tensor], Tensor] | None = None
     overlap_grads: Callable[[list[Tensor]], GradSync] | None = None
+    grad_layouts: Tree | None = None
+    partition: Any = None
+    dp_axis: str | None = None
 
     @functools.cached_property
     def _grads_of(self) -> Callable[..., tuple[Tensor, Tree, Tree]]:
@@ -135,7 +142,8 @@ class TrainStep:
             grads = self.sync_grads(grads)
         if self.sync_loss is not None:
             loss = self.sync_loss(loss)
-        gnorm = global_norm(grads, self.layouts)
+        gnorm = global_norm(grads, self.layouts if self.grad_layouts is None
+                            else self.grad_layouts)
         updates, opt_state = self.optimizer.update(grads, opt_state, params, layouts=self.layouts)
         return apply_updates(params, updates), new_buffers, opt_state, loss, gnorm
 

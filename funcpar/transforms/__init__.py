@@ -3,5 +3,6 @@
 from funcpar.transforms.compose import compose
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.shard_params import logits_of, shard_params
+from funcpar.transforms.zero_partition import zero_partition
 
-__all__ = ["compose", "data_parallel", "logits_of", "shard_params"]
+__all__ = ["compose", "data_parallel", "logits_of", "shard_params", "zero_partition"]

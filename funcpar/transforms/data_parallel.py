@@ -123,9 +123,9 @@ def data_parallel(
     bucket_bytes = int(bucket_mb * 2**20)
 
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
-        if step.overlap_grads is not None:
-            raise ValueError("the step already overlaps a gradient reduction with its backward "
-                             "(data_parallel applied twice?)")
+        if step.dp_axis is not None:
+            raise ValueError(f"data_parallel is already applied (over {step.dp_axis!r}): "
+                             "apply it once")
         inner_batch, inner_loss = step.local_batch, step.sync_loss
 
         def local_batch(batch: Any) -> Any:
@@ -141,8 +141,15 @@ def data_parallel(
 
         if mesh.size(axis) == 1:
             return step, state
+        zero = step.partition
+        if zero is not None and zero.axis != axis:
+            raise ValueError(f"zero_partition is over {zero.axis!r} but data_parallel over "
+                             f"{axis!r}: they must share the axis")
+        # From ZeRO stage 2 on, the gradient reduction is the partition's reduce-scatter.
+        keep = zero is not None and zero.stage >= 2
         return dataclasses.replace(
-            step, local_batch=local_batch, overlap_grads=overlap_grads, sync_loss=sync_loss
+            step, local_batch=local_batch, sync_loss=sync_loss, dp_axis=axis,
+            overlap_grads=step.overlap_grads if keep else overlap_grads,
         ), state
 
     return transform

@@ -232,7 +232,9 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
     import torch.distributed as dist
 
     loader = load() if mesh.rank() == 0 else None
-    dist.barrier()  # rank 0 has tokenized (or failed, and the others time out into its error)
+    # Rank 0 has tokenized. Had it failed, its error ends the run: torchrun (or run_ranks)
+    # stops the ranks waiting here.
+    dist.barrier()
     return loader if loader is not None else load()
 
 

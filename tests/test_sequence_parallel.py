@@ -11,7 +11,6 @@ losses, so 1e-10 leaves room. Without the tp sum of the norm weights' gradients 
 are off by ~1e-1, far outside it.
 """
 
-import re
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from torch import nn
 
 import funcpar.optim as fo
 from funcpar.models import Llama, LlamaConfig, lm_loss
-from funcpar.models.llama import Block
 from funcpar.shard.comm import comm_log
 from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
@@ -37,25 +35,6 @@ SEQS = (12, 11)
 NORMS = ("layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight",
          "layers.1.input_layernorm.weight", "layers.1.post_attention_layernorm.weight",
          "norm.weight")
-
-
-def _dims(annotation) -> list[str]:
-    found = re.search(r"""["']([^"']*)["']""", str(annotation))
-    return found.group(1).split() if found else []
-
-
-# Under sequence parallelism a Llama block receives its chunk of the positions (x) but the
-# rotary tables of the whole sequence (cos, sin). While Block.forward's annotations name both
-# lengths "seq", the typed-check hook (pyproject addopts; it wraps the function) rejects that
-# call; the fix belongs in funcpar/models/llama.py (a separate name for the rotary tables'
-# length in Block.forward). Without the hook the tests run.
-_ann = Block.forward.__annotations__
-needs_block_annotation = pytest.mark.skipif(
-    hasattr(Block.forward, "__wrapped__")
-    and _dims(_ann.get("x"))[1:2] == _dims(_ann.get("cos"))[:1] == ["seq"],
-    reason="Block.forward annotates x and cos with one 'seq' length, which sequence "
-           "parallelism splits for x only: needs the llama.py annotation change",
-)
 
 
 def _batches(seq):
@@ -147,18 +126,15 @@ def _check_training(results, world, reference):
         assert reference[seq][0][-1] < reference[seq][0][0] - 0.5
 
 
-@needs_block_annotation
 def test_sp_tp2_matches_single_process_float64(world2, reference):
     _check_training(world2, 2, reference)
 
 
-@needs_block_annotation
 def test_sp_tp4_and_tp2xdp2_match_single_process_float64(reference):
     results = run_ranks(_all_cases, 4, 4, backend=None, timeout=240)
     _check_training(results, 4, reference)
 
 
-@needs_block_annotation
 def test_sp_comm_log(world2):
     for res in world2:
         records = res["records"]

@@ -191,8 +191,10 @@ class Block(nn.Module):
     def forward(
         self,
         x: Float[Tensor, "batch seq dim"],
-        cos: Float[Tensor, "seq head_dim"],
-        sin: Float[Tensor, "seq head_dim"],
+        # "positions", not "seq": under sequence parallelism a block holds a chunk of the
+        # sequence but the rotary tables of all of it (the attention gathers the sequence).
+        cos: Float[Tensor, "positions head_dim"],
+        sin: Float[Tensor, "positions head_dim"],
     ) -> Float[Tensor, "batch seq dim"]:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -391,14 +391,17 @@ class _Layout:
         return t
 
 
-def test_sharded_projected_leaf_is_refused():
+def test_sharded_projected_leaf_needs_a_funcpar_layout():
+    # Tensor-parallel exactness is tests/test_galore_sharded.py's; a projected shard must come
+    # with a funcpar Layout (to gather its gradient and shard the projector), and a bare
+    # Reducible is refused clearly, before any compute.
     opt = galore_adamw(rank=2)
     params = {"w": torch.randn(6, 4), "b": torch.randn(4)}
     state = opt.init(params)
     grads = {"w": torch.randn(6, 4), "b": torch.randn(4)}
     whole = {"w": _Layout((6, 4)), "b": _Layout((8,))}  # "b" sharded but unprojected: fine
     opt.update(grads, state, params, layouts=whole)
-    with pytest.raises(NotImplementedError, match="sharded"):
+    with pytest.raises(TypeError, match="needs a funcpar Layout"):
         opt.update(grads, state, params, layouts={"w": _Layout((12, 4)), "b": None})
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -37,12 +37,14 @@ from funcpar.optim.projector import (
     Projector,
     fit_projector,
     init_projector,
+    low_rank_layout,
     low_rank_shape,
     project,
     project_back,
 )
 from funcpar.optim.quant8 import Quantized, dequantize, dynamic_map, quantize, quantized_zeros
 from funcpar.optim.schedules import ScalarOrSchedule
+from funcpar.shard.reduce import global_shape
 from funcpar.state.tree import (
     Tree,
     leaves_like,
@@ -77,7 +79,8 @@ GaLoreMask = Any  # None | Callable[[str, Tensor], bool | GaLoreConfig | dict | 
 
 
 def _check_config(who: str, cfg: GaLoreConfig, name: str | None = None,
-                  param: Tensor | None = None) -> GaLoreConfig:
+                  param: Tensor | None = None,
+                  shape: tuple[int, ...] | None = None) -> GaLoreConfig:
     where = f" for leaf {name!r}" if name is not None else ""
     rank, gap = cfg.rank, cfg.update_proj_gap
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
@@ -92,20 +95,27 @@ def _check_config(who: str, cfg: GaLoreConfig, name: str | None = None,
         raise ValueError(f"{who}: proj_type must be one of {PROJ_TYPES}{where}, "
                          f"got {cfg.proj_type!r}")
     if param is not None:
-        if param.dim() != 2:
-            raise ValueError(f"{who}: leaf {name!r} has shape {tuple(param.shape)}; GaLore "
+        # The whole leaf's shape decides (a shard's is only this process's part).
+        shape = tuple(param.shape) if shape is None else tuple(shape)
+        if len(shape) != 2:
+            raise ValueError(f"{who}: leaf {name!r} has shape {shape}; GaLore "
                              "projects 2-D leaves only (leave it out of galore_mask)")
-        if rank > min(param.shape):
-            raise ValueError(f"{who}: rank {rank} exceeds min{tuple(param.shape)} = "
-                             f"{min(param.shape)} for leaf {name!r}: lower its rank or leave "
+        if rank > min(shape):
+            raise ValueError(f"{who}: rank {rank} exceeds min{shape} = "
+                             f"{min(shape)} for leaf {name!r}: lower its rank or leave "
                              "it out of galore_mask")
     return cfg._replace(scale=float(cfg.scale))
 
 
-def resolve_galore(who: str, galore_mask: GaLoreMask, params: Tree,
-                   default: GaLoreConfig) -> list[GaLoreConfig | None]:
-    """Per leaf of ``params`` (flattening order): its checked config, or None (unprojected)."""
+def resolve_galore(who: str, galore_mask: GaLoreMask, params: Tree, default: GaLoreConfig,
+                   shapes: Sequence[tuple[int, ...]] | None = None) -> list[GaLoreConfig | None]:
+    """Per leaf of ``params`` (flattening order): its checked config, or None (unprojected).
+
+    ``shapes``: the whole leaves' shapes (default: the tensors' own), for sharded params.
+    """
     named = named_leaves(params)
+    if shapes is None:
+        shapes = [None if p is None else tuple(p.shape) for _, p in named]
     if galore_mask is None:
         raw: list[Any] = [p is not None and p.dim() == 2 for _, p in named]
     elif callable(galore_mask):
@@ -113,7 +123,7 @@ def resolve_galore(who: str, galore_mask: GaLoreMask, params: Tree,
     else:
         raw = leaves_like(params, galore_mask, what="galore_mask", against="params")
     out: list[GaLoreConfig | None] = []
-    for (name, p), r in zip(named, raw):
+    for (name, p), r, shape in zip(named, raw, shapes):
         if r is None or r is False or p is None:
             out.append(None)
             continue
@@ -130,14 +140,64 @@ def resolve_galore(who: str, galore_mask: GaLoreMask, params: Tree,
         else:
             raise TypeError(f"{who}: galore_mask for leaf {name!r} is {type(r).__name__}; "
                             "expected a bool, None, a GaLoreConfig or a dict of its fields")
-        out.append(_check_config(who, cfg, name, p))
+        out.append(_check_config(who, cfg, name, p, shape))
     return out
 
 
-def _config_tree(params: Tree, cfgs: list[GaLoreConfig | None]) -> Tree:
-    # Configs are NamedTuples: rebuilt under params' structure they sit at its leaves, which
-    # map_leaves (flatten_up_to) hands over whole.
-    return tree_unflatten(tree_flatten(params)[1], cfgs)
+def _per_leaf(params: Tree, values: list[Any]) -> Tree:
+    # Configs (NamedTuples) and layouts rebuilt under params' structure sit at its leaves,
+    # which map_leaves (flatten_up_to) hands over whole.
+    return tree_unflatten(tree_flatten(params)[1], values)
+
+
+class _Leaf(NamedTuple):
+    """What a leaf's state is made of, decided from the whole leaf (its layout) and its shard."""
+
+    cfg: GaLoreConfig | None  # None: unprojected
+    shape: tuple[int, ...]  # the whole leaf's
+    state_shape: tuple[int, ...]  # this process's (low-rank if projected)
+    state_layout: Any  # layout of the (low-rank) state, None when whole on this process
+    state_numel: int  # the whole (low-rank) state's element count: the 8-bit choice
+    layout: Any  # the leaf's layout, None when the leaf is whole on this process
+
+
+def _plan(who: str, galore_mask: GaLoreMask, params: Tree, default: GaLoreConfig,
+          layouts: Tree | None) -> list[_Leaf | None]:
+    """Per leaf (flattening order) its :class:`_Leaf`, None for a None parameter.
+
+    Every shape-dependent choice (the projected side of ``"std"``/``"reverse_std"``, the rank
+    check, the 8-bit threshold) is made on the whole leaf, so a shard is treated as one
+    process treats the leaf.
+    """
+    leaves = tree_flatten(params)[0]
+    lays = leaves_like(params, layouts, what="layouts", against="params")
+    shapes = [None if p is None else global_shape(p, lay) for p, lay in zip(leaves, lays)]
+    cfgs = resolve_galore(who, galore_mask, params, default, shapes)
+    out: list[_Leaf | None] = []
+    for p, lay, shape, cfg in zip(leaves, lays, shapes, cfgs):
+        if p is None:
+            out.append(None)
+            continue
+        # A leaf whole on this process needs no collective whatever its layout says.
+        lay = None if shape == tuple(p.shape) else lay
+        if cfg is None:
+            out.append(_Leaf(None, shape, tuple(p.shape), lay, math.prod(shape), lay))
+        else:
+            local = low_rank_shape(p.shape, cfg.rank, cfg.proj_type, global_shape=shape)
+            whole = low_rank_shape(shape, cfg.rank, cfg.proj_type)
+            out.append(_Leaf(cfg, shape, local, low_rank_layout(lay, cfg.rank, cfg.proj_type),
+                             math.prod(whole), lay))
+    return out
+
+
+def _init_projectors(params: Tree, plan: list[_Leaf | None], meta: bool = False) -> Tree:
+    leaves, spec = tree_flatten(params)
+    return tree_unflatten(spec, [
+        None if lf is None or lf.cfg is None else init_projector(
+            p.shape, lf.cfg.rank, lf.cfg.proj_type, dtype=p.dtype,
+            device="meta" if meta else p.device, global_shape=lf.shape)
+        for p, lf in zip(leaves, plan)
+    ])
 
 
 def _project_in(g: Tensor, proj: Projector, cfg: GaLoreConfig, count: int, svd_dtype,
@@ -148,18 +208,25 @@ def _project_in(g: Tensor, proj: Projector, cfg: GaLoreConfig, count: int, svd_d
     return project(g, proj, layout=layout), proj
 
 
-def _init_projectors(params: Tree, cfgs: list[GaLoreConfig | None]) -> Tree:
-    leaves, spec = tree_flatten(params)
-    return tree_unflatten(spec, [
-        None if c is None else init_projector(p.shape, c.rank, c.proj_type, dtype=p.dtype,
-                                              device=p.device)
-        for p, c in zip(leaves, cfgs)
-    ])
+def _shapes_of(tree: Tree) -> tuple[Any, list[Any]]:
+    leaves, spec = tree_flatten(tree)
+    return spec, [None if x is None else (tuple(x.shape), x.dtype) for x in leaves]
 
 
-def _state_shapes(params: Tree, cfgs: list[GaLoreConfig | None]) -> list[tuple[int, ...]]:
-    return [tuple(p.shape) if c is None else low_rank_shape(p.shape, c.rank, c.proj_type)
-            for p, c in zip(tree_flatten(params)[0], cfgs)]
+def _fit_state(who: str, state: Any, count: int, shapes: Any, fresh: Callable[[], Any]) -> Any:
+    """The state to update: ``state`` itself when it is shaped as ``shapes`` (a meta-device
+    init for the whole leaves' shapes); ``fresh()`` when ``state`` is an untouched init (count
+    0: all zeros by construction, and every first update refits the projectors) made from
+    shards without their layouts (``init`` sees only local shapes, so a side, an 8-bit choice
+    or an absmax length may differ from the whole leaf's); otherwise a ValueError.
+    """
+    if _shapes_of(state) == _shapes_of(shapes):
+        return state
+    if count == 0:
+        return fresh()
+    raise ValueError(f"{who}: the optimizer state (count {count}) is shaped for other layouts "
+                     "than the ones given to update; reshard a trained state through a "
+                     "checkpoint")
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,29 +247,40 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
     beta1, beta2 = betas
     code_m, code_v = dynamic_map(signed=True), dynamic_map(signed=False)
 
-    def moment_zeros(shape, p, code):
-        if eight_bit and math.prod(shape) >= min_8bit_size:
-            return quantized_zeros(shape, code, block_size, device=p.device)
-        return torch.zeros(shape, dtype=p.dtype, device=p.device)
+    def moment_zeros(lf, p, code, device):
+        if eight_bit and lf.state_numel >= min_8bit_size:
+            return quantized_zeros(lf.state_shape, code, block_size, device=device,
+                                   layout=lf.state_layout)
+        return torch.zeros(lf.state_shape, dtype=p.dtype, device=device)
+
+    def build(params: Tree, plan: list[_Leaf | None], meta: bool = False) -> GaLoreAdamWState:
+        leaves, spec = tree_flatten(params)
+
+        def moments(code):
+            return tree_unflatten(spec, [
+                None if lf is None else moment_zeros(lf, p, code, "meta" if meta else p.device)
+                for lf, p in zip(plan, leaves)])
+
+        return GaLoreAdamWState(torch.zeros((), dtype=torch.int64),
+                                _init_projectors(params, plan, meta), moments(code_m),
+                                moments(code_v))
 
     def init(params: Tree) -> GaLoreAdamWState:
         check_floating(params, who=who)
-        cfgs = resolve_galore(who, galore_mask, params, default)
-        leaves, spec = tree_flatten(params)
-        shapes = _state_shapes(params, cfgs)
-        return GaLoreAdamWState(
-            torch.zeros((), dtype=torch.int64),
-            _init_projectors(params, cfgs),
-            tree_unflatten(spec, [moment_zeros(s, p, code_m) for s, p in zip(shapes, leaves)]),
-            tree_unflatten(spec, [moment_zeros(s, p, code_v) for s, p in zip(shapes, leaves)]),
-        )
+        return build(params, _plan(who, galore_mask, params, default, None))
 
     def update(grads, state: GaLoreAdamWState, params=None, *, layouts=None):
         check_grads(params, grads)
-        cfgs = _config_tree(params, resolve_galore(who, galore_mask, params, default))
-        decay = resolve_mask(weight_decay_mask, params)
         # Host int: the refresh is data-independent control flow on the step count.
         c = int(state.count)
+        plan = _plan(who, galore_mask, params, default, layouts)
+        state = _fit_state(who, state, c, build(params, plan, meta=True),
+                           lambda: build(params, plan))
+        cfgs = _per_leaf(params, [None if lf is None else lf.cfg for lf in plan])
+        state_layouts = _per_leaf(params, [None if lf is None else lf.state_layout
+                                              for lf in plan])
+        leaf_layouts = _per_leaf(params, [None if lf is None else lf.layout for lf in plan])
+        decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
         t = count.to(torch.float64)
         bc1 = 1 - beta1**t
@@ -211,18 +289,22 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         # "bnb": eps added to sqrt(v / bc2), 1 / bc1 in the step size (bitsandbytes' Adam).
         step_size = lr * bc2_sqrt / bc1 if adam_variant == "hf" else lr / bc1
 
-        def load(s, code, like):
-            return dequantize(s, code, block_size, like.dtype) if isinstance(s, Quantized) else s
+        def load(s, code, like, lay):
+            if isinstance(s, Quantized):
+                return dequantize(s, code, block_size, like.dtype, layout=lay)
+            return s
 
-        def store(s, new, code):
-            return quantize(new, code, block_size) if isinstance(s, Quantized) else new
+        def store(s, new, code, lay):
+            # A sharded state is quantized in the whole state's blocks (one absmax all-reduce).
+            return quantize(new, code, block_size, layout=lay) if isinstance(s, Quantized) else new
 
-        def leaf(g, p, proj, m, v, cfg, use_decay, layout):
+        def leaf(g, p, proj, m, v, cfg, use_decay, layout, low_layout):
             low = g
             if cfg is not None:
                 low, proj = _project_in(g, proj, cfg, c, svd_dtype, layout)
-            m_new = torch.add(load(m, code_m, low) * beta1, low, alpha=1 - beta1)
-            v_new = torch.addcmul(load(v, code_v, low) * beta2, low, low, value=1 - beta2)
+            m_new = torch.add(load(m, code_m, low, low_layout) * beta1, low, alpha=1 - beta1)
+            v_new = torch.addcmul(load(v, code_v, low, low_layout) * beta2, low, low,
+                                  value=1 - beta2)
             if adam_variant == "hf":
                 direction = m_new / (v_new.sqrt() + eps)
             else:
@@ -238,11 +320,12 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
                 new_p = new_p - (lr * weight_decay) * new_p
             # new - old is exact while the step is under half the weight, so apply_updates
             # rebuilds new_p with the rounding computed here.
-            return new_p - p, proj, store(m, m_new, code_m), store(v, v_new, code_v)
+            return (new_p - p, proj, store(m, m_new, code_m, low_layout),
+                    store(v, v_new, code_v, low_layout))
 
         u, proj, m, v = map_leaves(
             leaf, grads, params, state.projector, state.exp_avg, state.exp_avg_sq, cfgs, decay,
-            layouts, n_out=4,
+            leaf_layouts, state_layouts, n_out=4,
         )
         return u, GaLoreAdamWState(count, proj, m, v)
 
@@ -414,37 +497,48 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
                       default, galore_mask, svd_dtype, weight_decay_mask):
     who = "galore_adafactor"
 
-    def init(params: Tree) -> GaLoreAdafactorState:
-        check_floating(params, who=who)
-        cfgs = resolve_galore(who, galore_mask, params, default)
+    def build(params: Tree, plan: list[_Leaf | None], meta: bool = False
+              ) -> GaLoreAdafactorState:
         leaves, spec = tree_flatten(params)
         stats = [
-            adafactor_leaf_init(shape, dtype=p.dtype, device=p.device, beta1=beta1,
-                                min_dim_size_to_factor=min_dim_size_to_factor)
-            for shape, p in zip(_state_shapes(params, cfgs), leaves)
+            None if lf is None else adafactor_leaf_init(
+                lf.state_shape, dtype=p.dtype, device="meta" if meta else p.device, beta1=beta1,
+                min_dim_size_to_factor=min_dim_size_to_factor)
+            for lf, p in zip(plan, leaves)
         ]
         return GaLoreAdafactorState(torch.zeros((), dtype=torch.int64),
-                                    _init_projectors(params, cfgs), tree_unflatten(spec, stats))
+                                    _init_projectors(params, plan, meta),
+                                    tree_unflatten(spec, stats))
+
+    def init(params: Tree) -> GaLoreAdafactorState:
+        check_floating(params, who=who)
+        return build(params, _plan(who, galore_mask, params, default, None))
 
     def update(grads, state: GaLoreAdafactorState, params=None, *, layouts=None):
         check_grads(params, grads)
-        cfgs = _config_tree(params, resolve_galore(who, galore_mask, params, default))
-        decay = resolve_mask(weight_decay_mask, params)
         c = int(state.count)
+        plan = _plan(who, galore_mask, params, default, layouts)
+        state = _fit_state(who, state, c, build(params, plan, meta=True),
+                           lambda: build(params, plan))
+        cfgs = _per_leaf(params, [None if lf is None else lf.cfg for lf in plan])
+        state_layouts = _per_leaf(params, [None if lf is None else lf.state_layout
+                                              for lf in plan])
+        leaf_layouts = _per_leaf(params, [None if lf is None else lf.layout for lf in plan])
+        decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
 
-        def leaf(g, p, proj, st, cfg, use_decay, layout):
-            low, low_layout = g, layout
+        def leaf(g, p, proj, st, cfg, use_decay, param_layout, layout, low_layout):
+            low = g
             if cfg is not None:
+                # The low-rank gradient is split like the leaf on its unprojected dim and whole
+                # on the projected one: low_layout says so to Adafactor's row/column statistics
+                # and update RMS; RMS(W) in alpha_t is of the whole leaf (param_layout).
                 low, proj = _project_in(g, proj, cfg, c, svd_dtype, layout)
-                # The projected gradient is whole on this process (a sharded leaf is refused
-                # by the projector until its refresh gathers).
-                low_layout = None
             out = adafactor_leaf_update(
                 low, p, st, count, lr=lr, eps=eps, clip_threshold=clip_threshold,
                 decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
                 relative_step=relative_step, warmup_init=warmup_init, layout=low_layout,
-                param_layout=layout,
+                param_layout=param_layout,
             )
             u = out.update
             if cfg is not None:
@@ -455,7 +549,7 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
             return (new_p - u) - p, proj, out.state
 
         u, proj, stats = map_leaves(leaf, grads, params, state.projector, state.stats, cfgs,
-                                    decay, layouts, n_out=3)
+                                    decay, layouts, leaf_layouts, state_layouts, n_out=3)
         return u, GaLoreAdafactorState(count, proj, stats)
 
     return GradientTransformation(init, update)

@@ -2,9 +2,23 @@
 1.0's ``GaLoreProjector``, written as pure functions over a :class:`Projector` of tensors.
 
 All of the projection math (the SVD at a refresh, the projection, the projection back) is in
-this file and each function receives the leaf's layout: under tensor parallelism the projector
-must be the single-device one, which a sharded leaf will get by gathering the gradient at a
-refresh (one all-gather every ``update_proj_gap`` steps); for now a sharded leaf is refused.
+this file and each function receives the leaf's layout (``None``: whole on this process, and
+every function is then the plain torch computation). Sharded leaves (tensor parallel, or any
+other :class:`~funcpar.shard.layout.Layout`) are exact, with no branch on the kind of sharding:
+
+* refresh: the gradient is gathered whole (:func:`~funcpar.shard.layout.unshard`, one
+  all-gather per axis that splits it, purpose ``galore refresh: gather gradient``) and every
+  rank computes the same SVD in the same dtype, so the projector is the single-process one;
+  each rank keeps the rows of ``P`` / the columns of ``Q`` that match its shard of the leaf
+  (:func:`side_layout` says which);
+* projection: on a side whose dim is split, ``P^T G`` (``G Q^T``) is a contraction over the
+  split dim, so the local product is a partial sum, completed by one all-reduce over the axes
+  that split that dim (:func:`~funcpar.shard.reduce.sum_partial`, purpose ``galore
+  projection``; no message when that dim is whole); the unprojected dim keeps its split, so
+  the low-rank gradient is sharded like the leaf on that dim and whole on the projected one
+  (:func:`low_rank_layout`, which the inner optimizer's reductions then use);
+* projection back: ``P_local L`` / ``L Q_local`` is this rank's shard of ``P L`` / ``L Q``,
+  with no communication.
 
 A 2-D gradient ``G`` (n, m) with SVD ``U S V^T`` is projected on its top-``rank`` singular
 subspace on one side (or both, ``"full"``):
@@ -33,17 +47,20 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from funcpar.shard.reduce import Reducible, global_shape
+from funcpar.shard.layout import Layout, Shard, shard_tensor, unshard
+from funcpar.shard.reduce import Reducible, global_shape, sum_partial
 
 __all__ = [
     "PROJ_TYPES",
     "Projector",
     "fit_projector",
     "init_projector",
+    "low_rank_layout",
     "low_rank_shape",
     "project",
     "project_back",
     "projection_sides",
+    "side_layout",
 ]
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
@@ -74,10 +91,18 @@ def projection_sides(shape: tuple[int, ...] | torch.Size, proj_type: str) -> tup
 
 
 def low_rank_shape(
-    shape: tuple[int, ...] | torch.Size, rank: int, proj_type: str
+    shape: tuple[int, ...] | torch.Size,
+    rank: int,
+    proj_type: str,
+    *,
+    global_shape: tuple[int, ...] | torch.Size | None = None,
 ) -> tuple[int, int]:
-    """The shape of the projected gradient (and of the inner optimizer's state)."""
-    left, right = projection_sides(shape, proj_type)
+    """The shape of the projected gradient (and of the inner optimizer's state).
+
+    ``shape`` is the leaf's shape on this process; the side(s) are chosen from the whole leaf's
+    ``global_shape`` (default ``shape``), so a shard is projected on the single-process side.
+    """
+    left, right = projection_sides(shape if global_shape is None else global_shape, proj_type)
     return (rank if left else shape[0], rank if right else shape[1])
 
 
@@ -88,9 +113,12 @@ def init_projector(
     *,
     dtype: torch.dtype,
     device: torch.device | str | None = None,
+    global_shape: tuple[int, ...] | torch.Size | None = None,
 ) -> Projector:
-    """Zero matrices of the right shapes; the first update always fits them."""
-    left, right = projection_sides(shape, proj_type)
+    """Zero matrices of this process's shapes (the first update always fits them): the rows of
+    ``P`` and the columns of ``Q`` that match a leaf shard of ``shape``, the sides chosen from
+    ``global_shape`` (default ``shape``)."""
+    left, right = projection_sides(shape if global_shape is None else global_shape, proj_type)
     n, m = shape
     return Projector(
         torch.zeros((n, rank), dtype=dtype, device=device) if left else None,
@@ -98,13 +126,62 @@ def init_projector(
     )
 
 
-def _whole(g: Tensor, layout: Reducible | None, what: str) -> None:
-    if global_shape(g, layout) != tuple(g.shape):
-        raise NotImplementedError(
-            f"GaLore {what} of a sharded leaf (local shape {tuple(g.shape)}, global shape "
-            f"{global_shape(g, layout)}) is not supported yet: it needs the gradient gathered "
-            "at each projector refresh"
-        )
+# --------------------------------------------------------------------------------------------
+# Layouts of the projection's tensors, derived from the leaf's
+# --------------------------------------------------------------------------------------------
+
+
+def _resized(layout: Reducible | None, sizes: dict[int, int], what: str) -> Layout | None:
+    """``layout`` with each dim ``d`` of ``sizes`` made whole and of size ``sizes[d]``; the
+    other dims keep their size, their axes (in nesting order) and their blocks."""
+    if layout is None:
+        return None
+    if not isinstance(layout, Layout):
+        raise TypeError(f"GaLore {what}: a sharded leaf needs a funcpar Layout (to gather its "
+                        f"gradient at a refresh and shard the projector), got {layout!r}")
+    placements = {a: Shard(d) for d, axes in enumerate(layout.dim_axes) if d not in sizes
+                  for a in axes}
+    blocks = {d: k for d, k in enumerate(layout.dim_blocks) if d not in sizes and k > 1}
+    shape = [sizes.get(d, n) for d, n in enumerate(layout.global_shape)]
+    return Layout(layout.mesh, shape, placements, blocks=blocks, name=layout.name)
+
+
+def side_layout(layout: Reducible | None, rank: int, side: str) -> Layout | None:
+    """The layout of a leaf's ``"left"`` projector ``P`` (n, rank) or ``"right"`` one ``Q``
+    (rank, m): split on the leaf's dim (rows of ``P`` as the leaf's rows, columns of ``Q`` as
+    its columns), whole on the rank dim. None for a whole leaf."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    return _resized(layout, {1 if side == "left" else 0: rank}, "projector")
+
+
+def low_rank_layout(layout: Reducible | None, rank: int, proj_type: str) -> Layout | None:
+    """The layout of the projected gradient of a leaf of ``layout``: the projected dim(s) of
+    size ``rank`` and whole, the other dim split as the leaf's. None for a whole leaf."""
+    if layout is None:
+        return None
+    left, right = projection_sides(tuple(layout.global_shape), proj_type)
+    sizes = {d: rank for d, on in ((0, left), (1, right)) if on}
+    return _resized(layout, sizes, "low-rank state")
+
+
+def _gather(g: Tensor, layout: Reducible | None, purpose: str) -> Tensor:
+    if layout is None:
+        return g
+    if not isinstance(layout, Layout):
+        if global_shape(g, layout) == tuple(g.shape):
+            return g
+        _resized(layout, {}, "refresh")  # raises the TypeError
+    return unshard(g, layout, purpose=f"{layout.name}: {purpose}" if layout.name else purpose)
+
+
+def _local(x: Tensor, layout: Layout | None) -> Tensor:
+    return x if layout is None else shard_tensor(x, layout)
+
+
+# --------------------------------------------------------------------------------------------
+# The projection
+# --------------------------------------------------------------------------------------------
 
 
 def fit_projector(
@@ -115,28 +192,41 @@ def fit_projector(
     svd_dtype: torch.dtype | None = torch.float32,
     layout: Reducible | None = None,
 ) -> Projector:
-    """The projector of ``g``: its top-``rank`` singular vectors on the chosen side(s)."""
-    _whole(g, layout, "projector refresh")
-    left, right = projection_sides(g.shape, proj_type)
+    """The projector of the whole gradient: its top-``rank`` singular vectors on the chosen
+    side(s), of which this process keeps the part matching its shard ``g``.
+
+    A sharded ``g`` is gathered first (one all-gather of the gradient per splitting axis, every
+    refresh); every rank then runs the same SVD on the same tensor.
+    """
+    whole = _gather(g, layout, "galore refresh: gather gradient")
+    left, right = projection_sides(whole.shape, proj_type)
     if svd_dtype is None:
         svd_dtype = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
-    u, _, vh = torch.linalg.svd(g.to(svd_dtype), full_matrices=False)
+    u, _, vh = torch.linalg.svd(whole.to(svd_dtype), full_matrices=False)
     return Projector(
-        u[:, :rank].to(g.dtype) if left else None,
-        vh[:rank, :].to(g.dtype) if right else None,
+        _local(u[:, :rank].to(g.dtype), side_layout(layout, rank, "left")) if left else None,
+        _local(vh[:rank, :].to(g.dtype), side_layout(layout, rank, "right")) if right else None,
     )
 
 
 def project(
     g: Float[Tensor, "n m"], proj: Projector, *, layout: Reducible | None = None
 ) -> Float[Tensor, "a b"]:
-    """``P^T g``, ``g Q^T`` or ``P^T g Q^T``, as the projector's sides say."""
-    _whole(g, layout, "projection")
+    """``P^T g``, ``g Q^T`` or ``P^T g Q^T``, as the projector's sides say.
+
+    For a shard ``g`` (with this rank's part of the projector) the local product is a partial
+    sum over the projected dims; it is completed by one all-reduce over the axes that split
+    them (none when they are whole). The result is this rank's shard of the low-rank gradient
+    (:func:`low_rank_layout`).
+    """
+    dims = []
     if proj.left is not None:
         g = torch.matmul(proj.left.t(), g)
+        dims.append(0)
     if proj.right is not None:
         g = torch.matmul(g, proj.right.t())
-    return g
+        dims.append(1)
+    return sum_partial(g, dims, layout=layout, purpose="galore projection")
 
 
 def project_back(
@@ -146,10 +236,15 @@ def project_back(
     *,
     layout: Reducible | None = None,
 ) -> Float[Tensor, "n m"]:
-    """``scale * (P low)``, ``scale * (low Q)`` or ``scale * (P low Q)``."""
+    """``scale * (P low)``, ``scale * (low Q)`` or ``scale * (P low Q)``: for a sharded leaf,
+    this rank's shard of it, from this rank's rows of ``P`` / columns of ``Q`` and its shard of
+    ``low`` (no communication)."""
     if proj.left is not None:
         low = torch.matmul(proj.left, low)
     if proj.right is not None:
         low = torch.matmul(low, proj.right)
-    _whole(low, layout, "projection back")
+    if isinstance(layout, Layout) and tuple(low.shape) != layout.local_shape():
+        raise ValueError(f"GaLore projection back of {layout.name or 'a leaf'}: got shape "
+                         f"{tuple(low.shape)}, but the shard of global {layout.global_shape} "
+                         f"is {layout.local_shape()}")
     return low * scale

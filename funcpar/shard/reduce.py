@@ -172,3 +172,21 @@ def rms(x: Tensor, *, layout: Reducible | None = None, purpose: str = "rms") -> 
     """Root mean square of the whole global tensor: ``norm / sqrt(numel)``."""
     n = math.prod(global_shape(x, layout))
     return norm(x, layout=layout, purpose=purpose) / math.sqrt(n)
+
+
+def sum_partial(
+    x: Tensor,
+    dims: int | Sequence[int],
+    *,
+    layout: Reducible | None = None,
+    purpose: str = "partial sum",
+) -> Tensor:
+    """Complete a contraction over ``dims`` of the leaf that ``layout`` describes.
+
+    ``x`` is what this rank computed from its shard, a product that summed over its local part
+    of ``dims`` (say ``P_local^T G_local`` for a contraction over the rows of ``G``); ``x`` need
+    not have the leaf's shape. The whole contraction is the sum of these over the axes that
+    split ``dims``: one all-reduce per such axis, none when ``dims`` are whole (or no layout).
+    """
+    d = tuple(sorted({dims} if isinstance(dims, int) else set(dims)))
+    return _finish(x, d, layout, "sum", purpose)

@@ -8,68 +8,17 @@ so the error is rounding (~1e-15 relative); 1e-10 leaves room for 10 steps of it
 
 import pytest
 import torch
+from dist_train import CFG, batches, max_rel, train
 
 import funcpar.optim as fo
 from funcpar.models import Llama, LlamaConfig, lm_loss
 from funcpar.shard.comm import comm_log
-from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import Rule, llama_rules, plan_sharding
 from funcpar.state import functionalize, init_state
 from funcpar.testing import run_ranks
 from funcpar.train import make_train_step
-from funcpar.transforms import compose, data_parallel, shard_params
-
-CFG = LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=42,
-                  max_seq_len=16)
-STEPS = 10
-
-
-def _optimizer(name):
-    if name == "sgd":
-        return fo.chain(fo.clip_by_global_norm(0.5), fo.sgd(lr=0.05, momentum=0.9))
-    # float32 runs use lr 1e-3 and eps 1e-5. Adam divides by sqrt(v) + eps, so entries whose
-    # gradients are near eps amplify the round-off of the summation order. Measured over 10
-    # steps (max relative error per leaf, against the float64 run of the same model):
-    #   eps 1e-8: one process float32 1.1e-5, tp2 float32 4.0e-6 (tp2 vs one process 1.0e-5)
-    #   eps 1e-6: one process float32 7.0e-6, tp2 float32 6.0e-6 (tp2 vs one process 1.3e-5)
-    #   eps 1e-5: one process float32 1.2e-6, tp2 float32 1.4e-6 (tp2 vs one process 2.0e-6)
-    # so at small eps float32 itself is not exact to 1e-5; tp adds no error of its own (float64
-    # agrees to 1e-15). The float32 case uses the better-conditioned eps.
-    small = name == "adamw_small_lr"
-    lr, eps = (1e-3, 1e-5) if small else (1e-2, 1e-8)
-    return fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(lr=lr, eps=eps, weight_decay=0.1))
-
-
-def _batches(seed=0):
-    # Two batches in turn: random tokens, but seen repeatedly, so the loss can fall.
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, CFG.vocab_size, (2, 8, 13), generator=g)
-    return [(ids[i % 2, :, :-1], ids[i % 2, :, 1:]) for i in range(STEPS)]
-
-
-def train(tp, dp, optim, dtype, *, vocab_parallel_loss=True):
-    """10 steps; returns (losses, whole params) on every rank."""
-    mesh = DeviceMesh.from_env(dp=dp, tp=tp)
-    torch.manual_seed(0)
-    model = Llama(CFG).to(dtype)
-    apply_fn, params, buffers = functionalize(model)
-    opt = _optimizer(optim)
-    step = make_train_step(apply_fn, lm_loss, opt)
-    state = init_state(params, buffers, opt)
-    transforms = []
-    if tp > 1:
-        rules = llama_rules(CFG.head_dim, vocab_parallel_loss=vocab_parallel_loss)
-        transforms.append(shard_params(rules, mesh))
-    if dp > 1:
-        transforms.append(data_parallel(mesh))
-    step, state = compose(*transforms)(step, state)
-    losses = []
-    for batch in _batches():
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    params = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
-    return losses, params
+from funcpar.transforms import shard_params
 
 
 def _cases(world):
@@ -86,10 +35,6 @@ def _all_cases(world, dtype):
     return out
 
 
-def _max_rel(a, b):
-    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_dp_match_single_process_float64(world):
     ref = {o: train(1, 1, o, torch.float64) for o in ("sgd", "adamw")}
@@ -100,7 +45,7 @@ def test_tp_dp_match_single_process_float64(world):
             ref_losses, ref_params = ref[optim]
             assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10, (
                 rank, tp, dp, optim)
-            assert _max_rel(params, ref_params) <= 1e-10, (rank, tp, dp, optim)
+            assert max_rel(params, ref_params) <= 1e-10, (rank, tp, dp, optim)
     # The loss fell: the comparison is of training, not of a constant.
     assert ref["adamw"][0][-1] < ref["adamw"][0][0]
 
@@ -116,7 +61,7 @@ def test_tp2_float32():
         for res in results:
             losses, params = res[optim]
             assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-5
-            assert _max_rel(params, ref_params) <= 1e-5, optim
+            assert max_rel(params, ref_params) <= 1e-5, optim
 
 
 def _tp2_gathered_logits_and_report():
@@ -129,7 +74,7 @@ def _tp2_gathered_logits_and_report():
     step, state = shard_params(llama_rules(CFG.head_dim), mesh)(
         make_train_step(apply_fn, lm_loss, opt), init_state(p, b, opt))
     with comm_log.capture() as records:
-        step(state, _batches()[0])
+        step(state, batches()[0])
     return losses, params, [(r.op, r.axis, r.nbytes, r.purpose) for r in records]
 
 
@@ -138,7 +83,7 @@ def test_tp2_gathered_logits_and_comm_report():
     for losses, params, records in run_ranks(_tp2_gathered_logits_and_report, 2, backend=None,
                                              timeout=120):
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= 1e-10
-        assert _max_rel(params, ref_params) <= 1e-10
+        assert max_rel(params, ref_params) <= 1e-10
         ops = {op for op, *_ in records}
         assert ops == {"all_reduce"}, ops  # no gathers at all with the vocab-parallel loss
         purposes = " ".join(p for *_, p in records)

@@ -120,6 +120,9 @@ def shard_params(
         if int(state.step) != 0:
             raise ValueError(f"shard_params takes a fresh state (step 0), got step "
                              f"{int(state.step)}; reshard trained states through a checkpoint")
+        if step.partition is not None:
+            raise ValueError("apply shard_params before zero_partition: the partition cuts the "
+                             "tensor-parallel shards")
         if step.layouts is not None:
             raise ValueError("the step is already sharded (it has layouts): "
                              "apply shard_params once")

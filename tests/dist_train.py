@@ -1,0 +1,99 @@
+"""The training run the distributed tests compare against one process.
+
+The example Llama with a vocabulary (50) and an MLP width (42) that 4 does not divide (uneven
+shards 13/13/13/11 and 11/11/11/9), trained 10 steps on two alternating batches of fixed
+random tokens, under any composition of tensor parallelism, data parallelism and ZeRO.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import funcpar.optim as fo
+from funcpar.models import Llama, LlamaConfig, lm_loss
+from funcpar.shard.layout import unshard_tree
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.rules import llama_rules
+from funcpar.state import functionalize, init_state
+from funcpar.train import make_train_step
+from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
+
+CFG = LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=42,
+                  max_seq_len=16)
+STEPS = 10
+
+
+def _clip(opt):
+    return fo.chain(fo.clip_by_global_norm(0.5), opt)
+
+
+def _galore(params, **kw):
+    from funcpar.optim.galore import galore_param_groups
+
+    return galore_param_groups(params, rank=4, update_proj_gap=3, **kw)
+
+
+# float32 runs of AdamW use lr 1e-3 and eps 1e-5. Adam divides by sqrt(v) + eps, so entries
+# whose gradients are near eps amplify the round-off of the summation order. Measured over 10
+# steps (max relative error per leaf, against the float64 run of the same model):
+#   eps 1e-8: one process float32 1.1e-5, tp2 float32 4.0e-6 (tp2 vs one process 1.0e-5)
+#   eps 1e-6: one process float32 7.0e-6, tp2 float32 6.0e-6 (tp2 vs one process 1.3e-5)
+#   eps 1e-5: one process float32 1.2e-6, tp2 float32 1.4e-6 (tp2 vs one process 2.0e-6)
+# so at small eps float32 itself is not exact to 1e-5; tp adds no error of its own (float64
+# agrees to 1e-15). The float32 case uses the better-conditioned eps.
+OPTIMIZERS = {
+    "sgd": lambda p: _clip(fo.sgd(lr=0.05, momentum=0.9)),
+    "adamw": lambda p: _clip(fo.adamw(lr=1e-2, weight_decay=0.1)),
+    "adamw_small_lr": lambda p: _clip(fo.adamw(lr=1e-3, eps=1e-5, weight_decay=0.1)),
+    "adafactor": lambda p: _clip(fo.adafactor(lr=1e-2, relative_step=False,
+                                              scale_parameter=False, weight_decay=0.1)),
+    "adafactor_momentum": lambda p: _clip(fo.adafactor(lr=1e-2, beta1=0.9, relative_step=False,
+                                                       scale_parameter=False, weight_decay=0.1)),
+    "adafactor_relative": lambda p: fo.adafactor(),  # relative step, parameter-RMS scaling
+    "came": lambda p: _clip(fo.came(lr=1e-3, weight_decay=0.1)),
+    "lamb": lambda p: _clip(fo.lamb(lr=1e-2, weight_decay=0.1)),
+}
+
+
+def train(tp, dp, optim, dtype=torch.float64, *, zero=0, vocab_parallel_loss=True,
+          sequence_parallel=False):
+    """10 steps; returns (losses, whole params) on every rank."""
+    mesh = DeviceMesh.from_env(dp=dp, tp=tp)
+    torch.manual_seed(0)
+    model = Llama(CFG).to(dtype)
+    apply_fn, params, buffers = functionalize(model)
+    opt = OPTIMIZERS[optim](params)
+    step = make_train_step(apply_fn, lm_loss, opt)
+    state = init_state(params, buffers, opt)
+    transforms = []
+    if tp > 1:
+        rules = llama_rules(CFG.head_dim, vocab_parallel_loss=vocab_parallel_loss)
+        kw = {"sequence_parallel": True} if sequence_parallel else {}
+        transforms.append(shard_params(rules, mesh, **kw))
+    if dp > 1:
+        transforms.append(data_parallel(mesh))
+    if zero:
+        transforms.append(zero_partition(zero, mesh))
+    step, state = compose(*transforms)(step, state)
+    losses = []
+    for batch in batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    params = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
+    return losses, params
+
+
+def batches(seed=0):
+    # Two batches in turn: random tokens, but seen repeatedly, so the loss can fall.
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CFG.vocab_size, (2, 8, 13), generator=g)
+    return [(ids[i % 2, :, :-1], ids[i % 2, :, 1:]) for i in range(STEPS)]
+
+
+def max_rel(a, b):
+    """Max over leaves of max|a - b| / max|b|."""
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+
+
+def loss_rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))

@@ -91,8 +91,8 @@ OPTIMIZERS: dict[str, OptimSpec] = {
     ),
     "came": OptimSpec("came", "came", _decayed, 1e-3),
     "lamb": OptimSpec("lamb", "lamb", _decayed, 1e-2),
-    "galore_adamw": OptimSpec("galore", "galore_adamw", _galore(eight_bit=False), 3e-3),
-    "galore_adamw8bit": OptimSpec("galore", "galore_adamw", _galore(eight_bit=True), 3e-3),
+    "galore": OptimSpec("galore", "galore_adamw", _galore(eight_bit=False), 3e-3),
+    "galore8bit": OptimSpec("galore", "galore_adamw", _galore(eight_bit=True), 3e-3),
 }
 
 

@@ -45,7 +45,7 @@ from funcpar.shard.rules import llama_rules
 from funcpar.state import Tree, functionalize, init_state
 from funcpar.train.logger import Logger
 from funcpar.train.step import make_train_step
-from funcpar.transforms import compose, data_parallel, shard_params
+from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -137,6 +137,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      help="tensor-parallel size: heads, MLP width and vocabulary split")
     par.add_argument("--dp", type=int, default=None,
                      help="data-parallel size: global batch split (default: processes / tp)")
+    par.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                     help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters")
+    par.add_argument("--sequence-parallel", action="store_true",
+                     help="with --tp: split the activations between tp regions on the sequence")
     par.add_argument("--comm-report", type=int, nargs="?", const=1, default=0, metavar="N",
                      help="print the collectives of the first N steps (default 1), per step")
     opt = p.add_argument_group("optimizer")
@@ -184,6 +188,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if heads % args.tp:
             p.error(f"--tp {args.tp} does not divide the number of heads {flag} {heads}: "
                     "tensor parallelism gives every rank whole heads")
+    if args.sequence_parallel and args.tp == 1:
+        p.error("--sequence-parallel splits activations over tp: it needs --tp > 1")
     if args.dp is not None and args.batch_size % args.dp:
         p.error(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp}: "
                 "data parallelism gives every rank an equal slice of each batch")
@@ -274,9 +280,12 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     step = make_train_step(apply_fn, lm_loss, optimizer, compile=args.compile)
     transforms = []
     if mesh.size("tp") > 1:
-        transforms.append(shard_params(llama_rules(cfg.head_dim), mesh))
+        transforms.append(shard_params(llama_rules(cfg.head_dim), mesh,
+                                       sequence_parallel=args.sequence_parallel))
     if mesh.size("dp") > 1:
         transforms.append(data_parallel(mesh))
+    if args.zero:
+        transforms.append(zero_partition(args.zero, mesh))
     step, state = compose(*transforms)(step, state)
     n_params = sum(p.numel() for p in params.values())
     where = f"{device}" if mesh.world_size == 1 else (
@@ -324,7 +333,8 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
             say(f"all {args.steps} steps: {sum(per_step.values()):,} bytes, per step "
                 f"{min(per_step.values()):,} to {max(per_step.values()):,}", flush=True)
 
-    # The whole parameters: gathered from the tp shards (a collective every rank joins).
+    # The whole parameters: gathered from the tp (and zero-3) parts (a collective every rank
+    # joins).
     whole = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
     if args.save is not None and rank0:
         os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)

@@ -169,6 +169,23 @@ def test_tp2_dp2_on_four_ranks_matches_one_process(tmp_path, data_cache):
     assert all(torch.equal(saved[k], results[0]["params"][k]) for k in saved)
 
 
+def test_zero3_and_sequence_parallel_on_four_ranks_match_one_process(tmp_path, data_cache):
+    """``--tp 2 --dp 2 --zero 3 --sequence-parallel``: the same training as one process."""
+    steps = ["--dtype", "float64", "--print-every", "2"]
+    one = train_lm.main(_small(tmp_path / "one", data_cache, 4, *steps))
+    ref_losses = [r["loss"] for r in one["history"]]
+    argv = _small(tmp_path / "z3", data_cache, 4, *steps, "--tp", "2", "--dp", "2",
+                  "--zero", "3", "--sequence-parallel", "--comm-report")
+    for rank, res in enumerate(run_ranks(_rank_run, 4, argv, backend=None, timeout=120)):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref_losses))
+        assert len(res["losses"]) == 4 and rel <= 1e-10, (rank, rel)
+        for name, ref in one["params"].items():
+            err = float((res["params"][name] - ref).abs().max() / ref.abs().max())
+            assert err <= 1e-10, (rank, name, err)
+        if rank == 0:  # parameters gathered for the forward, gradients reduce-scattered
+            assert "zero3 param gather" in res["stdout"] and "zero grad" in res["stdout"]
+
+
 def test_parallel_flag_errors(tmp_path, capsys):
     # tp x dp must be the number of processes; DeviceMesh's message reaches the user.
     with pytest.raises(SystemExit, match=r"--tp 2 --dp 2 on 1 process.*product 4.*world size "
@@ -183,6 +200,9 @@ def test_parallel_flag_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_lm.main(["--batch-size", "6", "--dp", "4"])
     assert "--batch-size 6 is not divisible by --dp 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_lm.main(["--sequence-parallel"])
+    assert "--sequence-parallel splits activations over tp" in capsys.readouterr().err
 
 
 def test_default_model_splits_over_tp2_and_tp4():

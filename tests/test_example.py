@@ -172,13 +172,13 @@ def test_tp2_dp2_on_four_ranks_matches_one_process(tmp_path, data_cache):
 def test_zero3_and_sequence_parallel_on_four_ranks_match_one_process(tmp_path, data_cache):
     """``--tp 2 --dp 2 --zero 3 --sequence-parallel``: the same training as one process."""
     steps = ["--dtype", "float64", "--print-every", "2"]
-    one = train_lm.main(_small(tmp_path / "one", data_cache, 4, *steps))
+    one = train_lm.main(_small(tmp_path / "one", data_cache, 6, *steps))
     ref_losses = [r["loss"] for r in one["history"]]
-    argv = _small(tmp_path / "z3", data_cache, 4, *steps, "--tp", "2", "--dp", "2",
+    argv = _small(tmp_path / "z3", data_cache, 6, *steps, "--tp", "2", "--dp", "2",
                   "--zero", "3", "--sequence-parallel", "--comm-report")
     for rank, res in enumerate(run_ranks(_rank_run, 4, argv, backend=None, timeout=120)):
         rel = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref_losses))
-        assert len(res["losses"]) == 4 and rel <= 1e-10, (rank, rel)
+        assert len(res["losses"]) == 6 and rel <= 1e-10, (rank, rel)
         for name, ref in one["params"].items():
             err = float((res["params"][name] - ref).abs().max() / ref.abs().max())
             assert err <= 1e-10, (rank, name, err)

@@ -14,6 +14,18 @@ config), a predicate ``fn(name, param)`` or a tree with the structure of ``param
 leaf ``False``/``None`` (unprojected), ``True`` (the default config), a :class:`GaLoreConfig`
 or a dict of its fields overriding the defaults (per-leaf rank, gap, scale, proj_type).
 :func:`galore_param_groups` builds such a tree by parameter name.
+
+Sharded leaves (tensor parallel, or any :class:`~funcpar.shard.layout.Layout` given to
+``update``) give the single-process result with the same code: the projector is refit from the
+whole gradient (gathered at refresh steps only) and each rank keeps its part of it; the
+projection is completed by an all-reduce only when the projected dim is split; the inner
+optimizer's state is split like the leaf on the unprojected dim, with a layout for its
+reductions; 8-bit states are quantized in the whole state's blocks
+(:mod:`funcpar.optim.projector`, :mod:`funcpar.optim.quant8`; costs in docs/OPTIMIZERS.md).
+Every shape-dependent choice (the side of ``"std"``, the rank check, the 8-bit threshold) is
+made on the whole leaf's shape. ``init`` sees shards only, so where a shard would choose
+otherwise, the first update (count 0: an all-zero state, and a refresh) rebuilds the state for
+the whole leaves; a trained state shaped for other layouts is a ValueError.
 """
 
 from __future__ import annotations

@@ -1,0 +1,307 @@
+"""Extra communication each optimizer adds, per parallel layout, from the comm log.
+
+    python benchmarks/comm_table.py                  # float32, all optimizers x all layouts
+    python benchmarks/comm_table.py --dtype float64 --optim adafactor lamb
+
+For every optimizer x layout the composed step (``shard_params`` for tp, ``data_parallel`` for
+dp, ``zero_partition`` for ZeRO, in that order) runs on gloo ranks of this machine: one
+warm-up step, then one measured step. Every collective of the measured step on rank 0 is taken
+from :data:`funcpar.shard.comm.comm_log` and put in one class:
+
+* **tp activations**: the model's own tensor-parallel collectives in forward and backward
+  (row-split sums, vocab-parallel embedding and loss, their gradients);
+* **grad reduction**: data-parallel all-reduce buckets (``dp grads``) or ZeRO's per-leaf
+  reduce-scatter (``zero grad``; ``zero grad (whole)`` for leaves too small to cut);
+* **ZeRO-3 param gathers**: the forward's all-gathers of partitioned parameters;
+* **optimizer extra**: every collective issued inside ``optimizer.update`` (the step's
+  optimizer is wrapped to capture them). Split into *reductions* (norms, row/column
+  statistics, RMS, projections, clipping's global norm) and ZeRO's *update gathers*
+  (stages 1-2 gather the updated parts back into whole leaves);
+* **metrics**: the ``grad_norm`` metric's all-reduce(s) and the ``dp loss`` mean.
+
+Bytes follow the comm log's convention (nccl-tests'): the largest buffer of the operation on
+this rank - the tensor for all-reduce, the gathered output for all-gather, the full input for
+reduce-scatter. One spawn of ranks per world size runs every case of that size. Optimizers
+that raise NotImplementedError under a layout are listed as skipped, not hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+import funcpar.optim as fo
+from funcpar.models import Llama, LlamaConfig, lm_loss
+from funcpar.optim.base import GradientTransformation
+from funcpar.shard.comm import CommRecord, comm_log
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.rules import llama_rules
+from funcpar.state import functionalize, init_state
+from funcpar.testing import run_ranks
+from funcpar.train import make_train_step
+from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
+
+# The example model of the distributed tests: a vocabulary (50) and an MLP width (42) that 4
+# does not divide, so tp4 / dp4 cut some leaves unevenly.
+CFG = LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=42,
+                  max_seq_len=16)
+
+
+def _clip(opt: GradientTransformation) -> GradientTransformation:
+    return fo.chain(fo.clip_by_global_norm(0.5), opt)
+
+
+def _galore_mask(params):
+    # rank 4 fits every targeted leaf of the small model; gap 3 puts the projector refresh on
+    # the warm-up step (step 0) and not on the measured one (step 1): see the refresh table.
+    return fo.galore_param_groups(params, rank=4, update_proj_gap=3)
+
+
+#: name -> fn(params) -> optimizer; the hyperparameters of the distributed tests (they do not
+#: change which collectives run, only their values).
+OPTIMIZERS: dict[str, Callable] = {
+    "sgd": lambda p: _clip(fo.sgd(lr=0.05, momentum=0.9)),
+    "adamw": lambda p: _clip(fo.adamw(lr=1e-2, weight_decay=0.1)),
+    "adafactor": lambda p: _clip(fo.adafactor(lr=1e-2, relative_step=False,
+                                              scale_parameter=False, weight_decay=0.1)),
+    "adafactor_momentum": lambda p: _clip(fo.adafactor(lr=1e-2, beta1=0.9, relative_step=False,
+                                                       scale_parameter=False, weight_decay=0.1)),
+    "adafactor_relative": lambda p: fo.adafactor(),  # relative step, parameter-RMS scaling
+    "came": lambda p: _clip(fo.came(lr=1e-3, weight_decay=0.1)),
+    "lamb": lambda p: _clip(fo.lamb(lr=1e-2, weight_decay=0.1)),
+    "galore_adamw": lambda p: _clip(fo.galore_adamw(lr=1e-2, weight_decay=0.1,
+                                                    galore_mask=_galore_mask(p))),
+    "galore_adamw_8bit": lambda p: _clip(fo.galore_adamw(
+        lr=1e-2, galore_mask=_galore_mask(p), eight_bit=True, block_size=24, min_8bit_size=100,
+        adam_variant="bnb", eps=1e-8)),
+    "galore_adafactor": lambda p: _clip(fo.galore_adafactor(
+        lr=0.5, relative_step=False, beta1=0.9, weight_decay=0.1, galore_mask=_galore_mask(p))),
+}
+
+#: name -> (world, tp, dp, zero). dp2 without ZeRO is the baseline: replicated optimizer.
+LAYOUTS: dict[str, tuple[int, int, int, int]] = {
+    "tp2": (2, 2, 1, 0),
+    "dp2": (2, 1, 2, 0),
+    "dp2+zero1": (2, 1, 2, 1),
+    "dp2+zero2": (2, 1, 2, 2),
+    "dp2+zero3": (2, 1, 2, 3),
+    "tp4": (4, 4, 1, 0),
+    "dp4+zero2": (4, 1, 4, 2),
+    "tp2xdp2+zero2": (4, 2, 2, 2),
+    "tp2xdp2+zero3": (4, 2, 2, 3),
+}
+
+DETAIL = ("adafactor", "tp2xdp2+zero2")  # the case whose purposes are printed one by one
+
+
+# ------------------------------------------------------------------------------ on the ranks
+def _batches(seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CFG.vocab_size, (2, 8, 13), generator=g)
+    return [(ids[i, :, :-1], ids[i, :, 1:]) for i in range(2)]  # warm-up, measured
+
+
+def _with_captured_update(step, sink: list[list[CommRecord]]):
+    """``step`` whose optimizer appends the records of each ``update`` call to ``sink``."""
+    inner = step.optimizer
+
+    def update(grads, state, params=None, *, layouts=None):
+        with comm_log.capture() as recs:
+            out = inner.update(grads, state, params, layouts=layouts)
+        sink.append(recs)
+        return out
+
+    return dataclasses.replace(step, optimizer=GradientTransformation(inner.init, update))
+
+
+def _one_case(optim: str, tp: int, dp: int, zero: int, dtype: torch.dtype) -> dict:
+    mesh = DeviceMesh.from_env(dp=dp, tp=tp)
+    torch.manual_seed(0)
+    model = Llama(CFG).to(dtype)
+    apply_fn, params, buffers = functionalize(model)
+    opt = OPTIMIZERS[optim](params)
+    step = make_train_step(apply_fn, lm_loss, opt)
+    state = init_state(params, buffers, opt)
+    transforms = []
+    if tp > 1:
+        transforms.append(shard_params(llama_rules(CFG.head_dim), mesh))
+    if dp > 1:
+        transforms.append(data_parallel(mesh))
+    if zero:
+        transforms.append(zero_partition(zero, mesh))
+    step, state = compose(*transforms)(step, state)
+    opt_recs: list[list[CommRecord]] = []
+    step = _with_captured_update(step, opt_recs)
+    steps = []
+    for batch in _batches():
+        with comm_log.capture() as recs:
+            state, _ = step(state, batch)
+        # Records are shared objects: the ones also captured inside update are the optimizer's.
+        inside = {id(r) for r in opt_recs[-1]}
+        steps.append([(tuple(r), id(r) in inside) for r in recs])
+    return {"steps": steps}
+
+
+def run_world(cases: list[tuple[str, str]], dtype: torch.dtype) -> dict | None:
+    """Every (optim, layout) of one world size; rank 0 returns its records."""
+    import torch.distributed as dist
+
+    out = {}
+    for optim, layout in cases:
+        _, tp, dp, zero = LAYOUTS[layout]
+        try:
+            out[(optim, layout)] = _one_case(optim, tp, dp, zero, dtype)
+        except NotImplementedError as err:  # raised before any collective, on every rank
+            out[(optim, layout)] = {"skipped": f"{type(err).__name__}: {err}"}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return out if rank == 0 else None
+
+
+# ------------------------------------------------------------------------------ classifying
+def _what(purpose: str) -> str:
+    """The purpose without its leaf name (``layers.0.w: factored row mean`` -> the latter)."""
+    return purpose.split(": ", 1)[1] if ": " in purpose else purpose
+
+
+def classify(rec: CommRecord, in_opt: bool) -> str:
+    what = _what(rec.purpose)
+    if in_opt:
+        return "opt gather" if what == "zero update gather" else "opt reduce"
+    if what.startswith(("dp grads", "zero grad", "sequence-parallel grads")):
+        return "grad reduction"
+    if what == "zero3 param gather":
+        return "zero3 param gather"
+    if what in ("global_norm", "dp loss"):
+        return "metrics"
+    return "tp activations"
+
+
+def tally(steps_rec: list) -> dict[str, list[int]]:
+    """class -> [count, bytes] of one step's records."""
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for rec, in_opt in steps_rec:
+        r = CommRecord(*rec)
+        c = out[classify(r, in_opt)]
+        c[0] += 1
+        c[1] += r.nbytes
+    return out
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n:,}"
+
+
+def _cell(t: dict[str, list[int]], key: str) -> str:
+    n, b = t.get(key, (0, 0))
+    return "0" if n == 0 else f"{n} / {_fmt_bytes(b)}"
+
+
+def _table(rows: list[str], cols: list[str], cell: Callable[[str, str], str], corner: str) -> str:
+    lines = ["| " + " | ".join([corner, *cols]) + " |",
+             "|" + "|".join(["---"] + ["--:"] * len(cols)) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join([r, *(cell(r, c) for c in cols)]) + " |")
+    return "\n".join(lines)
+
+
+def detail(steps_rec: list) -> str:
+    """Per (class, op, axis, purpose without leaf): count, bytes, leaves."""
+    groups: dict[tuple, list] = {}
+    for rec, in_opt in steps_rec:
+        r = CommRecord(*rec)
+        key = (classify(r, in_opt), r.op, r.axis, _what(r.purpose))
+        g = groups.setdefault(key, [0, 0, set(), set()])
+        g[0] += 1
+        g[1] += r.nbytes
+        g[2].add(r.purpose.split(": ", 1)[0] if ": " in r.purpose else "-")
+        g[3].add(r.nbytes)
+    order = ["tp activations", "grad reduction", "zero3 param gather", "opt reduce",
+             "opt gather", "metrics"]
+    lines = ["| class | op | axis | purpose | count | bytes | bytes per message |",
+             "|---|---|---|---|--:|--:|---|"]
+    for key in sorted(groups, key=lambda k: (order.index(k[0]), k[1], k[2], k[3])):
+        n, b, _, sizes = groups[key]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {n} | {_fmt_bytes(b)} | "
+                     f"{', '.join(str(s) for s in sorted(sizes))} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    ap.add_argument("--optim", nargs="+", choices=list(OPTIMIZERS), default=list(OPTIMIZERS))
+    ap.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    results: dict = {}
+    for world in sorted({LAYOUTS[lay][0] for lay in args.layouts}):
+        cases = [(o, lay) for lay in args.layouts if LAYOUTS[lay][0] == world
+                 for o in args.optim]
+        results.update(run_ranks(run_world, world, cases, dtype, backend=None, timeout=1200)[0])
+    elapsed = time.perf_counter() - t0
+
+    ok = {k: v for k, v in results.items() if "skipped" not in v}
+    measured = {k: tally(v["steps"][1]) for k, v in ok.items()}
+    warm = {k: tally(v["steps"][0]) for k, v in ok.items()}
+    lays, opts = args.layouts, args.optim
+
+    def opt_cell(o: str, lay: str) -> str:
+        if (o, lay) not in measured:
+            return "skipped" if (o, lay) in results else "-"
+        return _cell(measured[(o, lay)], "opt reduce")
+
+    print(f"# extra optimizer communication (model {CFG}, {args.dtype}, gloo, rank 0 of the "
+          f"measured step; {elapsed:.0f} s)\n")
+    print("## Optimizer reductions inside optimizer.update: count / bytes\n")
+    print(_table(opts, lays, opt_cell, "optimizer"))
+
+    def per_layout(key: str) -> Callable[[str, str], str]:
+        def cell(row: str, lay: str) -> str:
+            vals = {_cell(measured[(o, lay)], key) for o in opts if (o, lay) in measured}
+            return " or ".join(sorted(vals)) if vals else "-"
+        return cell
+
+    print("\n## Per layout, the same for every optimizer: count / bytes\n")
+    print(_table(["ZeRO update gathers (in update)", "grad reduction", "ZeRO-3 param gathers",
+                  "tp activations", "metrics (grad_norm, dp loss)"], lays,
+                 lambda r, lay: per_layout({
+                     "ZeRO update gathers (in update)": "opt gather",
+                     "grad reduction": "grad reduction",
+                     "ZeRO-3 param gathers": "zero3 param gather",
+                     "tp activations": "tp activations",
+                     "metrics (grad_norm, dp loss)": "metrics"}[r])(r, lay),
+                 "class"))
+
+    refresh = [(k, warm[k]["opt reduce"], measured[k].get("opt reduce", [0, 0]))
+               for k in ok if warm[k].get("opt reduce", [0, 0]) != measured[k].get("opt reduce",
+                                                                                  [0, 0])]
+    if refresh:
+        print("\n## Where the warm-up step (step 0) differs: optimizer reductions\n")
+        print("| optimizer | layout | step 0 | step 1 |\n|---|---|--:|--:|")
+        for (o, lay), w, m in refresh:
+            print(f"| {o} | {lay} | {w[0]} / {_fmt_bytes(w[1])} | {m[0]} / {_fmt_bytes(m[1])} |")
+
+    skipped = {k: v["skipped"] for k, v in results.items() if "skipped" in v}
+    if skipped:
+        print("\n## Skipped\n")
+        for (o, lay), why in skipped.items():
+            print(f"- {o} under {lay}: {why}")
+
+    if DETAIL in ok:
+        print(f"\n## {DETAIL[0]} under {DETAIL[1]}: every collective of the measured step "
+              "(rank 0), by purpose\n")
+        print(detail(ok[DETAIL]["steps"][1]))
+    print("\nLegend: count / bytes per step on rank 0; bytes as the comm log counts them "
+          "(all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the full "
+          "input). 'opt reduce' includes clip_by_global_norm's global_norm (every optimizer "
+          "but adafactor_relative is chained after clipping at 0.5).")
+
+
+if __name__ == "__main__":
+    main()

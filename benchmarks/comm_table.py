@@ -171,10 +171,13 @@ def _what(purpose: str) -> str:
 def classify(rec: CommRecord, in_opt: bool) -> str:
     what = _what(rec.purpose)
     if in_opt:
-        return "opt gather" if what == "zero update gather" else "opt reduce"
+        if what == "zero update gather":
+            return "opt gather"
+        # clip_by_global_norm, chained before the optimizer: the same for every optimizer
+        return "opt clip" if what == "global_norm" else "opt reduce"
     if what.startswith(("dp grads", "zero grad", "sequence-parallel grads")):
         return "grad reduction"
-    if what == "zero3 param gather":
+    if what.startswith("zero3"):  # the forward's gathers and any regather for the backward
         return "zero3 param gather"
     if what in ("global_norm", "dp loss"):
         return "metrics"
@@ -182,13 +185,14 @@ def classify(rec: CommRecord, in_opt: bool) -> str:
 
 
 def tally(steps_rec: list) -> dict[str, list[int]]:
-    """class -> [count, bytes] of one step's records."""
-    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    """class -> [count, bytes, largest message] of one step's records."""
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for rec, in_opt in steps_rec:
         r = CommRecord(*rec)
         c = out[classify(r, in_opt)]
         c[0] += 1
         c[1] += r.nbytes
+        c[2] = max(c[2], r.nbytes)
     return out
 
 
@@ -197,7 +201,7 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _cell(t: dict[str, list[int]], key: str) -> str:
-    n, b = t.get(key, (0, 0))
+    n, b, _ = t.get(key, (0, 0, 0))
     return "0" if n == 0 else f"{n} / {_fmt_bytes(b)}"
 
 
@@ -221,7 +225,7 @@ def detail(steps_rec: list) -> str:
         g[2].add(r.purpose.split(": ", 1)[0] if ": " in r.purpose else "-")
         g[3].add(r.nbytes)
     order = ["tp activations", "grad reduction", "zero3 param gather", "opt reduce",
-             "opt gather", "metrics"]
+             "opt clip", "opt gather", "metrics"]
     lines = ["| class | op | axis | purpose | count | bytes | bytes per message |",
              "|---|---|---|---|--:|--:|---|"]
     for key in sorted(groups, key=lambda k: (order.index(k[0]), k[1], k[2], k[3])):
@@ -229,6 +233,19 @@ def detail(steps_rec: list) -> str:
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {n} | {_fmt_bytes(b)} | "
                      f"{', '.join(str(s) for s in sorted(sizes))} |")
     return "\n".join(lines)
+
+
+def by_purpose(steps_rec: list) -> str:
+    """The optimizer reductions of a step as ``purpose [axis] count / bytes; ...``."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for rec, in_opt in steps_rec:
+        r = CommRecord(*rec)
+        if classify(r, in_opt) == "opt reduce":
+            g = groups.setdefault((_what(r.purpose), r.axis), [0, 0])
+            g[0] += 1
+            g[1] += r.nbytes
+    return "; ".join(f"{what} [{axis}] {n} / {_fmt_bytes(b)}"
+                     for (what, axis), (n, b) in sorted(groups.items()))
 
 
 def main() -> None:
@@ -250,16 +267,28 @@ def main() -> None:
     measured = {k: tally(v["steps"][1]) for k, v in ok.items()}
     warm = {k: tally(v["steps"][0]) for k, v in ok.items()}
     lays, opts = args.layouts, args.optim
+    largest_leaf = max(p.numel() * p.element_size()
+                       for p in Llama(CFG).to(dtype).parameters())
 
-    def opt_cell(o: str, lay: str) -> str:
-        if (o, lay) not in measured:
-            return "skipped" if (o, lay) in results else "-"
-        return _cell(measured[(o, lay)], "opt reduce")
+    def by_case(key: str, warmup: bool = False, field: int | None = None):
+        def cell(o: str, lay: str) -> str:
+            if (o, lay) not in ok:
+                return "skipped" if (o, lay) in results else "-"
+            t = (warm if warmup else measured)[(o, lay)]
+            if field is not None:
+                return _fmt_bytes(t.get(key, (0, 0, 0))[field])
+            return _cell(t, key)
+        return cell
 
-    print(f"# extra optimizer communication (model {CFG}, {args.dtype}, gloo, rank 0 of the "
-          f"measured step; {elapsed:.0f} s)\n")
-    print("## Optimizer reductions inside optimizer.update: count / bytes\n")
-    print(_table(opts, lays, opt_cell, "optimizer"))
+    print(f"# Extra optimizer communication ({args.dtype}, gloo, rank 0 of the measured step; "
+          f"{elapsed:.0f} s)\n")
+    print(f"Model: {CFG}\n")
+    print("## Optimizer reductions inside optimizer.update (clipping and ZeRO gathers "
+          "excluded): count / bytes\n")
+    print(_table(opts, lays, by_case("opt reduce"), "optimizer"))
+    print(f"\n## Largest single optimizer reduction, bytes (largest parameter, whole: "
+          f"{_fmt_bytes(largest_leaf)})\n")
+    print(_table(opts, lays, by_case("opt reduce", field=2), "optimizer"))
 
     def per_layout(key: str) -> Callable[[str, str], str]:
         def cell(row: str, lay: str) -> str:
@@ -267,25 +296,22 @@ def main() -> None:
             return " or ".join(sorted(vals)) if vals else "-"
         return cell
 
+    rows = {"clip_by_global_norm (in update)": "opt clip",
+            "ZeRO update gathers (in update)": "opt gather",
+            "grad reduction": "grad reduction",
+            "ZeRO-3 param gathers": "zero3 param gather",
+            "tp activations (fwd + bwd)": "tp activations",
+            "metrics (grad_norm, dp loss)": "metrics"}
     print("\n## Per layout, the same for every optimizer: count / bytes\n")
-    print(_table(["ZeRO update gathers (in update)", "grad reduction", "ZeRO-3 param gathers",
-                  "tp activations", "metrics (grad_norm, dp loss)"], lays,
-                 lambda r, lay: per_layout({
-                     "ZeRO update gathers (in update)": "opt gather",
-                     "grad reduction": "grad reduction",
-                     "ZeRO-3 param gathers": "zero3 param gather",
-                     "tp activations": "tp activations",
-                     "metrics (grad_norm, dp loss)": "metrics"}[r])(r, lay),
-                 "class"))
+    print(_table(list(rows), lays, lambda r, lay: per_layout(rows[r])(r, lay), "class"))
 
-    refresh = [(k, warm[k]["opt reduce"], measured[k].get("opt reduce", [0, 0]))
-               for k in ok if warm[k].get("opt reduce", [0, 0]) != measured[k].get("opt reduce",
-                                                                                  [0, 0])]
-    if refresh:
-        print("\n## Where the warm-up step (step 0) differs: optimizer reductions\n")
-        print("| optimizer | layout | step 0 | step 1 |\n|---|---|--:|--:|")
-        for (o, lay), w, m in refresh:
-            print(f"| {o} | {lay} | {w[0]} / {_fmt_bytes(w[1])} | {m[0]} / {_fmt_bytes(m[1])} |")
+    differ = [o for o in opts if any(
+        (o, lay) in ok and warm[(o, lay)].get("opt reduce", [0, 0, 0])[:2]
+        != measured[(o, lay)].get("opt reduce", [0, 0, 0])[:2] for lay in lays)]
+    if differ:
+        print("\n## Warm-up step (step 0) where it differs from the measured step: optimizer "
+              "reductions, count / bytes\n")
+        print(_table(differ, lays, by_case("opt reduce", warmup=True), "optimizer"))
 
     skipped = {k: v["skipped"] for k, v in results.items() if "skipped" in v}
     if skipped:
@@ -293,15 +319,22 @@ def main() -> None:
         for (o, lay), why in skipped.items():
             print(f"- {o} under {lay}: {why}")
 
+    if any((o, DETAIL[1]) in ok for o in opts):
+        print(f"\n## Optimizer reductions by purpose under {DETAIL[1]} (measured step): "
+              "purpose [axis] count / bytes\n")
+        print("| optimizer | purposes |\n|---|---|")
+        for o in opts:
+            if (o, DETAIL[1]) in ok:
+                print(f"| {o} | {by_purpose(ok[(o, DETAIL[1])]['steps'][1]) or 'none'} |")
     if DETAIL in ok:
         print(f"\n## {DETAIL[0]} under {DETAIL[1]}: every collective of the measured step "
               "(rank 0), by purpose\n")
         print(detail(ok[DETAIL]["steps"][1]))
     print("\nLegend: count / bytes per step on rank 0; bytes as the comm log counts them "
           "(all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the full "
-          "input). 'opt reduce' includes clip_by_global_norm's global_norm (every optimizer "
-          "but adafactor_relative is chained after clipping at 0.5).")
-
+          "input). Optimizer reductions: collectives issued inside optimizer.update other than "
+          "clip_by_global_norm's global_norm (every optimizer but adafactor_relative is chained "
+          "after clipping at 0.5) and ZeRO's update gathers, which the per-layout table shows.")
 
 if __name__ == "__main__":
     main()

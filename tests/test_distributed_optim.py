@@ -138,3 +138,33 @@ def test_zero_memory_per_rank_is_a_quarter_on_dp4():
             assert sum(r[1] for r in ranks) == total_params, stage
         if stage == 3:
             assert sum(r[2] for r in ranks) == total_params, stage
+
+
+def _zero3_comm():
+    mesh = DeviceMesh.from_env(dp=2)
+    torch.manual_seed(0)
+    apply_fn, params, buffers = functionalize(Llama(CFG).double())
+    opt = fo.adamw(lr=1e-2)
+    step, state = compose(data_parallel(mesh), zero_partition(3, mesh))(
+        make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt))
+    from funcpar.shard.comm import comm_log
+
+    with comm_log.capture() as records:
+        step(state, batches()[0])
+    return [(r.op, r.purpose) for r in records]
+
+
+def test_zero3_gathers_block_by_block_and_regathers_for_backward():
+    records = run_ranks(_zero3_comm, 2, backend=None, timeout=120)[0]
+    gathers = [p.split(":")[0] for op, p in records if p.endswith("zero3 param gather")]
+    # Leaves outside the blocks first (whole for the forward), then block 0's, then block 1's.
+    outside = {"embed_tokens.weight", "lm_head.weight", "norm.weight"}
+    assert set(gathers[:3]) == outside
+    blocks = [g.split(".")[1] for g in gathers[3:]]
+    assert blocks == sorted(blocks) and set(blocks) == {"0", "1"}
+    # The backward does not keep the blocks' whole leaves: it gathers them again when used.
+    regathered = {p.split(":")[0] for _, p in records if p.endswith("regather for backward")}
+    assert {g for g in gathers if g.startswith("layers.")} <= regathered, regathered
+    # Each gathered leaf's gradient is reduce-scattered once.
+    scattered = [p.split(":")[0] for op, p in records if op == "reduce_scatter"]
+    assert sorted(scattered) == sorted(gathers)

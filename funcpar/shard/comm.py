@@ -280,7 +280,8 @@ def all_gather(
     comm_log.record("all_gather", mesh, axis, _nbytes(piece) * k, purpose, t.dtype)
     dist.all_gather(bufs, piece, group=group)
     out = torch.cat([b[:s] for b, s in zip(bufs, sizes)])
-    return out.movedim(0, d).contiguous()
+    # A fresh tensor, never a view (movedim(0, 0) would be one): callers may key on it.
+    return out if d == 0 else out.movedim(0, d).contiguous()
 
 
 def reduce_scatter(

@@ -7,8 +7,14 @@
 * stage 2: also the gradients: the backward's gradients are reduce-scattered (one collective
   per leaf, started from the backward's hooks as each gradient completes) instead of
   all-reduced, so each rank keeps only its part;
-* stage 3: also the parameters: ``state.params`` holds each rank's part, gathered around the
-  forward (an all-gather whose backward is the gradient's reduce-scatter).
+* stage 3: also the parameters: ``state.params`` holds each rank's part. A block's leaves
+  (the elements of the model's outermost ``nn.ModuleList``, as FSDP wraps transformer blocks)
+  are all-gathered when the block's forward starts and released when it ends; the backward
+  does not keep them but gathers them again when it needs them (saved-tensor hooks), and each
+  gathered leaf's gradient is reduce-scattered. So at most one block is whole at a time, plus
+  the leaves outside every block (embeddings, final norm, head), whole during the forward.
+  Gathers are not yet prefetched (the next block's gather does not overlap this block's
+  compute).
 
 **How a leaf is partitioned.** Each leaf is cut along one dim, the longest of its local
 (tensor-parallel) shape that is not a blocked split and has at least as many entries as ranks,
@@ -32,10 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from funcpar.optim.base import GradientTransformation
 from funcpar.shard import comm
@@ -214,12 +220,95 @@ def zero_partition(
     return transform
 
 
-def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
-    def apply(params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> Any:
-        # Whole leaves pass untouched: their gradient mean is _ScatterGrads' all-reduce.
-        whole = plan.map(
-            lambda i, x: x if plan.dims[i] is None else _GatherPart.apply(x, plan, i), params)
-        return apply_fn(whole, buffers, *args, **kwargs)
+class _Regather(NamedTuple):
+    """A saved gathered leaf (or a view of it: ``F.linear`` saves ``weight.t()``), dropped
+    after the forward and gathered again, then viewed alike, when the backward needs it."""
 
-    apply.module = getattr(apply_fn, "module", None)
+    i: int
+    part: Tensor
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None
+
+
+def _units(module: nn.Module, names: tuple[str, ...]) -> tuple[list[tuple[nn.Module, list[int]]],
+                                                               list[int]]:
+    """The blocks (elements of the outermost ``nn.ModuleList``s, as FSDP wraps transformer
+    blocks) with the flat indices of their leaves, and the leaves outside every block."""
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, m in module.named_modules():
+        if isinstance(m, nn.ModuleList) and not any(name.startswith(b + ".") for b, _ in blocks):
+            blocks += [(f"{name}.{k}" if name else k, child) for k, child in m.named_children()]
+    members: dict[str, list[int]] = {b: [] for b, _ in blocks}
+    rest = []
+    for i, n in enumerate(names):
+        owner = next((b for b, _ in blocks if n.startswith(b + ".")), None)
+        (members[owner] if owner is not None else rest).append(i)
+    return [(m, members[b]) for b, m in blocks if members[b]], rest
+
+
+def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
+    """``apply_fn`` over the parts: each block's leaves are gathered when the block starts and
+    released when it ends; what the backward saved of them is gathered again when it is used,
+    so at most one block's leaves are whole at a time (leaves outside every block are whole for
+    the forward). Every gathered leaf's gradient is reduce-scattered by :class:`_GatherPart`."""
+    module = apply_fn.module
+    blocks, rest = _units(module, plan.names)
+    owners = {}
+    for i, n in enumerate(plan.names):
+        prefix, _, attr = n.rpartition(".")
+        owners[i] = (module.get_submodule(prefix) if prefix else module, attr)
+
+    def apply(params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> Any:
+        parts, spec = tree_flatten(params)
+        live: dict[int, tuple[Tensor, int, Tensor]] = {}  # id(whole) -> (whole, i, part)
+
+        def gather(i: int) -> Tensor:
+            if plan.dims[i] is None:  # whole: its gradient mean is _ScatterGrads' all-reduce
+                return parts[i]
+            whole = _GatherPart.apply(parts[i], plan, i)
+            live[id(whole)] = (whole, i, parts[i])
+            return whole
+
+        def enter(idx: list[int]) -> Callable:
+            def hook(mod: nn.Module, inputs: Any) -> None:
+                for i in idx:
+                    owner, attr = owners[i]
+                    owner._parameters[attr] = gather(i)
+            return hook
+
+        def leave(idx: list[int]) -> Callable:
+            def hook(mod: nn.Module, inputs: Any, output: Any) -> None:
+                for i in idx:
+                    owner, attr = owners[i]
+                    live.pop(id(owner._parameters[attr]), None)
+                    owner._parameters[attr] = parts[i]
+            return hook
+
+        def pack(t: Tensor) -> Any:
+            base = t if t._base is None else t._base
+            hit = live.get(id(base))
+            if hit is None or hit[0] is not base:
+                return t
+            view = None if base is t else (tuple(t.shape), t.stride(), t.storage_offset())
+            return _Regather(hit[1], hit[2], view)
+
+        def unpack(x: Any) -> Tensor:
+            if not isinstance(x, _Regather):
+                return x
+            # The gather is contiguous, as the forward's was, so a view's strides carry over.
+            whole = plan.gather(x.i, x.part.detach(), "zero3 regather for backward")
+            return whole if x.view is None else whole.as_strided(*x.view)
+
+        tree = tree_unflatten(spec, [gather(i) if i in rest else p for i, p in enumerate(parts)])
+        handles = []
+        for m, idx in blocks:
+            handles.append(m.register_forward_pre_hook(enter(idx)))
+            handles.append(m.register_forward_hook(leave(idx)))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return apply_fn(tree, buffers, *args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    apply.module = module
     return apply

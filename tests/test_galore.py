@@ -447,3 +447,19 @@ def test_validation_against_shapes():
         galore_adafactor(lr=1e-2, rank=2)
     with pytest.raises(ValueError, match="rank 5 exceeds"):
         galore_adafactor(rank=5).init(params)
+
+
+def test_trained_state_for_other_layouts_is_refused():
+    # A (4, 8) leaf split on its columns over tp=2: the shard (4, 4) is "tall", the whole leaf
+    # "wide", so "std" projects the shard's state on another side than the leaf's. A fresh
+    # state (count 0) is rebuilt by the first update (tests/test_galore_sharded.py); a trained
+    # one is refused before any compute or collective (the virtual mesh cannot communicate).
+    from funcpar.shard.layout import Layout, Shard
+    from funcpar.shard.mesh import DeviceMesh
+
+    lay = Layout(DeviceMesh.virtual(rank=0, tp=2), (4, 8), {"tp": Shard(1)}, name="w")
+    opt = galore_adamw(rank=2)
+    params = {"w": torch.randn(4, 4)}
+    _, state = opt.update({"w": torch.randn(4, 4)}, opt.init(params), params)
+    with pytest.raises(ValueError, match="shaped for other layouts"):
+        opt.update({"w": torch.randn(4, 4)}, state, params, layouts={"w": lay})

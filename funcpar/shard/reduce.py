@@ -32,6 +32,7 @@ __all__ = [
     "reduce_sum",
     "rms",
     "sum_of_squares",
+    "sum_partial",
     "total_sum_of_squares",
 ]
 

@@ -214,17 +214,23 @@ def _installed(plan: ShardingPlan) -> Iterator[None]:
         yield
 
 
-def _forward(mp: ModulePlan, plan: ShardingPlan, enter: Callable) -> Callable:
-    m, mesh, axis, who = mp.module, plan.mesh, plan.axis, mp.name
+def _local_ops(mp: ModulePlan) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """The module's product with its local weight shard (functional_call swapped it in) and the
+    addition of its local bias."""
+    m = mp.module
 
     def matmul(x: Tensor) -> Tensor:
-        # The module's weight is the local shard here (functional_call swapped it in).
-        if mp.kind == "conv1d":
-            return x @ m.weight
-        return F.linear(x, m.weight)
+        return x @ m.weight if mp.kind == "conv1d" else F.linear(x, m.weight)
 
     def add_bias(y: Tensor) -> Tensor:
         return y if m.bias is None else y + m.bias
+
+    return matmul, add_bias
+
+
+def _forward(mp: ModulePlan, plan: ShardingPlan, enter: Callable) -> Callable:
+    m, mesh, axis, who = mp.module, plan.mesh, plan.axis, mp.name
+    matmul, add_bias = _local_ops(mp)
 
     if mp.style in ("colwise", "vocab_parallel"):
         return lambda x: add_bias(matmul(enter(x, who)))
@@ -462,15 +468,8 @@ def _installed_seq(plan: ShardingPlan, seq: _SeqPlan) -> Iterator[None]:
 def _seq_forward(mp: ModulePlan, plan: ShardingPlan, seq: _SeqPlan,
                  seq_sizes: Callable[[str], list[int]], gathered: dict[str, Tensor],
                  partial: dict[str, Tensor]) -> Callable:
-    m, mesh, axis, who = mp.module, plan.mesh, plan.axis, mp.name
-
-    def matmul(x: Tensor) -> Tensor:
-        if mp.kind == "conv1d":
-            return x @ m.weight
-        return F.linear(x, m.weight)
-
-    def add_bias(y: Tensor) -> Tensor:
-        return y if m.bias is None else y + m.bias
+    mesh, axis, who = plan.mesh, plan.axis, mp.name
+    matmul, add_bias = _local_ops(mp)
 
     if mp.style == "colwise":
         region = seq.region_of[who]

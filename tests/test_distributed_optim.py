@@ -147,19 +147,25 @@ def test_zero_memory_per_rank_is_a_quarter_on_dp4():
 def _zero3_comm():
     mesh = DeviceMesh.from_env(dp=2)
     torch.manual_seed(0)
-    apply_fn, params, buffers = functionalize(Llama(CFG).double())
+    model = Llama(CFG).double()
+    apply_fn, params, buffers = functionalize(model)
     opt = fo.adamw(lr=1e-2)
     step, state = compose(data_parallel(mesh), zero_partition(3, mesh))(
         make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt))
     from funcpar.shard.comm import comm_log
 
     with comm_log.capture() as records:
+        # When block 0's forward ends, block 1's gathers must already be on their way.
+        seen = []
+        model.layers[0].register_forward_hook(lambda *_: seen.append(
+            sum(r.purpose.startswith("layers.1.") for r in records)))
         step(state, batches()[0])
-    return [(r.op, r.purpose) for r in records]
+    return [(r.op, r.purpose) for r in records], seen[0]
 
 
 def test_zero3_gathers_block_by_block_and_regathers_for_backward():
-    records = run_ranks(_zero3_comm, 2, backend=None, timeout=120)[0]
+    records, prefetched = run_ranks(_zero3_comm, 2, backend=None, timeout=120)[0]
+    assert prefetched == 9  # layers.1's 9 leaves, launched when layers.0 started
     gathers = [p.split(":")[0] for op, p in records if p.endswith("zero3 param gather")]
     # Leaves outside the blocks first (whole for the forward), then block 0's, then block 1's.
     outside = {"embed_tokens.weight", "lm_head.weight", "norm.weight"}

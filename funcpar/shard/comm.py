@@ -21,7 +21,7 @@ them in a ``torch.autograd.Function`` so that its traffic is recorded too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -188,15 +188,19 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
 
 
 class Pending:
-    """An all-reduce in flight; :meth:`wait` returns its result."""
+    """A collective in flight; :meth:`wait` returns its result (``finish()`` of the received
+    buffers when given, else ``out``)."""
 
-    def __init__(self, work: Any, out: Tensor) -> None:
-        self._work, self._out = work, out
+    def __init__(self, work: Any, out: Tensor | None,
+                 finish: Callable[[], Tensor] | None = None) -> None:
+        self._work, self._out, self._finish = work, out, finish
 
     def wait(self) -> Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._finish is not None:
+            self._out, self._finish = self._finish(), None
         return self._out
 
 
@@ -242,16 +246,19 @@ def all_gather(
     dim: int = 0,
     sizes: Sequence[int] | None = None,
     purpose: str = "",
-) -> Tensor:
+    async_op: bool = False,
+) -> Tensor | Pending:
     """The pieces of the ranks of ``axis`` concatenated along ``dim``, in coordinate order.
 
     Pieces may differ in length along ``dim``: pass every rank's length in ``sizes`` (a layout
     knows them), or leave it None to exchange them first (one small extra all_gather). Pieces
-    travel padded to the longest one.
+    travel padded to the longest one. With ``async_op`` (``sizes`` given), a :class:`Pending`.
     """
     k = mesh.size(axis)
+    if async_op and sizes is None:
+        raise ValueError(f"an asynchronous all_gather needs the sizes ({purpose})")
     if k == 1:
-        return t
+        return Pending(None, t) if async_op else t
     if t.dim() == 0:
         raise ValueError(f"all_gather of a 0-d tensor along dim {dim} ({purpose})")
     d = dim % t.dim()
@@ -274,14 +281,18 @@ def all_gather(
     longest = max(sizes)
     front = t.movedim(d, 0)
     if longest == 0:
-        return t.clone()
+        return Pending(None, t.clone()) if async_op else t.clone()
     piece = _pad0(front, longest)
     bufs = [torch.empty_like(piece) for _ in range(k)]
     comm_log.record("all_gather", mesh, axis, _nbytes(piece) * k, purpose, t.dtype)
-    dist.all_gather(bufs, piece, group=group)
-    out = torch.cat([b[:s] for b, s in zip(bufs, sizes)])
-    # A fresh tensor, never a view (movedim(0, 0) would be one): callers may key on it.
-    return out if d == 0 else out.movedim(0, d).contiguous()
+    work = dist.all_gather(bufs, piece, group=group, async_op=async_op)
+
+    def finish() -> Tensor:
+        out = torch.cat([b[:s] for b, s in zip(bufs, sizes)])
+        # A fresh tensor, never a view (movedim(0, 0) would be one): callers may key on it.
+        return out if d == 0 else out.movedim(0, d).contiguous()
+
+    return Pending(work, None, finish) if async_op else finish()
 
 
 def reduce_scatter(

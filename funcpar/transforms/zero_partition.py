@@ -13,8 +13,9 @@
   does not keep them but gathers them again when it needs them (saved-tensor hooks), and each
   gathered leaf's gradient is reduce-scattered. So at most one block is whole at a time, plus
   the leaves outside every block (embeddings, final norm, head), whole during the forward.
-  Gathers are not yet prefetched (the next block's gather does not overlap this block's
-  compute).
+  When a block starts, the next block's gathers are launched asynchronously (prefetch), so
+  they travel while this block computes (the order of the blocks is the order of the model's
+  ``nn.ModuleList``).
 
 **How a leaf is partitioned.** Each leaf is cut along one dim, the longest of its local
 (tensor-parallel) shape that is not a blocked split and has at least as many entries as ranks,
@@ -77,12 +78,12 @@ class ZeroPlan:
         pieces, r = self._pieces(i), self.mesh.rank(self.axis)
         return x.narrow(d, sum(pieces[:r]), pieces[r])
 
-    def gather(self, i: int, x: Tensor, purpose: str) -> Tensor:
+    def gather(self, i: int, x: Tensor, purpose: str, *, async_op: bool = False) -> Any:
         d = self.dims[i]
         if d is None:
             return x
         return comm.all_gather(x, self.mesh, self.axis, dim=d, sizes=self._pieces(i),
-                               purpose=f"{self.names[i]}: {purpose}")
+                               purpose=f"{self.names[i]}: {purpose}", async_op=async_op)
 
     def scatter_mean(self, i: int, g: Tensor) -> Tensor:
         """The mean over ``axis`` of gradient ``g``, of which this rank keeps its part."""
@@ -133,17 +134,18 @@ def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: 
 
 
 class _GatherPart(torch.autograd.Function):
-    """Forward: the whole leaf from the parts. Backward: the gradient's mean, reduce-scattered
-    (each rank's loss is the mean over its part of the batch)."""
+    """Forward: the whole leaf from the parts (``pending``: a gather already in flight).
+    Backward: the gradient's mean, reduce-scattered (each rank's loss is the mean over its part
+    of the batch)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, plan: ZeroPlan, i: int) -> Tensor:
+    def forward(ctx, x: Tensor, plan: ZeroPlan, i: int, pending: Any = None) -> Tensor:
         ctx.plan, ctx.i = plan, i
-        return plan.gather(i, x, "zero3 param gather")
+        return pending.wait() if pending is not None else plan.gather(i, x, "zero3 param gather")
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return ctx.plan.scatter_mean(ctx.i, g), None, None
+        return ctx.plan.scatter_mean(ctx.i, g), None, None, None
 
 
 class _ScatterGrads:
@@ -260,19 +262,28 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
     def apply(params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> Any:
         parts, spec = tree_flatten(params)
         live: dict[int, tuple[Tensor, int, Tensor]] = {}  # id(whole) -> (whole, i, part)
+        inflight: dict[int, comm.Pending] = {}
 
         def gather(i: int) -> Tensor:
             if plan.dims[i] is None:  # whole: its gradient mean is _ScatterGrads' all-reduce
                 return parts[i]
-            whole = _GatherPart.apply(parts[i], plan, i)
+            whole = _GatherPart.apply(parts[i], plan, i, inflight.pop(i, None))
             live[id(whole)] = (whole, i, parts[i])
             return whole
 
-        def enter(idx: list[int]) -> Callable:
+        def prefetch(idx: list[int]) -> None:
+            for i in idx:
+                if plan.dims[i] is not None and i not in inflight:
+                    inflight[i] = plan.gather(i, parts[i].detach(), "zero3 param gather",
+                                              async_op=True)
+
+        def enter(k: int, idx: list[int]) -> Callable:
             def hook(mod: nn.Module, inputs: Any) -> None:
                 for i in idx:
                     owner, attr = owners[i]
                     owner._parameters[attr] = gather(i)
+                if k + 1 < len(blocks):
+                    prefetch(blocks[k + 1][1])
             return hook
 
         def leave(idx: list[int]) -> Callable:
@@ -300,8 +311,8 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
 
         tree = tree_unflatten(spec, [gather(i) if i in rest else p for i, p in enumerate(parts)])
         handles = []
-        for m, idx in blocks:
-            handles.append(m.register_forward_pre_hook(enter(idx)))
+        for k, (m, idx) in enumerate(blocks):
+            handles.append(m.register_forward_pre_hook(enter(k, idx)))
             handles.append(m.register_forward_hook(leave(idx)))
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -309,6 +320,8 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
         finally:
             for h in handles:
                 h.remove()
+            for pending in inflight.values():  # a block that did not run: finish its gathers
+                pending.wait()
 
     apply.module = module
     return apply

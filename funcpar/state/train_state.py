@@ -25,7 +25,9 @@ class TrainState(NamedTuple):
     ``step`` is a 0-d int64 tensor (updates done). ``rng`` is the state of the random generator
     of the parameters' device (``torch.get_rng_state()`` on CPU); the step restores it around
     the forward and stores what follows, so dropout-like randomness is part of the state and a
-    step repeated on the same state repeats its random draws.
+    step repeated on the same state repeats its random draws. ``extras`` is a dict of tensors
+    owned by the transforms (``amp_cast``'s loss scale, a data loader's position), carried
+    through every step unchanged unless a transform updates it; ``{}`` from :func:`init_state`.
     """
 
     params: Tree
@@ -33,6 +35,7 @@ class TrainState(NamedTuple):
     opt_state: Tree
     step: Tensor
     rng: Tensor
+    extras: Tree = None
 
 
 def init_state(
@@ -45,4 +48,5 @@ def init_state(
         opt_state=optimizer.init(params),
         step=torch.zeros((), dtype=torch.int64),
         rng=gen.get_state(),
+        extras={},
     )

@@ -162,7 +162,7 @@ class TrainStep:
         hp = get_hyperparams(opt_state)
         if "lr" in hp:
             metrics["lr"] = hp["lr"]
-        return TrainState(params, buffers, opt_state, state.step + 1, rng), metrics
+        return TrainState(params, buffers, opt_state, state.step + 1, rng, state.extras), metrics
 
 
 def make_train_step(

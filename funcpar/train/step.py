@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -17,7 +17,7 @@ from funcpar.state.functional import ApplyFn
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
 
-__all__ = ["GradSync", "TrainStep", "loss_and_grads", "make_train_step"]
+__all__ = ["GradSync", "LossScaler", "TrainStep", "loss_and_grads", "make_train_step"]
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -25,11 +25,14 @@ LossFn = Callable[[Any, Any], Tensor]
 def loss_and_grads(
     apply_fn: ApplyFn, loss_fn: LossFn, params: Tree, buffers: Tree, batch: tuple[Any, Any],
     on_grad: Callable[[int, Tensor], None] | None = None,
+    loss_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tree, Tree]:
     """``(loss, grads, new_buffers)`` of ``loss_fn(apply_fn(params, buffers, inputs), targets)``.
 
     ``on_grad(i, grad)``, when given, is called during the backward as soon as the gradient of
     flat leaf ``i`` is complete (a tensor hook), so a caller can start communicating it.
+    ``loss_scale``, when given, multiplies the (float32) loss before the backward, so the
+    gradients come out scaled by it (fp16 loss scaling); the returned loss is not scaled.
 
     Built on ``functional_call`` + ``torch.autograd.grad`` rather than ``torch.func.grad``: on a
     GPU the latter costs ~9 % more eagerly and fails under ``torch.compile`` with cuDNN
@@ -54,7 +57,10 @@ def loss_and_grads(
             raise ValueError(f"loss_fn must return a 0-d tensor, got {type(loss).__name__} "
                              f"{tuple(getattr(loss, 'shape', ()))}")
         wanted = [p for p in live if p.requires_grad]
-        grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+        # The scaled loss is float32 whatever the loss_fn returned: a scale of 2^16 times an
+        # fp16 loss would overflow where the float32 product does not.
+        target = loss if loss_scale is None else loss.float() * loss_scale
+        grads = iter(torch.autograd.grad(target, wanted, allow_unused=True))
     # A parameter the loss does not reach gets a zero gradient so that grads always mirror
     # params. Unlike torch.optim, which skips a parameter whose .grad is None, its weight
     # decay (and momentum) still apply.
@@ -77,6 +83,31 @@ class GradSync(Protocol):
     def finish(self, grads: Tree) -> Tree: ...
 
 
+@runtime_checkable
+class LossScaler(Protocol):
+    """Loss scaling with skipped steps (see ``TrainStep.loss_scaler``; ``amp_cast("fp16")``).
+
+    Its state lives in ``state.extras`` (which it reads and returns), so the step stays pure.
+    """
+
+    def scale(self, extras: dict[str, Tensor]) -> Tensor:
+        """The 0-d float32 factor the loss is multiplied by before the backward."""
+        ...
+
+    def unscale(self, grads: Tree, extras: dict[str, Tensor]) -> tuple[Tree, Tensor]:
+        """``(grads / scale, finite)``: ``finite`` a 0-d bool tensor, True when no gradient
+        entry on any rank is inf or nan (the same value on every rank)."""
+        ...
+
+    def update(self, extras: dict[str, Tensor], finite: Tensor) -> dict[str, Tensor]:
+        """The new extras after a step whose gradients were ``finite`` (or not)."""
+        ...
+
+    def metrics(self, extras: dict[str, Tensor], finite: Tensor) -> dict[str, Tensor]:
+        """Metrics of the step (with the extras it started from)."""
+        ...
+
+
 @dataclass(frozen=True)
 class TrainStep:
     """A pure ``step(state, batch) -> (new_state, metrics)``, kept as its parts.
@@ -96,7 +127,20 @@ class TrainStep:
       ``ready(i, grad)`` is called from the backward as each gradient completes (eager mode;
       under ``compile`` it is not), and ``finish(grads) -> grads`` right after the backward;
     * ``sync_grads(grads) -> grads``: after the backward, before clipping and the optimizer;
-    * ``sync_loss(loss) -> loss``: the reported loss, made global.
+    * ``sync_loss(loss) -> loss``: the reported loss, made global;
+    * ``loss_scaler`` (a :class:`LossScaler`, ``amp_cast("fp16")``'s): the loss is multiplied
+      by ``loss_scaler.scale(state.extras)`` before the backward; after ``sync_grads`` the
+      gradients are unscaled and checked (``unscale``) before the ``grad_norm`` metric,
+      clipping and the optimizer. When they are not finite the step is *skipped*: params,
+      buffers and optimizer state come back unchanged (the same tensors), while ``state.step``
+      still advances (it counts steps taken, i.e. batches consumed, skipped ones included; the
+      optimizer's own count, which drives its schedule and bias corrections, does not) and the
+      generator state moves on as after any step. ``state.extras`` becomes
+      ``loss_scaler.update(extras, finite)`` either way, and ``loss_scaler.metrics`` are added.
+      Deciding the skip reads one bool on the host per step.
+
+    ``precision`` records the compute precision set by ``amp_cast`` (``None``: the params'
+    own), so that it is applied once and other transforms can see it.
 
     ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
     they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
@@ -115,54 +159,73 @@ class TrainStep:
     grad_layouts: Tree | None = None
     partition: Any = None
     dp_axis: str | None = None
+    loss_scaler: LossScaler | None = None
+    precision: str | None = None
 
     @functools.cached_property
     def _grads_of(self) -> Callable[..., tuple[Tensor, Tree, Tree]]:
-        def grads_of(params, buffers, batch):
-            return loss_and_grads(self.apply_fn, self.loss_fn, params, buffers, batch)
+        def grads_of(params, buffers, batch, loss_scale=None):
+            return loss_and_grads(self.apply_fn, self.loss_fn, params, buffers, batch,
+                                  loss_scale=loss_scale)
 
         # Only the model's forward and backward are compiled: that is where the time goes, and
         # the optimizer's pytree plumbing trips dynamo's optree support (torch 2.13).
         return torch.compile(grads_of) if self.compile else grads_of
 
-    def _core(self, params, buffers, opt_state, batch):
+    def _core(self, params, buffers, opt_state, batch, extras):
+        scaler = self.loss_scaler
+        scale = None if scaler is None else scaler.scale(extras)
         if self.local_batch is not None:
             batch = self.local_batch(batch)
         if self.overlap_grads is None:
-            loss, grads, new_buffers = self._grads_of(params, buffers, batch)
+            loss, grads, new_buffers = self._grads_of(params, buffers, batch, scale)
         else:
             sync = self.overlap_grads(tree_flatten(params)[0])
             if self.compile:  # no hooks inside the compiled graph: reduce after the backward
-                loss, grads, new_buffers = self._grads_of(params, buffers, batch)
+                loss, grads, new_buffers = self._grads_of(params, buffers, batch, scale)
             else:
                 loss, grads, new_buffers = loss_and_grads(
-                    self.apply_fn, self.loss_fn, params, buffers, batch, on_grad=sync.ready)
+                    self.apply_fn, self.loss_fn, params, buffers, batch, on_grad=sync.ready,
+                    loss_scale=scale)
             grads = sync.finish(grads)
         if self.sync_grads is not None:
             grads = self.sync_grads(grads)
         if self.sync_loss is not None:
             loss = self.sync_loss(loss)
+        finite = None
+        if scaler is not None:
+            # Unscaled after the reductions (they are linear) and before the norm, clipping and
+            # the optimizer, which must all see the true gradients.
+            grads, finite = scaler.unscale(grads, extras)
         gnorm = global_norm(grads, self.layouts if self.grad_layouts is None
                             else self.grad_layouts)
+        if finite is not None and not bool(finite):
+            # Skipped: every rank got the same ``finite``, so they all skip, and none runs the
+            # optimizer's collectives alone.
+            return params, buffers, opt_state, loss, gnorm, finite
         updates, opt_state = self.optimizer.update(grads, opt_state, params, layouts=self.layouts)
-        return apply_updates(params, updates), new_buffers, opt_state, loss, gnorm
+        return apply_updates(params, updates), new_buffers, opt_state, loss, gnorm, finite
 
     def __call__(
         self, state: TrainState, batch: tuple[Any, Any]
     ) -> tuple[TrainState, dict[str, Tensor]]:
         device = _device_of(state.params)
         devices = [device] if device.type == "cuda" else []
+        extras = state.extras
         with torch.random.fork_rng(devices=devices):
             _set_rng(device, state.rng)
-            params, buffers, opt_state, loss, gnorm = self._core(
-                state.params, state.buffers, state.opt_state, batch
+            params, buffers, opt_state, loss, gnorm, finite = self._core(
+                state.params, state.buffers, state.opt_state, batch, extras
             )
             rng = _get_rng(device)
         metrics = {"loss": loss, "grad_norm": gnorm}
         hp = get_hyperparams(opt_state)
         if "lr" in hp:
             metrics["lr"] = hp["lr"]
-        return TrainState(params, buffers, opt_state, state.step + 1, rng, state.extras), metrics
+        if self.loss_scaler is not None:
+            metrics.update(self.loss_scaler.metrics(extras, finite))
+            extras = self.loss_scaler.update(extras, finite)
+        return TrainState(params, buffers, opt_state, state.step + 1, rng, extras), metrics
 
 
 def make_train_step(

@@ -241,6 +241,33 @@ def _fit_state(who: str, state: Any, count: int, shapes: Any, fresh: Callable[[]
                      "checkpoint")
 
 
+class _UpdatePlan(NamedTuple):
+    state: Any
+    cfgs: Tree
+    state_layouts: Tree
+    leaf_layouts: Tree
+    decay: Tree
+
+
+def _update_plan(who: str, galore_mask: GaLoreMask, weight_decay_mask: Mask, params: Tree,
+                 grads: Tree, default: GaLoreConfig, layouts: Tree | None, state: Any,
+                 build: Callable[..., Any]) -> _UpdatePlan:
+    """What both GaLore updates need per leaf: the plan under ``layouts``, the state fitted to
+    it, and per leaf the config, the low-rank state's layout, the leaf's layout, the decay."""
+    check_grads(params, grads)
+    plan = _plan(who, galore_mask, params, default, layouts)
+    # Host int: the refresh is data-independent control flow on the step count.
+    state = _fit_state(who, state, int(state.count), build(params, plan, meta=True),
+                       lambda: build(params, plan))
+    return _UpdatePlan(
+        state,
+        _per_leaf(params, [None if lf is None else lf.cfg for lf in plan]),
+        _per_leaf(params, [None if lf is None else lf.state_layout for lf in plan]),
+        _per_leaf(params, [None if lf is None else lf.layout for lf in plan]),
+        resolve_mask(weight_decay_mask, params),
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # GaLore-AdamW (+ 8-bit states)
 # --------------------------------------------------------------------------------------------
@@ -282,17 +309,9 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         return build(params, _plan(who, galore_mask, params, default, None))
 
     def update(grads, state: GaLoreAdamWState, params=None, *, layouts=None):
-        check_grads(params, grads)
-        # Host int: the refresh is data-independent control flow on the step count.
+        state, cfgs, state_layouts, leaf_layouts, decay = _update_plan(
+            who, galore_mask, weight_decay_mask, params, grads, default, layouts, state, build)
         c = int(state.count)
-        plan = _plan(who, galore_mask, params, default, layouts)
-        state = _fit_state(who, state, c, build(params, plan, meta=True),
-                           lambda: build(params, plan))
-        cfgs = _per_leaf(params, [None if lf is None else lf.cfg for lf in plan])
-        state_layouts = _per_leaf(params, [None if lf is None else lf.state_layout
-                                              for lf in plan])
-        leaf_layouts = _per_leaf(params, [None if lf is None else lf.layout for lf in plan])
-        decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
         t = count.to(torch.float64)
         bc1 = 1 - beta1**t
@@ -527,16 +546,9 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
         return build(params, _plan(who, galore_mask, params, default, None))
 
     def update(grads, state: GaLoreAdafactorState, params=None, *, layouts=None):
-        check_grads(params, grads)
+        state, cfgs, state_layouts, leaf_layouts, decay = _update_plan(
+            who, galore_mask, weight_decay_mask, params, grads, default, layouts, state, build)
         c = int(state.count)
-        plan = _plan(who, galore_mask, params, default, layouts)
-        state = _fit_state(who, state, c, build(params, plan, meta=True),
-                           lambda: build(params, plan))
-        cfgs = _per_leaf(params, [None if lf is None else lf.cfg for lf in plan])
-        state_layouts = _per_leaf(params, [None if lf is None else lf.state_layout
-                                              for lf in plan])
-        leaf_layouts = _per_leaf(params, [None if lf is None else lf.layout for lf in plan])
-        decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
 
         def leaf(g, p, proj, st, cfg, use_decay, param_layout, layout, low_layout):

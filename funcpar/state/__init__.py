@@ -1,5 +1,14 @@
 """Pytrees, pure model functions and the training state."""
 
+from funcpar.state.checkpoint import (
+    CheckpointError,
+    export_params,
+    latest_checkpoint,
+    leaf_layouts,
+    load,
+    read_index,
+    save,
+)
 from funcpar.state.functional import ApplyFn, functionalize
 from funcpar.state.train_state import TrainState, init_state
 from funcpar.state.tree import (
@@ -16,12 +25,19 @@ from funcpar.state.tree import (
 
 __all__ = [
     "ApplyFn",
+    "CheckpointError",
     "LeafSpec",
     "TrainState",
     "Tree",
+    "export_params",
     "functionalize",
     "init_state",
+    "latest_checkpoint",
+    "leaf_layouts",
+    "load",
     "named_leaves",
+    "read_index",
+    "save",
     "tree_flatten",
     "tree_leaves",
     "tree_map",

@@ -1,0 +1,667 @@
+"""Sharded, atomic, reshardable checkpoints of a whole :class:`~funcpar.state.TrainState`.
+
+``save(state, path, step=step)`` writes every leaf of the state (params, buffers, optimizer
+state, step, RNG, extras such as the loss scale and the data position); ``load(path, like,
+step=step)`` reads it back into the layout of ``like`` (a fresh state built the same way as the
+one to resume, under any mesh: the checkpoint is resharded from global slices).
+
+**Format** (``FORMAT``, our own; see docs/CHECKPOINTS.md). A checkpoint is a directory::
+
+    path/rank00000.safetensors   each rank's tensors, keyed by the leaf's dotted name
+    path/rank00001.safetensors   ...
+    path/index.json              rank 0: per leaf, its kind, global shape, dtype, split spec and
+                                 which global slice each rank's shard is; per file, size+sha256
+    path/COMPLETE                rank 0, written last: the sha256 of index.json
+
+torch.distributed.checkpoint was not used: our layouts nest ZeRO's ``dp`` inside ``tp`` on one
+dim (not DTensor's mesh order, its ``_StridedShard``) and split fused projections blockwise,
+neither of which DCP's planner reshards, and its per-directory commit is not atomic against a
+kill. A leaf is stored in one of three *kinds*:
+
+* ``sharded``: a parameter, or an optimizer-state leaf that mirrors its parameter's layout (the
+  same local shape: moments; a dim reduced to 1: ``torch.optim.Adafactor``'s ``row_var`` /
+  ``col_var``; one dim fewer: Adafactor / CAME's factored ``*_row`` / ``*_col`` statistics,
+  whose layout keeps the parameter's splits on the kept dims and replicates over the axes of
+  the dropped one). Each shard is written once (by the replica whose coordinates on the axes
+  that do not split the leaf are 0) with its per-dim ``(start, length)`` inside each block;
+* ``replicated``: anything else that is identical on every rank (checked at save time by a
+  digest gathered from all ranks): counts, hyperparameters, step, RNG, extras, buffers, states
+  of parameters that are whole everywhere. Rank 0 writes it;
+* ``per_rank``: a leaf that differs between ranks but does not map to a global slice (8-bit
+  quantized blocks and GaLore's low-rank states of a sharded parameter). Every rank writes its
+  own; it loads only into the same mesh (other layouts are refused naming the leaf).
+
+Under ``zero_partition`` the optimizer state lives on the ZeRO parts, so its leaves take the
+layouts of ``step.partition.layouts``; otherwise those of ``step.layouts``.
+
+**Atomicity.** All ranks write into ``.<name>.partial`` beside ``path``; each file is fsynced;
+rank 0 writes the index and ``COMPLETE`` last, fsyncs the directory, then renames it into
+place (an existing checkpoint at ``path`` is first renamed to ``.<name>.old`` and removed after).
+A save killed at any point leaves the previous checkpoint at ``path`` (or, in the instant
+between the two renames, at ``.<name>.old``, which :func:`load`'s error names). A directory
+without ``COMPLETE``, or whose index or files do not match their checksums, is refused.
+
+**Loading** assembles each leaf's global tensor from the shards that hold it (one leaf at a
+time: peak extra memory is one whole leaf) and cuts this rank's shard under the new layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+
+from funcpar.state.train_state import TrainState
+from funcpar.state.tree import (
+    NAMESPACE,
+    Tree,
+    leaves_like,
+    named_leaves,
+    path_name,
+    tree_flatten,
+    tree_unflatten,
+)
+
+__all__ = [
+    "FORMAT",
+    "CheckpointError",
+    "export_params",
+    "latest_checkpoint",
+    "leaf_layouts",
+    "load",
+    "read_index",
+    "save",
+]
+
+FORMAT = "funcpar-checkpoint/1"
+INDEX = "index.json"
+COMPLETE = "COMPLETE"
+_CHUNK = 1 << 22
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: half-written, corrupt, or of another model/layout."""
+
+
+# ------------------------------------------------------------------------------ distributed
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_world() -> tuple[int, int]:
+    dist = _dist()
+    return (dist.get_rank(), dist.get_world_size()) if dist is not None else (0, 1)
+
+
+def _gather(obj: Any) -> list[Any]:
+    dist = _dist()
+    if dist is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (how an error found on rank 0 reaches every rank)."""
+    dist = _dist()
+    if dist is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ------------------------------------------------------------------------------ leaf layouts
+def _layout_type() -> Any:
+    from funcpar.shard.layout import Layout  # funcpar.shard sits above state: import lazily
+
+    return Layout
+
+
+def _reduced_layout(lay: Any, keep: list[int], ones: list[int], name: str) -> Any:
+    """``lay`` restricted to the dims ``keep`` (in order); dims in ``ones`` become size 1 whole."""
+    Layout = _layout_type()
+    shape, axes, blocks = [], [], []
+    for d in keep:
+        whole = d in ones
+        shape.append(1 if whole else lay.global_shape[d])
+        axes.append(() if whole else lay.dim_axes[d])
+        blocks.append(1 if whole else lay.dim_blocks[d])
+    return Layout._make(lay.mesh, tuple(shape), tuple(axes), name, tuple(blocks))
+
+
+def _state_leaf_layout(name: str, x: Any, lay: Any) -> Any:
+    """The layout of optimizer-state leaf ``x`` of a parameter with layout ``lay``, or None
+    when ``x`` does not map to a slice of a global tensor (see the module docstring)."""
+    if lay is None or not torch.is_tensor(x) or not x.is_floating_point():
+        return None
+    local, shape, nd = lay.local_shape(), tuple(x.shape), len(lay.global_shape)
+    cand = None
+    if shape == local:
+        cand = lay.named(name)
+    elif len(shape) == nd and nd and all(a == b or (a == 1 and b != 1)
+                                         for a, b in zip(shape, local)):
+        ones = [d for d in range(nd) if shape[d] == 1 and local[d] != 1]
+        cand = _reduced_layout(lay, list(range(nd)), ones, name)
+    elif len(shape) == nd - 1 and nd >= 2:
+        key = name.rsplit(".", 1)[-1].lower()
+        drops = [d for d in (nd - 1, nd - 2)
+                 if shape == local[:d] + local[d + 1:]]
+        if len(drops) == 2:  # square local shape: the state's name says which dim it reduces
+            drops = [nd - 1] if "row" in key else [nd - 2] if "col" in key else []
+        if len(drops) == 1:
+            d = drops[0]
+            cand = _reduced_layout(lay, [k for k in range(nd) if k != d], [], name)
+    if cand is None or cand.local_shape() != shape:
+        return None
+    return cand
+
+
+def _is_params_like(node: Any, spec: Any) -> bool:
+    if node is None or torch.is_tensor(node):
+        return spec.num_leaves == 1 and spec.num_nodes == 1 and torch.is_tensor(node)
+    try:
+        spec.flatten_up_to(node)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def leaf_layouts(state: TrainState, *, step: Any = None, layouts: Tree = None) -> dict[str, Any]:
+    """``{dotted name: Layout or None}`` for every leaf of ``state`` (None: not a slice).
+
+    ``step`` (a :class:`~funcpar.train.TrainStep`) gives ``layouts`` and, under
+    ``zero_partition``, the parts' layouts of the optimizer state; or pass ``layouts`` (of
+    ``state.params``) alone for an unpartitioned run.
+    """
+    Layout = _layout_type()
+    from funcpar.shard.layout import with_leaf_names
+
+    plan = None
+    if step is not None:
+        if layouts is not None:
+            raise ValueError("pass step= or layouts=, not both (step carries its layouts)")
+        layouts, plan = step.layouts, step.partition
+    params = state.params
+    p_names = [n for n, _ in named_leaves(params)]
+    p_lays = leaves_like(params, with_leaf_names(layouts) if layouts is not None else None,
+                         what="layouts", against="state.params")
+    for n, lay in zip(p_names, p_lays):
+        if lay is not None and not isinstance(lay, Layout):
+            raise TypeError(f"layouts[{n!r}] must be a Layout or None, got {lay!r}")
+    o_lays = list(plan.layouts) if plan is not None else p_lays
+    if len(o_lays) != len(p_names):
+        raise ValueError(f"the ZeRO plan has {len(o_lays)} leaves but state.params "
+                         f"{len(p_names)}")
+    out: dict[str, Any] = {}
+    for n, lay in zip(p_names, p_lays):
+        out[f"params.{n}" if n else "params"] = lay.named(f"params.{n}") if lay else None
+
+    spec = tree_flatten(params)[1]
+    # Sub-trees of the optimizer state shaped like params (exp_avg, a dict per leaf of
+    # Adafactor statistics, ...) are cut at their params-level nodes; each leaf under the
+    # node for parameter i takes its layout from parameter i's.
+    paths, nodes, _ = optree.tree_flatten_with_path(
+        state.opt_state, is_leaf=lambda t: _is_params_like(t, spec), none_is_leaf=True,
+        namespace=NAMESPACE)
+    for path, node in zip(paths, nodes):
+        prefix = "opt_state" + ("." + path_name(path) if path else "")
+        if not _is_params_like(node, spec):
+            out[prefix] = None
+            continue
+        for i, sub in enumerate(spec.flatten_up_to(node)):
+            for sub_name, x in named_leaves(sub):
+                name = ".".join(s for s in (prefix, p_names[i], sub_name) if s)
+                out[name] = _state_leaf_layout(name, x, o_lays[i])
+    return out
+
+
+# ------------------------------------------------------------------------------ file helpers
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256_file(path: str, *, fsync: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+        if fsync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _digest(x: Tensor) -> str:
+    t = x.detach().to("cpu").contiguous().reshape(-1)
+    h = hashlib.sha1(str((tuple(x.shape), str(x.dtype))).encode())
+    h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _owned(x: Tensor, seen: set[int]) -> Tensor:
+    """A contiguous CPU tensor that shares storage with no other saved one (safetensors
+    refuses shared storage)."""
+    t = x.detach().to("cpu")
+    ptr = t.untyped_storage().data_ptr()
+    if (not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes
+            or (ptr in seen and t.nbytes)):
+        t = t.clone(memory_format=torch.contiguous_format)
+    seen.add(t.untyped_storage().data_ptr())
+    return t
+
+
+def _rank_file(r: int) -> str:
+    return f"rank{r:05d}.safetensors"
+
+
+def _siblings(path: str) -> tuple[str, str, str]:
+    path = os.path.abspath(path)
+    parent, base = os.path.split(path.rstrip(os.sep))
+    return path, os.path.join(parent, f".{base}.partial"), os.path.join(parent, f".{base}.old")
+
+
+def _named(state: TrainState) -> list[tuple[str, Any]]:
+    """``(name, leaf)`` in flattening order, named by field (``params.<leaf>``,
+    ``opt_state.<path>``, ``step``, ``rng``, ``extras.<key>``) rather than tuple index."""
+    out = []
+    for field in TrainState._fields:
+        for n, x in named_leaves(getattr(state, field)):
+            out.append((f"{field}.{n}" if n else field, x))
+    return out
+
+
+def _json_value(name: str, x: Any) -> Any:
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"checkpoint: leaf {name!r} is a {type(x).__name__}; a state's leaves must "
+                    "be tensors, None or plain numbers/strings")
+
+
+# ------------------------------------------------------------------------------------- save
+def save(
+    state: TrainState,
+    path: str | os.PathLike,
+    *,
+    step: Any = None,
+    layouts: Tree = None,
+    extra_meta: Mapping[str, Any] | None = None,
+    on_file: Callable[[str], None] | None = None,
+) -> str:
+    """Write ``state`` to the checkpoint directory ``path``, sharded and atomically.
+
+    A collective: every rank calls it with its own shards. ``step`` (the composed
+    :class:`~funcpar.train.TrainStep`) gives the params' layouts and the ZeRO plan; or pass
+    ``layouts`` (of ``state.params``) for an unpartitioned run; neither for a single process.
+    ``extra_meta`` (JSON-able) is stored in the index (:func:`read_index`). ``on_file(path)`` is
+    called after each file is written and fsynced (progress; tests use it to kill a save
+    midway). An existing checkpoint at ``path`` is replaced only once the new one is complete.
+    Returns the absolute path.
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(state, TrainState):
+        raise TypeError(f"save takes a TrainState, got {type(state).__name__}")
+    final, tmp, old = _siblings(os.fspath(path))
+    rank, world = _rank_world()
+    lays = leaf_layouts(state, step=step, layouts=layouts)
+    leaves = _named(state)
+    meta_err = None
+    if extra_meta is not None:
+        try:
+            json.dumps(dict(extra_meta))
+        except TypeError as err:
+            meta_err = f"extra_meta is not JSON-serialisable: {err}"
+    if rank == 0 and meta_err is None:
+        if os.path.exists(final) and not os.path.exists(os.path.join(final, INDEX)) \
+                and os.listdir(final):
+            meta_err = (f"{final} exists and is not a funcpar checkpoint; refusing to replace "
+                        "it")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed save's leftovers
+            os.makedirs(tmp)
+    meta_err = _broadcast(meta_err)
+    if meta_err is not None:
+        raise ValueError(meta_err)
+
+    # Which leaves agree on every rank (replicated) and which do not (per_rank).
+    digests = {n: _digest(x) for n, x in leaves if torch.is_tensor(x) and lays.get(n) is None}
+    every = _gather(digests)
+    tensors: dict[str, Tensor] = {}
+    entries: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, x in leaves:
+        if not torch.is_tensor(x):
+            entries[name] = {"kind": "value", "value": _json_value(name, x)}
+            continue
+        lay = lays.get(name)
+        info: dict[str, Any] = {"dtype": str(x.dtype).removeprefix("torch.")}
+        if lay is not None:
+            coords = lay.mesh.coords()
+            split = {a for axes in lay.dim_axes for a in axes}
+            info.update(kind="sharded", global_shape=list(lay.global_shape),
+                        spec=[list(a) for a in lay.dim_axes], blocks=list(lay.dim_blocks))
+            if all(coords[a] == 0 for a in lay.mesh.axis_names if a not in split):
+                info["slice"] = [list(iv) for iv in lay._intervals(None)]
+                tensors[name] = _owned(x, seen)
+        elif all(d.get(name) == digests[name] for d in every):
+            info.update(kind="replicated", global_shape=list(x.shape))
+            if rank == 0:
+                tensors[name] = _owned(x, seen)
+        else:
+            info.update(kind="per_rank", shape=list(x.shape))
+            tensors[name] = _owned(x, seen)
+        entries[name] = info
+    fname = _rank_file(rank)
+    fpath = os.path.join(tmp, fname)
+    save_file(tensors, fpath, metadata={"format": FORMAT, "rank": str(rank)})
+    file_info = {"size": os.path.getsize(fpath), "sha256": _sha256_file(fpath, fsync=True)}
+    if on_file is not None:
+        on_file(fpath)
+    tensors.clear()
+
+    gathered = _gather((entries, file_info))
+    if rank == 0:
+        mesh = next((lay.mesh for lay in lays.values() if lay is not None), None)
+        index: dict[str, Any] = {
+            "format": FORMAT,
+            "world_size": world,
+            "mesh": ({a: mesh.size(a) for a in mesh.axis_names} if mesh is not None else None),
+            "step": int(state.step) if torch.is_tensor(state.step) else None,
+            "leaves": {},
+            "files": {_rank_file(r): fi for r, (_, fi) in enumerate(gathered)},
+            "extra_meta": dict(extra_meta or {}),
+        }
+        for name, _ in leaves:
+            first = gathered[0][0][name]
+            rec = {k: v for k, v in first.items() if k != "slice"}
+            if first["kind"] == "sharded":
+                rec["shards"] = [{"file": _rank_file(r), "slice": e[name]["slice"]}
+                                 for r, (e, _) in enumerate(gathered) if "slice" in e[name]]
+            elif first["kind"] == "per_rank":
+                rec["shapes"] = [e[name]["shape"] for e, _ in gathered]
+            index["leaves"][name] = rec
+        text = json.dumps(index, indent=1)
+        _write_text(os.path.join(tmp, INDEX), text)
+        if on_file is not None:
+            on_file(os.path.join(tmp, INDEX))
+        _write_text(os.path.join(tmp, COMPLETE),
+                    hashlib.sha256(text.encode()).hexdigest() + "\n")
+        _fsync_dir(tmp)
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(os.path.dirname(final))
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+# ------------------------------------------------------------------------------------- load
+def read_index(path: str | os.PathLike, *, verify_files: bool = True) -> dict[str, Any]:
+    """The checkpoint's index, after checking that it is complete and intact.
+
+    Raises :class:`CheckpointError` for a missing directory (naming the ``.old`` copy an
+    interrupted replacement left), a missing ``COMPLETE`` marker (a half-written save), an
+    index whose sha256 is not the marker's, or (``verify_files``) a rank file missing or of
+    another size or sha256.
+    """
+    final, _, old = _siblings(os.fspath(path))
+    if not os.path.isdir(final):
+        hint = ""
+        if os.path.isdir(old):
+            hint = f"; a save interrupted while replacing it left the previous one at {old}"
+        raise CheckpointError(f"no checkpoint at {final}{hint}")
+    marker = os.path.join(final, COMPLETE)
+    if not os.path.exists(marker):
+        raise CheckpointError(
+            f"{final} has no {COMPLETE} marker: it is half-written (a save was interrupted) "
+            "or not a funcpar checkpoint; refusing to load it")
+    with open(os.path.join(final, INDEX), "rb") as f:
+        raw = f.read()
+    with open(marker) as f:
+        want = f.read().strip()
+    got = hashlib.sha256(raw).hexdigest()
+    if got != want:
+        raise CheckpointError(f"{final}/{INDEX} is corrupt: sha256 {got[:16]}... but "
+                              f"{COMPLETE} records {want[:16]}...")
+    index = json.loads(raw)
+    if index.get("format") != FORMAT:
+        raise CheckpointError(f"{final}: format {index.get('format')!r}, expected {FORMAT!r}")
+    if verify_files:
+        for fname, fi in index["files"].items():
+            fp = os.path.join(final, fname)
+            if not os.path.exists(fp):
+                raise CheckpointError(f"{final}: file {fname} is missing")
+            size = os.path.getsize(fp)
+            if size != fi["size"] or _sha256_file(fp) != fi["sha256"]:
+                raise CheckpointError(f"{final}: file {fname} is corrupt (size {size}, "
+                                      f"expected {fi['size']}, or its sha256 differs)")
+    return index
+
+
+def _block_view(t: Tensor, blocks: list[int], slc: list[list[int]]) -> Tensor:
+    """The view of global ``t`` holding a shard: per dim, ``[start, start + n)`` of each of
+    the dim's blocks (dims are kept unflattened as (blocks, n) pairs so it stays a view)."""
+    for d, (k, (start, n)) in enumerate(zip(blocks, slc)):
+        t = t.unflatten(2 * d, (k, -1)).narrow(2 * d + 1, start, n)
+    return t
+
+
+def _assemble(rec: dict[str, Any], name: str, read: Callable[[str, str], Tensor]) -> Tensor:
+    shape = rec["global_shape"]
+    out = None
+    covered = 0
+    for sh in rec["shards"]:
+        part = read(sh["file"], name)
+        if out is None:
+            out = torch.empty(shape, dtype=part.dtype)
+        pairs = [s for k, (_, n) in zip(rec["blocks"], sh["slice"]) for s in (k, n)]
+        _block_view(out, rec["blocks"], sh["slice"]).copy_(part.reshape(pairs))
+        covered += part.numel()
+    total = 1
+    for s in shape:
+        total *= s
+    if out is None or covered != total:
+        raise CheckpointError(f"checkpoint leaf {name!r}: its shards cover {covered} of "
+                              f"{total} elements (global shape {tuple(shape)})")
+    return out
+
+
+def load(
+    path: str | os.PathLike,
+    like: TrainState,
+    *,
+    step: Any = None,
+    layouts: Tree = None,
+    verify_files: bool = True,
+) -> TrainState:
+    """The checkpoint at ``path`` as a state laid out like ``like`` (a collective).
+
+    ``like`` is a state built the way the run builds it (same model, optimizer and transforms,
+    any values): its structure, this rank's local shapes, dtypes and devices are kept, its values
+    replaced. ``step``/``layouts`` describe ``like`` as for :func:`save`; the checkpoint may
+    come from any other mesh and layout (resharded from the saved global slices), except for
+    ``per_rank`` leaves, which need the mesh they were saved from. Tensors are cast to
+    ``like``'s dtypes. A checkpoint of another model is refused naming the first leaf whose
+    global shape differs, with both shapes; a leaf missing on either side likewise.
+    """
+    from safetensors import safe_open
+
+    if not isinstance(like, TrainState):
+        raise TypeError(f"load takes a TrainState to fill (like=), got {type(like).__name__}")
+    final = _siblings(os.fspath(path))[0]
+    rank, world = _rank_world()
+    err: str | None = None
+    index = None
+    try:
+        index = read_index(final, verify_files=verify_files and rank == 0)
+    except CheckpointError as e:
+        err = str(e)
+    err = _broadcast(err)
+    if err is not None:
+        raise CheckpointError(err)
+    assert index is not None
+    lays = leaf_layouts(like, step=step, layouts=layouts)
+    mesh = next((lay.mesh for lay in lays.values() if lay is not None), None)
+    here = {a: mesh.size(a) for a in mesh.axis_names} if mesh is not None else None
+    leaves, spec = tree_flatten(like)
+    names = [n for n, _ in _named(like)]
+    saved = index["leaves"]
+    missing = [n for n in names if n not in saved]
+    if missing:
+        raise CheckpointError(f"checkpoint {final} has no leaf {missing[0]!r} (of "
+                              f"{len(missing)} missing); it was saved from another model or "
+                              "optimizer")
+    extra = [n for n in saved if n not in set(names)]
+    if extra:
+        raise CheckpointError(f"checkpoint {final} has leaf {extra[0]!r} that the state lacks "
+                              f"({len(extra)} such); it was saved from another model or optimizer")
+    for n, x in zip(names, leaves):  # shapes first, before any tensor is read
+        rec = saved[n]
+        if not torch.is_tensor(x):
+            continue
+        want = tuple(lays[n].global_shape) if lays.get(n) is not None else tuple(x.shape)
+        if rec["kind"] in ("sharded", "replicated") and tuple(rec["global_shape"]) != want:
+            raise CheckpointError(
+                f"checkpoint leaf {n!r} has global shape {tuple(rec['global_shape'])} but the "
+                f"state's is {want}: the checkpoint is of another model shape")
+
+    handles: dict[str, Any] = {}
+
+    def read(fname: str, key: str) -> Tensor:
+        if fname not in handles:
+            handles[fname] = safe_open(os.path.join(final, fname), framework="pt")
+        return handles[fname].get_tensor(key)
+
+    out = []
+    for n, x in zip(names, leaves):
+        rec = saved[n]
+        if not torch.is_tensor(x):
+            if rec["kind"] != "value":
+                raise CheckpointError(f"checkpoint leaf {n!r} is a tensor but the state's is "
+                                      f"{x!r}")
+            out.append(rec["value"])
+            continue
+        if rec["kind"] == "value":
+            raise CheckpointError(f"checkpoint leaf {n!r} is {rec['value']!r} but the state's "
+                                  f"is a tensor of shape {tuple(x.shape)}")
+        lay = lays.get(n)
+        if rec["kind"] == "per_rank":
+            same = index["world_size"] == world and index["mesh"] == here
+            if not same or tuple(rec["shapes"][rank]) != tuple(x.shape):
+                raise CheckpointError(
+                    f"checkpoint leaf {n!r} was saved per rank (it maps to no global slice: "
+                    f"e.g. 8-bit blocks or a low-rank state of a sharded parameter), so it "
+                    f"loads only into the mesh it was saved from ({index['mesh']}, world "
+                    f"{index['world_size']}, this rank's shape {tuple(rec['shapes'][rank])}); "
+                    f"here: world {world}, shape {tuple(x.shape)}")
+            t = read(_rank_file(rank), n)
+        else:
+            g = (_assemble(rec, n, read) if rec["kind"] == "sharded"
+                 else read(_rank_file(0), n))
+            if lay is not None:
+                from funcpar.shard.layout import shard_tensor
+
+                t = shard_tensor(g, lay)
+            else:
+                t = g
+            if tuple(t.shape) != tuple(x.shape):
+                raise CheckpointError(f"checkpoint leaf {n!r}: shard of shape {tuple(t.shape)} "
+                                      f"but the state's is {tuple(x.shape)}")
+        out.append(t.to(device=x.device, dtype=x.dtype).clone()
+                   if t.dtype != x.dtype or t.device != x.device else t.clone())
+    _barrier()  # no rank leaves while another still reads (files may be replaced next)
+    return tree_unflatten(spec, out)
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> str | None:
+    """The complete checkpoint under ``directory`` with the highest step (``directory``
+    itself when it is one), or None. Half-written ones (no ``COMPLETE``) are skipped."""
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(os.path.join(directory, COMPLETE)):
+        return directory
+    best, best_step = None, -1
+    if not os.path.isdir(directory):
+        return None
+    for entry in os.listdir(directory):
+        p = os.path.join(directory, entry)
+        if entry.startswith(".") or not os.path.exists(os.path.join(p, COMPLETE)):
+            continue
+        try:
+            s = read_index(p, verify_files=False)["step"]
+        except (CheckpointError, OSError, ValueError):
+            continue
+        if s is not None and s > best_step:
+            best, best_step = p, s
+    return best
+
+
+# ------------------------------------------------------------------------------------ export
+def export_params(
+    params: Tree | TrainState,
+    layouts: Tree = None,
+    path: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> dict[str, Tensor]:
+    """The whole parameters as a Hugging Face-style state dict (the module's own dotted names,
+    as ``named_parameters``), written to one safetensors file at ``path`` by rank 0.
+
+    A collective when ``layouts`` shard anything (each sharded leaf is gathered; pass
+    ``step.layouts``, which under ZeRO-3 describe the parts). ``dtype`` casts floating leaves.
+    The file is written to a temporary name, fsynced and renamed, so it is complete or absent.
+    """
+    from safetensors.torch import save_file
+
+    from funcpar.shard.layout import unshard_tree
+
+    if isinstance(params, TrainState):
+        params = params.params
+    whole = params if layouts is None else unshard_tree(params, layouts)
+    out: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for name, x in named_leaves(whole):
+        if x is None:
+            continue
+        if dtype is not None and x.is_floating_point():
+            x = x.to(dtype)
+        out[name] = _owned(x, seen)
+    rank, _ = _rank_world()
+    if path is not None and rank == 0:
+        final = os.path.abspath(os.fspath(path))
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = final + ".partial"
+        save_file(out, tmp, metadata={"format": "pt", "producer": "funcpar"})
+        _sha256_file(tmp, fsync=True)
+        os.replace(tmp, final)
+        _fsync_dir(os.path.dirname(final))
+    _barrier()
+    return out

@@ -1,8 +1,9 @@
 """Transforms of a (step, state) pair: each returns a new pair computing the same training."""
 
+from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.compose import compose
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.shard_params import logits_of, shard_params
 from funcpar.transforms.zero_partition import zero_partition
 
-__all__ = ["compose", "data_parallel", "logits_of", "shard_params", "zero_partition"]
+__all__ = ["amp_cast", "compose", "data_parallel", "logits_of", "shard_params", "zero_partition"]

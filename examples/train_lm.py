@@ -42,7 +42,8 @@ from funcpar.shard.comm import comm_log, comm_report
 from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import llama_rules
-from funcpar.state import Tree, functionalize, init_state
+from funcpar.state import Tree, functionalize, init_state, latest_checkpoint, load, read_index
+from funcpar.state import save as save_checkpoint
 from funcpar.train.logger import Logger
 from funcpar.train.step import make_train_step
 from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
@@ -132,6 +133,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument("--save", default=None,
                      help="write the trained (whole, unsharded) parameters here with torch.save; "
                           "they load with Llama(...).load_state_dict")
+    run.add_argument("--save-every", type=int, default=0, metavar="N",
+                     help="write a sharded checkpoint of the whole state every N steps (and at "
+                          "the end) under --ckpt-dir, as step_XXXXXXXX (funcpar.state.save)")
+    run.add_argument("--ckpt-dir", default="checkpoints/train_lm",
+                     help="where --save-every writes checkpoints")
+    run.add_argument("--resume", default=None, metavar="DIR",
+                     help="continue from a checkpoint directory (or the newest complete one "
+                          "under DIR), under this run's layout: params, optimizer state, step, "
+                          "RNG and data position; --steps counts from the start of the run")
     par = p.add_argument_group("parallelism (launch with torchrun; tp x dp = processes)")
     par.add_argument("--tp", type=int, default=1,
                      help="tensor-parallel size: heads, MLP width and vocabulary split")
@@ -287,6 +297,19 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     if args.zero:
         transforms.append(zero_partition(args.zero, mesh))
     step, state = compose(*transforms)(step, state)
+    # Resuming: the state is loaded into this run's layout (resharded from the saved global
+    # slices); the loader is deterministic from the seed, so the data position (batches
+    # consumed, kept in the checkpoint's metadata) restores the data order.
+    start_step, data_pos = 0, 0
+    if args.resume is not None:
+        found = latest_checkpoint(args.resume)
+        if found is None:
+            raise SystemExit(f"error: no complete checkpoint at or under {args.resume}")
+        state = load(found, state, step=step)
+        start_step = int(state.step)
+        data_pos = int(read_index(found, verify_files=False)["extra_meta"].get("data_pos",
+                                                                                start_step))
+        say(f"resumed from {found} at step {start_step}", flush=True)
     n_params = sum(p.numel() for p in params.values())
     where = f"{device}" if mesh.world_size == 1 else (
         f"{mesh.world_size} x {device.type} (dp {mesh.size('dp')} x tp {mesh.size('tp')})")
@@ -306,10 +329,14 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     with logger as log, capture as comm_records:
         log.reset_timer()
-        for i, batch in zip(range(args.steps), loader.batches()):
+        for i, batch in zip(range(start_step, args.steps), loader.batches(start=data_pos)):
             comm_log.begin_step(i + 1)
             state, metrics = step(state, batch)
             log.log(i + 1, metrics, tokens=loader.tokens_per_batch)
+            if args.save_every and ((i + 1) % args.save_every == 0 or i + 1 == args.steps):
+                save_checkpoint(state, os.path.join(args.ckpt_dir, f"step_{i + 1:08d}"),
+                                step=step, extra_meta={"data_pos": data_pos + i + 1 - start_step,
+                                                       "args": vars(args)})
     elapsed = time.perf_counter() - start
     comm_log.clear()
     history = log.history

@@ -64,6 +64,9 @@ def test_round_trip_dtypes_shapes(tmp_path, make):
     # Non-contiguous input: the store keeps the values, laid out contiguously.
     ref["strided"] = torch.arange(60.0).reshape(6, 10).t()[::2]
     store.put("strided", ref["strided"])
+    # >= 1 MiB: read straight into the result's own memory rather than through a buffer.
+    ref["large"] = torch.randn(600, 500)
+    store.put("large", ref["large"], tag=5)
     for k in list(ref)[::3]:
         store.prefetch(k)
     for k, want in ref.items():
@@ -92,9 +95,10 @@ def test_many_tensors_and_overwrite(tmp_path):
             store.get("k7", tag=0)
 
 
-def test_corrupt_file_detected(tmp_path):
+@pytest.mark.parametrize("n", [1000, 300_000])  # through a buffer; straight into the result
+def test_corrupt_file_detected(tmp_path, n):
     store = NvmeStore(tmp_path)
-    store.put("w", torch.randn(100, 10))
+    store.put("w", torch.randn(n))
     store.flush()
     path = store.path("w")
     with open(path, "r+b") as f:  # flip one byte of the data

@@ -11,7 +11,10 @@ Two stores with one interface (``put`` / ``prefetch`` / ``get`` / ``flush`` / ``
   thread pool (the syscalls and the checksum release the GIL) through a fixed number of
   reusable, page-aligned (and pinned where CUDA allows) buffers, so the memory the store uses is
   bounded: at most ``max_inflight`` buffers, each as large as the largest tensor it carried
-  (rounded up to 4 KiB). Files are opened with ``O_DIRECT`` where the filesystem accepts it,
+  (rounded up to 4 KiB), plus at most ``max_inflight - 1`` prefetched tensors waiting for
+  their ``get``. The copies into the buffers run on the threads too; a tensor of 1 MiB or
+  more is read straight into its own page-aligned memory (no copy out of a buffer). Files are
+  opened with ``O_DIRECT`` where the filesystem accepts it,
   bypassing the page cache as the disk's own sequential throughput is measured; where it does
   not (tmpfs, some overlay filesystems) the store falls back to buffered I/O and says so in
   ``store.io_mode``.
@@ -45,6 +48,7 @@ from torch import Tensor
 
 __all__ = ["BLOCK", "CpuStore", "NvmeStore", "StoreError", "TensorStore"]
 
+DIRECT_MIN = 1 << 20  # tensors from this size are read into their own memory, not a buffer
 BLOCK = 4096  # header size and alignment of every transfer (O_DIRECT's logical block bound)
 _MAGIC = b"FUNCPAR-TENSOR-1\n"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
@@ -221,8 +225,8 @@ class NvmeStore(TensorStore):
     """Tensors in files under ``directory`` (see the module docstring).
 
     ``workers``: I/O threads. ``max_inflight``: the number of reusable buffers, hence the
-    bound on the store's memory; a ``put`` waits for a free one, and ``prefetch`` takes at most
-    ``max_inflight - 1`` so that a ``get`` or ``put`` always finds one. ``o_direct``: try
+    bound on the store's memory; a ``put`` waits for a free one, and at most
+    ``max_inflight - 1`` prefetched reads wait for their ``get``. ``o_direct``: try
     ``O_DIRECT`` (``io_mode`` says what was used). ``fsync``: make each write durable before
     its buffer is reused (off by default: a training state is rewritten every step and
     checkpoints are what must survive a crash; on for throughput measurements against a
@@ -254,12 +258,10 @@ class NvmeStore(TensorStore):
 
     # -- buffers --------------------------------------------------------------------------
 
-    def _take(self, *, for_prefetch: bool = False) -> _Buffer | None:
+    def _take(self) -> _Buffer:
+        # Every holder gives its buffer back when its own I/O ends (a prefetched tensor waits
+        # outside the buffers), so waiting here cannot deadlock.
         with self._lock:
-            if for_prefetch:
-                # Leave one buffer for get/put so that prefetches can never starve them.
-                if self._in_use >= self.max_inflight - 1 or not self._free:
-                    return None
             while not self._free:
                 self._lock.wait()
             self._in_use += 1
@@ -287,31 +289,31 @@ class NvmeStore(TensorStore):
     # -- writes ---------------------------------------------------------------------------
 
     def put(self, key: str, tensor: Tensor, tag: int = 0) -> None:
+        """Write ``tensor`` under ``key`` behind the caller: the copy into a store buffer, the
+        checksum and the write run on the store's threads (in parallel with the caller and
+        each other), so ``tensor`` must not be modified in place until the write is done
+        (``flush``); funcpar's functional steps never modify a state tensor in place."""
         if self._closed:
             raise RuntimeError("the store is closed")
         path = self.path(key)
         if not torch.is_tensor(tensor):
             raise TypeError(f"store key {key!r}: expected a tensor, got {type(tensor).__name__}")
         self._wait_key(key)  # one operation per key at a time: the last put wins, in order
-        data = _bytes_of(tensor)
-        n = data.numel()
+        data = _bytes_of(tensor.cpu() if tensor.device.type != "cpu" else tensor)
         header = {"key": key, "dtype": str(tensor.dtype), "shape": list(tensor.shape),
-                  "nbytes": n, "tag": int(tag)}
-        buf = self._take()
-        try:
-            buf.ensure(BLOCK + n)
-            buf.tensor[BLOCK:BLOCK + n].copy_(data)  # the caller may reuse its tensor now
-        except BaseException:
-            self._give(buf)
-            raise
-        fut = self._pool.submit(self._write, key, path, buf, header)
+                  "nbytes": data.numel(), "tag": int(tag)}
+        buf = self._take()  # blocks while max_inflight buffers are busy: the memory bound
+        fut = self._pool.submit(self._write, key, path, buf, header, data)
         with self._lock:
             self._writes[key] = fut
 
-    def _write(self, key: str, path: str, buf: _Buffer, header: dict) -> None:
+    def _write(self, key: str, path: str, buf: _Buffer, header: dict, data: Tensor) -> None:
         tmp = f"{path}.tmp{threading.get_ident()}"
         try:
             n = header["nbytes"]
+            buf.ensure(BLOCK + n)
+            buf.tensor[BLOCK:BLOCK + n].copy_(data)
+            del data
             body = buf.view(BLOCK + _round_up(n))
             header["crc32"] = zlib.crc32(body[BLOCK:BLOCK + n])
             head = _MAGIC + json.dumps(header).encode() + b"\n"
@@ -353,25 +355,23 @@ class NvmeStore(TensorStore):
             w, r = self._writes.pop(key, None), self._reads.pop(key, None)
         if w is not None:
             w.result()  # raises the write's error here, naming the key
-        if r is not None and r.exception() is None:
-            self._give(r.result()[1])
+        if r is not None:
+            r.exception()  # its result (the old contents) is dropped
 
     # -- reads ----------------------------------------------------------------------------
 
     def prefetch(self, key: str) -> bool:
-        """Start reading ``key`` in the background; False when no buffer is free (a hint)."""
+        """Start reading ``key`` in the background; False when ``max_inflight - 1`` reads are
+        already waiting for their ``get`` (a hint: the ``get`` then reads it itself)."""
         with self._lock:
             if key in self._reads:
                 return True
             w = self._writes.get(key)
-        if w is not None and not w.done():
-            return False  # read after the write lands; the get will do it
-        buf = self._take(for_prefetch=True)
-        if buf is None:
-            return False
-        fut = self._pool.submit(self._read_into, key, self.path(key), buf)
-        with self._lock:
-            self._reads[key] = fut
+            if w is not None and not w.done():
+                return False  # read after the write lands; the get will do it
+            if len(self._reads) >= max(self.max_inflight - 1, 0):
+                return False
+            self._reads[key] = self._pool.submit(self._read, key, self.path(key))
         return True
 
     def get(self, key: str, tag: int | None = None) -> Tensor:
@@ -381,64 +381,67 @@ class NvmeStore(TensorStore):
             w = self._writes.pop(key, None)
         if w is not None:
             w.result()
-        if fut is None:
-            buf = self._take()
-            fut = concurrent.futures.Future()
-            try:
-                fut.set_result(self._read_into(key, path, buf))
-            except BaseException as err:  # _read_into gave the buffer back
-                fut.set_exception(err)
-        header, buf = fut.result()
-        try:
-            if tag is not None and header["tag"] != tag:
-                raise StoreError(f"tensor {key!r} in {path} has tag {header['tag']}, expected "
-                                 f"{tag} (a state older than the store's last two versions?)",
-                                 key, path)
-            dtype = _dtype_of(header["dtype"], key, path)
-            out = torch.empty(header["shape"], dtype=dtype)
-            n = header["nbytes"]
-            if n:
-                _bytes_of(out).copy_(buf.tensor[BLOCK:BLOCK + n])
-            return out
-        finally:
-            self._give(buf)
+        header, out = fut.result() if fut is not None else self._read(key, path)
+        if tag is not None and header["tag"] != tag:
+            raise StoreError(f"tensor {key!r} in {path} has tag {header['tag']}, expected "
+                             f"{tag} (a state older than the store's last two versions?)",
+                             key, path)
+        return out
 
-    def _read_into(self, key: str, path: str, buf: _Buffer) -> tuple[dict, _Buffer]:
-        """Read the file of ``key`` into ``buf`` and verify it; gives ``buf`` back on error."""
+    def _read(self, key: str, path: str) -> tuple[dict, Tensor]:
+        """Read ``key`` and verify it (on the calling thread: a worker for a prefetch).
+
+        Large tensors land in fresh page-aligned memory that becomes the result (one pass
+        over the bytes fewer than a copy out of a buffer); small ones go through a store
+        buffer, given back at once, and are copied out."""
         try:
-            try:
-                fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
-            except FileNotFoundError:
-                raise StoreError(f"tensor {key!r}: its file {path} is missing", key,
-                                 path) from None
-            try:
-                size = os.fstat(fd).st_size
-                if size < BLOCK or size % BLOCK:
-                    raise StoreError(f"tensor {key!r}: file {path} is truncated or corrupt "
-                                     f"({size} bytes, not a whole number of {BLOCK}-byte "
-                                     "blocks)", key, path)
+            fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        except FileNotFoundError:
+            raise StoreError(f"tensor {key!r}: its file {path} is missing", key, path) from None
+        buf = None
+        try:
+            size = os.fstat(fd).st_size
+            if size < BLOCK or size % BLOCK:
+                raise StoreError(f"tensor {key!r}: file {path} is truncated or corrupt "
+                                 f"({size} bytes, not a whole number of {BLOCK}-byte blocks)",
+                                 key, path)
+            if size - BLOCK >= DIRECT_MIN:
+                head_mm, body_mm = mmap.mmap(-1, BLOCK), mmap.mmap(-1, size - BLOCK)
+                head, body = memoryview(head_mm), memoryview(body_mm)
+            else:
+                buf = self._take()
                 buf.ensure(size)
-                done = 0
-                while done < size:
-                    got = os.preadv(fd, [buf.view(size)[done:]], done)
-                    if got == 0:
-                        raise StoreError(f"tensor {key!r}: file {path} ended early", key, path)
-                    done += got
-            finally:
-                os.close(fd)
-            header = self._header(key, path, buf.view(BLOCK))
+                head, body = buf.view(BLOCK), buf.view(size)[BLOCK:]
+            _fill(fd, head, 0, key, path)
+            _fill(fd, body, BLOCK, key, path)
+        except BaseException:
+            if buf is not None:
+                self._give(buf)
+            raise
+        finally:
+            os.close(fd)
+        try:
+            header = self._header(key, path, head)
             n = header["nbytes"]
             if BLOCK + _round_up(n) != size:
                 raise StoreError(f"tensor {key!r}: file {path} has {size} bytes, its header "
                                  f"says {BLOCK + _round_up(n)}: truncated or corrupt", key, path)
-            crc = zlib.crc32(buf.view(BLOCK + n)[BLOCK:])
+            crc = zlib.crc32(body[:n])
             if crc != header["crc32"]:
                 raise StoreError(f"tensor {key!r}: file {path} is corrupt (CRC-32 {crc:#010x}, "
                                  f"header says {header['crc32']:#010x})", key, path)
-            return header, buf
-        except BaseException:
-            self._give(buf)
-            raise
+            dtype = _dtype_of(header["dtype"], key, path)
+            if buf is None:  # the result owns the mmap it was read into
+                del head, body
+                flat = torch.frombuffer(body_mm, dtype=torch.uint8)[:n]
+                return header, flat.view(dtype).reshape(header["shape"])
+            out = torch.empty(header["shape"], dtype=dtype)
+            if n:
+                _bytes_of(out).copy_(buf.tensor[BLOCK:BLOCK + n])
+            return header, out
+        finally:
+            if buf is not None:
+                self._give(buf)
 
     @staticmethod
     def _header(key: str, path: str, block: memoryview) -> dict:
@@ -487,9 +490,8 @@ class NvmeStore(TensorStore):
             with self._lock:
                 reads = list(self._reads.values())
                 self._reads.clear()
-            for fut in reads:  # give the prefetched buffers back
-                if fut.exception() is None:
-                    self._give(fut.result()[1])
+            for fut in reads:  # finish the reads nobody took
+                fut.exception()
             self._pool.shutdown(wait=True)
             for b in self._buffers:
                 b.release()
@@ -503,6 +505,16 @@ class NvmeStore(TensorStore):
             self.close()
         except Exception:
             pass
+
+
+def _fill(fd: int, view: memoryview, offset: int, key: str, path: str) -> None:
+    """Read ``len(view)`` bytes at ``offset`` (``preadv`` may return fewer than asked)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise StoreError(f"tensor {key!r}: file {path} ended early", key, path)
+        done += got
 
 
 def _unlink(path: str) -> None:

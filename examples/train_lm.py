@@ -46,7 +46,7 @@ from funcpar.state import Tree, functionalize, init_state, latest_checkpoint, lo
 from funcpar.state import save as save_checkpoint
 from funcpar.train.logger import Logger
 from funcpar.train.step import make_train_step
-from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
+from funcpar.transforms import amp_cast, compose, data_parallel, shard_params, zero_partition
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -151,6 +151,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters")
     par.add_argument("--sequence-parallel", action="store_true",
                      help="with --tp: split the activations between tp regions on the sequence")
+    par.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                     help="compute precision (amp_cast): float32 master params and optimizer; "
+                          "fp16 with dynamic loss scaling and skipped steps on inf/nan")
     par.add_argument("--comm-report", type=int, nargs="?", const=1, default=0, metavar="N",
                      help="print the collectives of the first N steps (default 1), per step")
     opt = p.add_argument_group("optimizer")
@@ -296,6 +299,8 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         transforms.append(data_parallel(mesh))
     if args.zero:
         transforms.append(zero_partition(args.zero, mesh))
+    if args.precision != "fp32":  # last: ZeRO-3's parameter gathers then travel in half
+        transforms.append(amp_cast(args.precision, mesh=mesh))
     step, state = compose(*transforms)(step, state)
     # Resuming: the state is loaded into this run's layout (resharded from the saved global
     # slices); the loader is deterministic from the seed, so the data position (batches

@@ -217,6 +217,13 @@ def test_clear_errors():
         amp_cast("fp16", backoff_factor=2.0)
     with pytest.raises(ValueError, match="growth_interval must be an int"):
         amp_cast("fp16", growth_interval=0)
+    # ZeRO-3 after amp_cast would gather float32 leaves past its casts: refused when built;
+    # the other order builds.
+    mesh = DeviceMesh.virtual(rank=0, dp=2)
+    with pytest.raises(ValueError, match="applied before zero_partition\\(stage=3\\)"):
+        compose(amp_cast("bf16"), zero_partition(3, mesh))(step, state)
+    z3, _ = compose(zero_partition(3, mesh), amp_cast("bf16"))(step, state)
+    assert z3.precision == "bf16" and z3.partition.stage == 3
     model = Llama(CFG).double()
     apply_fn, params, buffers = functionalize(model)
     opt = fo.sgd(lr=0.1)

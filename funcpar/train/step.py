@@ -140,7 +140,9 @@ class TrainStep:
       Deciding the skip reads one bool on the host per step.
 
     ``precision`` records the compute precision set by ``amp_cast`` (``None``: the params'
-    own), so that it is applied once and other transforms can see it.
+    own), so that it is applied once and other transforms can see it; with a ZeRO-3
+    ``partition`` the ``apply_fn`` must be amp_cast's own (amp_cast applied after it), else
+    constructing the step is a ValueError.
 
     ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
     they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
@@ -161,6 +163,15 @@ class TrainStep:
     dp_axis: str | None = None
     loss_scaler: LossScaler | None = None
     precision: str | None = None
+
+    def __post_init__(self) -> None:
+        # ZeRO-3 installs the gathered float32 leaves into the modules itself, past the params
+        # tree an inner amp_cast would have cast: amp_cast must wrap it, not be wrapped.
+        if (self.precision is not None and getattr(self.partition, "stage", None) == 3
+                and getattr(self.apply_fn, "precision", None) != self.precision):
+            raise ValueError(f"amp_cast({self.precision!r}) was applied before "
+                             "zero_partition(stage=3), whose gathers would bypass its casts: "
+                             "apply amp_cast after zero_partition")
 
     @functools.cached_property
     def _grads_of(self) -> Callable[..., tuple[Tensor, Tree, Tree]]:

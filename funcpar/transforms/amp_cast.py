@@ -32,10 +32,12 @@ bf16 has float32's exponent range and needs no scaling: no extras, no check.
 Composition: amp_cast touches only the ``apply_fn`` (wrapped outermost or innermost, both
 compute the same thing), the step's ``loss_scaler`` and ``state.extras``, so it may be applied
 before or after :func:`~funcpar.transforms.shard_params`, :func:`~funcpar.transforms.
-data_parallel` and :func:`~funcpar.transforms.zero_partition`. Applied last, the casts see the
-shards / ZeRO-3 parts, so a ZeRO-3 parameter gather travels in half precision (as FSDP's
-``param_dtype``); applied first, the gather moves float32 and the cast follows it. Gradient
-reductions are float32 either way (the gradients of the float32 leaves). Applying it twice is
+data_parallel` and :func:`~funcpar.transforms.zero_partition` at stages 1-2. With ZeRO-3 it
+must come after (the recommended order in general: last): its casts then see the parts, so a
+ZeRO-3 parameter gather travels in half precision (as FSDP's ``param_dtype``); applied before,
+ZeRO-3 would install its gathered float32 leaves past the casts, and building that step is a
+ValueError. Gradient reductions are float32 in every order (the gradients of the float32
+leaves); tensor-parallel activation collectives run in the compute dtype. Applying it twice is
 a ValueError. Under more than one process fp16 needs ``mesh=`` (the mesh the other transforms
 use) for the agreed check; it is refused without one, before any compute.
 """
@@ -246,6 +248,7 @@ def _cast_apply(apply_fn: Callable, dtype: torch.dtype, keep: list[bool],
                 h.remove()
 
     apply.module = getattr(apply_fn, "module", None)
+    apply.precision = {v: k for k, v in PRECISIONS.items()}[dtype]  # see TrainStep.__post_init__
     return apply
 
 

@@ -35,75 +35,24 @@ from collections.abc import Callable
 
 import torch
 
-import funcpar.optim as fo
-from funcpar.models import Llama, LlamaConfig, lm_loss
+from funcpar.models import Llama
 from funcpar.optim.base import GradientTransformation
 from funcpar.shard.comm import CommRecord, comm_log
-from funcpar.shard.mesh import DeviceMesh
-from funcpar.shard.rules import llama_rules
-from funcpar.state import functionalize, init_state
-from funcpar.testing import run_ranks
-from funcpar.train import make_train_step
-from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
+from funcpar.testing import reference, run_ranks
 
-# The example model of the distributed tests: a vocabulary (50) and an MLP width (42) that 4
-# does not divide, so tp4 / dp4 cut some leaves unevenly.
-CFG = LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=42,
-                  max_seq_len=16)
-
-
-def _clip(opt: GradientTransformation) -> GradientTransformation:
-    return fo.chain(fo.clip_by_global_norm(0.5), opt)
-
-
-def _galore_mask(params):
-    # rank 4 fits every targeted leaf of the small model; gap 3 puts the projector refresh on
-    # the warm-up step (step 0) and not on the measured one (step 1): see the refresh table.
-    return fo.galore_param_groups(params, rank=4, update_proj_gap=3)
-
-
-#: name -> fn(params) -> optimizer; the hyperparameters of the distributed tests (they do not
-#: change which collectives run, only their values).
-OPTIMIZERS: dict[str, Callable] = {
-    "sgd": lambda p: _clip(fo.sgd(lr=0.05, momentum=0.9)),
-    "adamw": lambda p: _clip(fo.adamw(lr=1e-2, weight_decay=0.1)),
-    "adafactor": lambda p: _clip(fo.adafactor(lr=1e-2, relative_step=False,
-                                              scale_parameter=False, weight_decay=0.1)),
-    "adafactor_momentum": lambda p: _clip(fo.adafactor(lr=1e-2, beta1=0.9, relative_step=False,
-                                                       scale_parameter=False, weight_decay=0.1)),
-    "adafactor_relative": lambda p: fo.adafactor(),  # relative step, parameter-RMS scaling
-    "came": lambda p: _clip(fo.came(lr=1e-3, weight_decay=0.1)),
-    "lamb": lambda p: _clip(fo.lamb(lr=1e-2, weight_decay=0.1)),
-    "galore_adamw": lambda p: _clip(fo.galore_adamw(lr=1e-2, weight_decay=0.1,
-                                                    galore_mask=_galore_mask(p))),
-    "galore_adamw_8bit": lambda p: _clip(fo.galore_adamw(
-        lr=1e-2, galore_mask=_galore_mask(p), eight_bit=True, block_size=24, min_8bit_size=100,
-        adam_variant="bnb", eps=1e-8)),
-    "galore_adafactor": lambda p: _clip(fo.galore_adafactor(
-        lr=0.5, relative_step=False, beta1=0.9, weight_decay=0.1, galore_mask=_galore_mask(p))),
-}
-
-#: name -> (world, tp, dp, zero). dp2 without ZeRO is the baseline: replicated optimizer.
-LAYOUTS: dict[str, tuple[int, int, int, int]] = {
-    "tp2": (2, 2, 1, 0),
-    "dp2": (2, 1, 2, 0),
-    "dp2+zero1": (2, 1, 2, 1),
-    "dp2+zero2": (2, 1, 2, 2),
-    "dp2+zero3": (2, 1, 2, 3),
-    "tp4": (4, 4, 1, 0),
-    "dp4+zero2": (4, 1, 4, 2),
-    "tp2xdp2+zero2": (4, 2, 2, 2),
-    "tp2xdp2+zero3": (4, 2, 2, 3),
-}
+# The optimizers, hyperparameters, layouts and model of the distributed tests
+# (funcpar.testing.reference); the hyperparameters do not change which collectives run.
+# adamw_small_lr is the float32 tests' AdamW: the same collectives as adamw.
+OPTIMIZERS = {k: v for k, v in reference.OPTIMIZERS.items() if k != "adamw_small_lr"}
+LAYOUTS = reference.LAYOUTS
+CFG = reference.CFG
 
 DETAIL = ("adafactor", "tp2xdp2+zero2")  # the case whose purposes are printed one by one
 
 
 # ------------------------------------------------------------------------------ on the ranks
-def _batches(seed: int = 0) -> list:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, CFG.vocab_size, (2, 8, 13), generator=g)
-    return [(ids[i, :, :-1], ids[i, :, 1:]) for i in range(2)]  # warm-up, measured
+def _batches() -> list:
+    return reference.batches()[:2]  # warm-up, measured
 
 
 def _with_captured_update(step, sink: list[list[CommRecord]]):
@@ -120,21 +69,7 @@ def _with_captured_update(step, sink: list[list[CommRecord]]):
 
 
 def _one_case(optim: str, tp: int, dp: int, zero: int, dtype: torch.dtype) -> dict:
-    mesh = DeviceMesh.from_env(dp=dp, tp=tp)
-    torch.manual_seed(0)
-    model = Llama(CFG).to(dtype)
-    apply_fn, params, buffers = functionalize(model)
-    opt = OPTIMIZERS[optim](params)
-    step = make_train_step(apply_fn, lm_loss, opt)
-    state = init_state(params, buffers, opt)
-    transforms = []
-    if tp > 1:
-        transforms.append(shard_params(llama_rules(CFG.head_dim), mesh))
-    if dp > 1:
-        transforms.append(data_parallel(mesh))
-    if zero:
-        transforms.append(zero_partition(zero, mesh))
-    step, state = compose(*transforms)(step, state)
+    step, state = reference.build(tp, dp, optim, dtype, zero=zero)
     opt_recs: list[list[CommRecord]] = []
     step = _with_captured_update(step, opt_recs)
     steps = []

@@ -8,7 +8,6 @@ so the error is rounding (~1e-15 relative); 1e-10 leaves room for 10 steps of it
 
 import pytest
 import torch
-from dist_train import CFG, batches, max_rel, train
 
 import funcpar.optim as fo
 from funcpar.models import Llama, LlamaConfig, lm_loss
@@ -17,6 +16,7 @@ from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import Rule, llama_rules, plan_sharding
 from funcpar.state import functionalize, init_state
 from funcpar.testing import run_ranks
+from funcpar.testing.reference import CFG, batches, max_rel, train
 from funcpar.train import make_train_step
 from funcpar.transforms import shard_params
 

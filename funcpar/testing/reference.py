@@ -1,8 +1,10 @@
-"""The training run the distributed tests compare against one process.
+"""The reference training run: one model, optimizer set and layout list for every comparison.
 
 The example Llama with a vocabulary (50) and an MLP width (42) that 4 does not divide (uneven
-shards 13/13/13/11 and 11/11/11/9), trained 10 steps on two alternating batches of fixed
-random tokens, under any composition of tensor parallelism, data parallelism and ZeRO.
+shards 13/13/13/11 and 11/11/11/9), trained on two alternating batches of fixed random tokens,
+under any composition of tensor parallelism, data parallelism and ZeRO. The distributed tests
+compare every layout's run with one process's; ``benchmarks/comm_table.py`` counts the
+collectives of the same runs.
 """
 
 from __future__ import annotations
@@ -59,18 +61,31 @@ OPTIMIZERS = {
                                                     svd_dtype=torch.float64)),
     # Blocks of 24 and a threshold of 100 so that the low-rank states are quantized in blocks
     # that straddle the shard boundaries.
-    "galore_adamw8bit": lambda p: fo.galore_adamw(lr=1e-2, galore_mask=_galore(), eight_bit=True,
-                                                  block_size=24, min_8bit_size=100,
-                                                  svd_dtype=torch.float64),
-    "galore_adafactor": lambda p: fo.galore_adafactor(lr=0.5, relative_step=False, beta1=0.9,
-                                                      weight_decay=0.1, galore_mask=_galore(),
-                                                      svd_dtype=torch.float64),
+    "galore_adamw8bit": lambda p: _clip(fo.galore_adamw(
+        lr=1e-2, galore_mask=_galore(), eight_bit=True, block_size=24, min_8bit_size=100,
+        adam_variant="bnb", eps=1e-8, svd_dtype=torch.float64)),
+    "galore_adafactor": lambda p: _clip(fo.galore_adafactor(
+        lr=0.5, relative_step=False, beta1=0.9, weight_decay=0.1, galore_mask=_galore(),
+        svd_dtype=torch.float64)),
+}
+
+#: name -> (world size, tp, dp, zero stage).
+LAYOUTS = {
+    "tp2": (2, 2, 1, 0),
+    "dp2": (2, 1, 2, 0),
+    "dp2+zero1": (2, 1, 2, 1),
+    "dp2+zero2": (2, 1, 2, 2),
+    "dp2+zero3": (2, 1, 2, 3),
+    "tp4": (4, 4, 1, 0),
+    "dp4+zero2": (4, 1, 4, 2),
+    "tp2xdp2+zero2": (4, 2, 2, 2),
+    "tp2xdp2+zero3": (4, 2, 2, 3),
 }
 
 
-def train(tp, dp, optim, dtype=torch.float64, *, zero=0, vocab_parallel_loss=True,
+def build(tp, dp, optim, dtype=torch.float64, *, zero=0, vocab_parallel_loss=True,
           sequence_parallel=False):
-    """10 steps; returns (losses, whole params) on every rank."""
+    """The composed ``(step, state)`` of ``optim`` under tp x dp (+ ZeRO) on this rank."""
     mesh = DeviceMesh.from_env(dp=dp, tp=tp)
     torch.manual_seed(0)
     model = Llama(CFG).to(dtype)
@@ -87,7 +102,14 @@ def train(tp, dp, optim, dtype=torch.float64, *, zero=0, vocab_parallel_loss=Tru
         transforms.append(data_parallel(mesh))
     if zero:
         transforms.append(zero_partition(zero, mesh))
-    step, state = compose(*transforms)(step, state)
+    return compose(*transforms)(step, state)
+
+
+def train(tp, dp, optim, dtype=torch.float64, *, zero=0, vocab_parallel_loss=True,
+          sequence_parallel=False):
+    """10 steps; returns (losses, whole params) on every rank."""
+    step, state = build(tp, dp, optim, dtype, zero=zero, vocab_parallel_loss=vocab_parallel_loss,
+                        sequence_parallel=sequence_parallel)
     losses = []
     for batch in batches():
         state, metrics = step(state, batch)
@@ -97,16 +119,18 @@ def train(tp, dp, optim, dtype=torch.float64, *, zero=0, vocab_parallel_loss=Tru
 
 
 def batches(seed=0):
-    # Two batches in turn: random tokens, but seen repeatedly, so the loss can fall.
+    """``STEPS`` batches: two batches of random tokens in turn, seen repeatedly, so the loss
+    can fall."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, CFG.vocab_size, (2, 8, 13), generator=g)
     return [(ids[i % 2, :, :-1], ids[i % 2, :, 1:]) for i in range(STEPS)]
 
 
-def max_rel(a, b):
+def max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Max over leaves of max|a - b| / max|b|."""
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
 
 
-def loss_rel(a, b):
+def loss_rel(a: list[float], b: list[float]) -> float:
+    """Max over steps of |a - b| / |b|."""
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))

@@ -24,14 +24,10 @@ from funcpar.shard.mesh import DeviceMesh
 from funcpar.state import functionalize, init_state
 from funcpar.state.tree import named_leaves, tree_leaves
 from funcpar.testing import run_ranks
+from funcpar.testing.reference import CFG, OPTIMIZERS, batches
 from funcpar.train import make_train_step
 from funcpar.transforms import compose, data_parallel, zero_partition
 from funcpar.transforms.offload import OffloadedState, offload, read_state
-
-try:  # the reference run moved from tests/dist_train.py into funcpar.testing
-    from funcpar.testing.reference import CFG, OPTIMIZERS, batches
-except ImportError:
-    from dist_train import CFG, OPTIMIZERS, batches
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8,
           torch.uint8, torch.bool, torch.complex64]

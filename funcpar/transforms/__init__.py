@@ -3,7 +3,16 @@
 from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.compose import compose
 from funcpar.transforms.data_parallel import data_parallel
+from funcpar.transforms.offload import offload
 from funcpar.transforms.shard_params import logits_of, shard_params
 from funcpar.transforms.zero_partition import zero_partition
 
-__all__ = ["amp_cast", "compose", "data_parallel", "logits_of", "shard_params", "zero_partition"]
+__all__ = [
+    "amp_cast",
+    "compose",
+    "data_parallel",
+    "logits_of",
+    "offload",
+    "shard_params",
+    "zero_partition",
+]

@@ -239,6 +239,10 @@ def run_ranks(
             c.close()
 
 
+#: After a rank's error, how long the parent waits for the other ranks' reports (seconds).
+ERROR_GRACE_S = 5.0
+
+
 def _collect(procs: list[Any], conns: list[Any], timeout: float, start_timeout: float) -> list:
     n = len(procs)
     ready: set[int] = set()
@@ -263,14 +267,20 @@ def _collect(procs: list[Any], conns: list[Any], timeout: float, start_timeout: 
             else:
                 errors.append((msg[1], rank, msg))
 
+    grace: float | None = None
     while len(results) < n:
-        if errors:
-            break
         now = time.monotonic()
+        if errors:
+            # The first error to arrive need not be the cause: a peer blocked in a collective
+            # fails as soon as the failing rank tears its group down, possibly before that
+            # rank's own report is read. Wait briefly for every rank to report or exit.
+            grace = now + ERROR_GRACE_S if grace is None else grace
+            if now >= grace or all(r in results or r in exited for r in range(n)):
+                break
         if deadline is None and len(ready) == n:
             deadline = now + timeout
         limit = deadline if deadline is not None else start_deadline
-        if now >= limit:
+        if now >= limit and not errors:
             late = [r for r in range(n) if r not in results]
             what = "finish" if deadline is not None else "start"
             allowed = timeout if deadline is not None else start_timeout
@@ -283,7 +293,8 @@ def _collect(procs: list[Any], conns: list[Any], timeout: float, start_timeout: 
         waitables = [c for c in conns if not c.closed] + [
             p.sentinel for r, p in enumerate(procs) if r not in exited
         ]
-        multiprocessing.connection.wait(waitables, timeout=min(limit - now, 1.0))
+        wait_until = limit if grace is None else grace
+        multiprocessing.connection.wait(waitables, timeout=max(0.0, min(wait_until - now, 1.0)))
         for rank, p in enumerate(procs):
             drain(rank)
             if rank not in exited and p.exitcode is not None:

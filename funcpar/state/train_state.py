@@ -23,12 +23,13 @@ class TrainState(NamedTuple):
     """Everything a training step reads and writes; a pytree of tensors.
 
     ``step`` is a 0-d int64 tensor: steps taken (batches consumed; under fp16 loss scaling a
-    skipped step counts, while the optimizer's own count does not). ``rng`` is the state of the random generator
-    of the parameters' device (``torch.get_rng_state()`` on CPU); the step restores it around
-    the forward and stores what follows, so dropout-like randomness is part of the state and a
-    step repeated on the same state repeats its random draws. ``extras`` is a dict of tensors
-    owned by the transforms (``amp_cast``'s loss scale, a data loader's position), carried
-    through every step unchanged unless a transform updates it; ``{}`` from :func:`init_state`.
+    skipped step counts, while the optimizer's own count does not). ``rng`` is the state of the
+    random generator of the parameters' device (``torch.get_rng_state()`` on CPU); the step
+    restores it around the forward and stores what follows, so dropout-like randomness is part
+    of the state and a step repeated on the same state repeats its random draws. ``extras`` is
+    a dict of tensors owned by the transforms (``amp_cast``'s loss scale, a data loader's
+    position), carried through every step unchanged unless a transform updates it; ``{}``
+    from :func:`init_state`.
     """
 
     params: Tree

@@ -1,0 +1,78 @@
+"""Which implementation runs a fused optimizer step: a Triton kernel or the plain-torch reference.
+
+Every kernel in :mod:`funcpar.kernels` has a reference written in plain torch that computes the
+same thing; the optimizers call :func:`use_kernels` with the tensors of a step and take the
+kernel only when it says so. The mode comes from :func:`kernel_mode` (a context manager, for
+tests and benchmarks) or else the ``FUNCPAR_KERNELS`` environment variable:
+
+* ``auto`` (default): the kernel when every tensor is on a CUDA device and Triton imports;
+* ``reference``: always the plain-torch reference;
+* ``triton``: always the kernel. On CPU tensors this needs ``TRITON_INTERPRET=1`` set before
+  Triton is first imported (Triton's interpreter runs the kernel in numpy); CI tests the
+  kernels on tiny shapes this way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["MODES", "current_mode", "kernel_mode", "triton_available", "use_kernels"]
+
+MODES = ("auto", "reference", "triton")
+_ENV = "FUNCPAR_KERNELS"
+_forced: list[str] = []
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether ``import triton`` can succeed (checked once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def current_mode() -> str:
+    """The innermost :func:`kernel_mode`, else ``$FUNCPAR_KERNELS``, else ``auto``."""
+    mode = _forced[-1] if _forced else os.environ.get(_ENV, "auto")
+    if mode not in MODES:
+        raise ValueError(f"{_ENV}={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+@contextlib.contextmanager
+def kernel_mode(mode: str) -> Iterator[None]:
+    """Run the enclosed steps with ``mode`` (one of :data:`MODES`)."""
+    if mode not in MODES:
+        raise ValueError(f"kernel mode {mode!r}: expected one of {', '.join(MODES)}")
+    _forced.append(mode)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def use_kernels(*tensors: torch.Tensor | None) -> bool:
+    """True when the step over ``tensors`` (``None`` entries ignored) should run a kernel."""
+    mode = current_mode()
+    if mode == "reference":
+        return False
+    live = [t for t in tensors if t is not None]
+    on_cuda = bool(live) and all(t.is_cuda for t in live)
+    if mode == "auto":
+        return on_cuda and triton_available()
+    if not triton_available():
+        raise RuntimeError(f"{_ENV}=triton but Triton is not installed (pip install triton)")
+    if not on_cuda and not _interpreting():
+        raise RuntimeError(
+            f"{_ENV}=triton on non-CUDA tensors needs TRITON_INTERPRET=1 set before Triton is "
+            "first imported (Triton's CPU interpreter)"
+        )
+    return True

@@ -3,7 +3,14 @@
 from funcpar.optim.accumulate import AccumulateState, accumulate
 from funcpar.optim.adafactor import AdafactorState, adafactor, adafactor_torch
 from funcpar.optim.adamw import AdamWState, adamw
-from funcpar.optim.base import EmptyState, GradientTransformation, apply_updates, chain, identity
+from funcpar.optim.base import (
+    EmptyState,
+    GradientTransformation,
+    apply_updates,
+    chain,
+    identity,
+    update_params,
+)
 from funcpar.optim.came import CAMEState, came
 from funcpar.optim.clip import clip_by_global_norm, global_norm
 from funcpar.optim.galore import (
@@ -65,5 +72,6 @@ __all__ = [
     "sgd",
     "state_bytes",
     "state_bytes_by_leaf",
+    "update_params",
     "warmup_cosine",
 ]

@@ -5,7 +5,12 @@ A :class:`GradientTransformation` is a pair of pure functions:
 * ``init(params) -> state``: a pytree of tensors (checkpointable, never a Python object
   holding tensors);
 * ``update(grads, state, params=None, *, layouts=None) -> (updates, new_state)``: the updates
-  are *added* to the parameters by :func:`apply_updates`.
+  are *added* to the parameters by :func:`apply_updates`;
+* optionally ``apply(grads, state, params, *, layouts=None) -> (new_params, new_state)``, the
+  same step with the parameters updated in the same pass (a fused kernel reads and writes each
+  parameter once instead of writing updates that :func:`apply_updates` then reads back).
+  :func:`update_params` takes it when present and ``update`` + ``apply_updates`` otherwise; both
+  must give the same result.
 
 ``layouts`` is the pytree of per-leaf layouts parallel to ``params`` (``None``: every leaf is
 whole on this process). Optimizers hand each leaf's layout to the reductions of
@@ -38,14 +43,17 @@ __all__ = [
     "check_grads",
     "identity",
     "map_leaves",
+    "update_params",
 ]
 
 
 class GradientTransformation(NamedTuple):
-    """``init(params) -> state`` and ``update(grads, state, params, *, layouts) -> (u, state)``."""
+    """``init(params) -> state`` and ``update(grads, state, params, *, layouts) -> (u, state)``;
+    ``apply``, when not ``None``, returns ``(new_params, state)`` directly (see the module)."""
 
     init: Callable[[Tree], Tree]
     update: Callable[..., tuple[Tree, Tree]]
+    apply: Callable[..., tuple[Tree, Tree]] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -93,6 +101,16 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
     """``params + updates`` leaf-wise, keeping each parameter's dtype."""
     check_grads(params, updates, what="updates")
     return tree_map(lambda p, u: p if u is None else (p + u.to(p.dtype)), params, updates)
+
+
+def update_params(
+    opt: GradientTransformation, grads: Tree, state: Tree, params: Tree, *, layouts: Tree = None
+) -> tuple[Tree, Tree]:
+    """One optimizer step on ``params``: ``(new_params, new_state)``."""
+    if opt.apply is not None:
+        return opt.apply(grads, state, params, layouts=layouts)
+    updates, state = opt.update(grads, state, params, layouts=layouts)
+    return apply_updates(params, updates), state
 
 
 def check_grads(params: Tree, grads: Tree, *, what: str = "grads") -> None:

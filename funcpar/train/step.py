@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from funcpar.optim.base import GradientTransformation, apply_updates
+from funcpar.optim.base import GradientTransformation, update_params
 from funcpar.optim.clip import global_norm
 from funcpar.optim.hyperparams import get_hyperparams
 from funcpar.state.functional import ApplyFn
@@ -214,8 +214,9 @@ class TrainStep:
             # Skipped: every rank got the same ``finite``, so they all skip, and none runs the
             # optimizer's collectives alone.
             return params, buffers, opt_state, loss, gnorm, finite
-        updates, opt_state = self.optimizer.update(grads, opt_state, params, layouts=self.layouts)
-        return apply_updates(params, updates), new_buffers, opt_state, loss, gnorm, finite
+        params, opt_state = update_params(self.optimizer, grads, opt_state, params,
+                                          layouts=self.layouts)
+        return params, new_buffers, opt_state, loss, gnorm, finite
 
     def __call__(
         self, state: TrainState, batch: tuple[Any, Any]

@@ -20,21 +20,20 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from funcpar.kernels import factored as kernels
 from funcpar.optim import validate
 from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
 from funcpar.optim.factored import (
     SECOND_MOMENT,
     MomentNames,
-    clip_by_rms,
+    clip_divisor,
     compute_dtype,
-    decoupled_decay,
-    ema,
-    ema_rsqrt,
     eps_pair,
     init_moment,
     is_factored,
     mean_over_rows,
     row_col_mean_squares,
+    second_moment,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
@@ -183,13 +182,27 @@ def adafactor_leaf_update(
     ``u <- u / max(1, RMS(u) / clip_threshold)``; ``u <- alpha_t u``
     (:func:`adafactor_step_size`); with ``beta1``: ``m <- beta1 m + (1 - beta1) u``, ``u = m``.
     """
-    cdtype = compute_dtype(grad.dtype)
-    grad = grad.to(cdtype)
-    param = param.to(compute_dtype(param.dtype))
+    out = _leaf_step(grad, param, state, step, lr=lr, eps=eps, clip_threshold=clip_threshold,
+                     decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
+                     relative_step=relative_step, warmup_init=warmup_init, layout=layout,
+                     param_layout=param_layout)
+    return AdafactorLeafUpdate(*out)
+
+
+def _leaf_step(grad, param, state, step, *, lr, eps, clip_threshold, decay_rate, beta1,
+               scale_parameter, relative_step, warmup_init, layout, param_layout,
+               target=None, weight_decay=None, out="direction"):
+    """The Hugging Face step as passes over the leaf: statistics, the update's norm, the update.
+
+    ``out="direction"``: the update to subtract (what :func:`adafactor_leaf_update` returns);
+    ``"update"`` / ``"param"``: ``target - weight_decay alpha_t target - update`` as a difference
+    or as the new parameter (the weight decay and the subtraction fused into the update pass;
+    ``weight_decay=None``: no decay, for leaves the mask leaves out).
+    """
     eps1, eps2 = eps
     alpha = adafactor_step_size(
         step,
-        param,
+        param.to(compute_dtype(param.dtype)),
         lr=lr,
         eps2=eps2,
         scale_parameter=scale_parameter,
@@ -199,16 +212,21 @@ def adafactor_leaf_update(
     )
     beta2t = 1.0 - step.to(torch.float64) ** decay_rate
     moments = {k: v for k, v in state.items() if k != "exp_avg"}
-    inv_sqrt_v, new_state = ema_rsqrt(grad * grad + eps1, moments, SECOND_MOMENT, beta2t,
-                                      layout=layout)
-    u = clip_by_rms(inv_sqrt_v * grad, clip_threshold, layout=layout) * alpha.to(cdtype)
-    if beta1 is not None:
-        if "exp_avg" not in state:
-            raise KeyError("adafactor: beta1 is set but the state has no 'exp_avg' "
-                           "(initialise it with the same beta1)")
-        u = ema(state["exp_avg"], u, beta1)
-        new_state["exp_avg"] = u
-    return AdafactorLeafUpdate(u, new_state, alpha)
+    precond, new_state, local_norm = second_moment(grad, moments, SECOND_MOMENT, beta2t, eps1,
+                                                   layout=layout)
+    clip = clip_divisor(local_norm, clip_threshold, shape=global_shape(grad, layout),
+                        layout=layout)
+    if beta1 is not None and "exp_avg" not in state:
+        raise KeyError("adafactor: beta1 is set but the state has no 'exp_avg' "
+                       "(initialise it with the same beta1)")
+    result, m = kernels.precond_apply(
+        grad, target, precond, clip=clip, pre=alpha,
+        momentum=None if beta1 is None else state["exp_avg"], beta1=beta1,
+        decay=None if weight_decay is None else weight_decay * alpha, out=out,
+    )
+    if m is not None:
+        new_state["exp_avg"] = m
+    return result, new_state, alpha
 
 
 def _adafactor(
@@ -236,30 +254,36 @@ def _adafactor(
         )
         return AdafactorState(torch.zeros((), dtype=torch.int64), stats)
 
-    def update(grads, state: AdafactorState, params=None, *, layouts=None):
+    def step(grads, state: AdafactorState, params, layouts, out):
         check_grads(params, grads)
         decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
 
         def leaf(g, p, st, use_decay, layout):
             if g is None:
-                return None, st
-            out = adafactor_leaf_update(
+                return (None if out == "update" else p), st
+            # update: (new param - param), exact while the step is under half the parameter,
+            # so apply_updates reproduces Hugging Face's rounding of the new one. param: the
+            # new parameter itself, in the same pass (GradientTransformation.apply).
+            result, st, _ = _leaf_step(
                 g, p, st, count, lr=lr, eps=eps, clip_threshold=clip_threshold,
                 decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
                 relative_step=relative_step, warmup_init=warmup_init, layout=layout,
-                param_layout=layout,
+                param_layout=layout, target=p, out=out,
+                weight_decay=weight_decay if use_decay else None,
             )
-            p = p.to(out.update.dtype)
-            new_p = decoupled_decay(p, weight_decay * out.step_size) if use_decay else p
-            # Returned as (new param - param), exact while the step is under half the
-            # parameter, so apply_updates reproduces Hugging Face's rounding of the new one.
-            return (new_p - out.update) - p, out.state
+            return result, st
 
-        updates, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
-        return updates, AdafactorState(count, stats)
+        results, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
+        return results, AdafactorState(count, stats)
 
-    return GradientTransformation(init, update)
+    def update(grads, state: AdafactorState, params=None, *, layouts=None):
+        return step(grads, state, params, layouts, "update")
+
+    def apply(grads, state: AdafactorState, params, *, layouts=None):
+        return step(grads, state, params, layouts, "param")
+
+    return GradientTransformation(init, update, apply)
 
 
 def adafactor(

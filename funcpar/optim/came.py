@@ -9,22 +9,23 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from funcpar.kernels import factored as kernels
 from funcpar.optim import validate
 from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
 from funcpar.optim.factored import (
     RESIDUAL,
     SECOND_MOMENT,
-    clip_by_rms,
+    clip_divisor,
     compute_dtype,
-    decoupled_decay,
-    ema,
-    ema_rsqrt,
     eps_pair,
+    factored_moment,
     init_moment,
     is_factored,
+    second_moment,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.shard.reduce import global_shape
 from funcpar.state.tree import Tree, tree_map
 
 __all__ = ["CAMEState", "came"]
@@ -61,40 +62,52 @@ def _came(lr, weight_decay, clip_threshold, *, betas, eps, weight_decay_mask):
         stats = tree_map(lambda p: None if p is None else _leaf_init(p), params)
         return CAMEState(torch.zeros((), dtype=torch.int64), stats)
 
-    def update(grads, state: CAMEState, params=None, *, layouts=None):
+    def step(grads, state: CAMEState, params, layouts, out):
         check_grads(params, grads)
         decay = resolve_mask(weight_decay_mask, params)
 
         def leaf(g, p, st, use_decay, layout):
             if g is None:
-                return None, st
-            g = g.to(compute_dtype(g.dtype))
+                return (None if out == "update" else p), st
+            shape = global_shape(g, layout)
             sq = {k: v for k, v in st.items() if k in SECOND_MOMENT}
-            inv_sqrt_v, new = ema_rsqrt(g * g + eps1, sq, SECOND_MOMENT, beta2, layout=layout)
-            u = clip_by_rms(inv_sqrt_v * g, clip_threshold, layout=layout)
-            m = ema(st["exp_avg"], u, beta1)
-            new["exp_avg"] = m
+            precond, new, local_norm = second_moment(g, sq, SECOND_MOMENT, beta2, eps1,
+                                                     layout=layout)
+            clip = clip_divisor(local_norm, clip_threshold, shape=shape, layout=layout)
+            coeff = weight_decay * lr if use_decay else None
+            # out="update": (new param - param), exact while the step is under half the
+            # parameter, so apply_updates reproduces came-pytorch's rounding of the new
+            # parameter; out="param": the new parameter, in the same pass.
             if RESIDUAL.row in st:
-                # The confidence: how far this step's update strays from its running mean.
-                res = (u - m) ** 2 + eps2
+                # The confidence: how far this step's update u strays from its running mean M;
+                # one pass forms u, M and the residual's row/column sums.
+                m, res_rows, res_cols = kernels.came_residual(g, precond, clip, st["exp_avg"],
+                                                              beta1, eps2)
                 res_stats = {RESIDUAL.row: st[RESIDUAL.row], RESIDUAL.col: st[RESIDUAL.col]}
-                inv_sqrt_s, res_new = ema_rsqrt(res, res_stats, RESIDUAL, beta3, layout=layout)
+                res_factors, res_new = factored_moment(res_rows, res_cols, res_stats, RESIDUAL,
+                                                       beta3, shape=shape, layout=layout)
                 new.update(res_new)
-                direction = inv_sqrt_s * m
+                result, _ = kernels.precond_apply(m, p, res_factors, post=lr, decay=coeff,
+                                                  out=out)
             else:
-                # came-pytorch has no confidence statistics for unfactored leaves.
-                direction = m
-            p = p.to(direction.dtype)
-            new_p = decoupled_decay(p, weight_decay * lr) if use_decay else p
-            new_p = new_p - direction * lr.to(direction.dtype)
-            # (new param - param) is exact while the step is under half the parameter, so
-            # apply_updates reproduces came-pytorch's rounding of the new parameter.
-            return new_p - p, new
+                # came-pytorch has no confidence statistics for unfactored leaves: the
+                # direction is M itself.
+                result, m = kernels.precond_apply(g, p, precond, clip=clip,
+                                                  momentum=st["exp_avg"], beta1=beta1, post=lr,
+                                                  decay=coeff, out=out)
+            new["exp_avg"] = m
+            return result, new
 
-        updates, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
-        return updates, CAMEState(state.count + 1, stats)
+        results, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
+        return results, CAMEState(state.count + 1, stats)
 
-    return GradientTransformation(init, update)
+    def update(grads, state: CAMEState, params=None, *, layouts=None):
+        return step(grads, state, params, layouts, "update")
+
+    def apply(grads, state: CAMEState, params, *, layouts=None):
+        return step(grads, state, params, layouts, "param")
+
+    return GradientTransformation(init, update, apply)
 
 
 def came(

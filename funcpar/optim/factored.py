@@ -11,6 +11,12 @@ whole dims, so a sharded leaf needs collectives for them: every reduction here g
 (``keepdim=True``: ``(..., n, 1)`` and ``(..., 1, m)``), so a reduced dim is always the leaf's
 own dim index. Messages are O(n + m).
 
+The optimizers' passes over the leaf (statistics, the update's norm, CAME's residual, the update
+itself) are :mod:`funcpar.kernels.factored`'s dispatchers: a Triton kernel on CUDA, a plain-torch
+reference elsewhere. Between the passes, :func:`factored_moment` and :func:`clip_divisor` complete
+the local sums over the shards with :mod:`funcpar.shard.reduce` (O(n + m) and 0-d messages), so the
+same code runs on whole leaves and on TP/ZeRO shards.
+
 Stored shapes: Hugging Face / fairseq / came-pytorch store ``R`` with shape ``shape[:-1]`` and
 ``C`` with ``shape[:-2] + shape[-1:]``; torch.optim.Adafactor keeps the ``keepdim`` shapes.
 :func:`to_leaf_coords` / :func:`from_leaf_coords` convert; the math runs on ``keepdim`` tensors.
@@ -18,24 +24,37 @@ Stored shapes: Hugging Face / fairseq / came-pytorch store ``R`` with shape ``sh
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from funcpar.shard.reduce import Reducible, global_shape, reduce_mean, reduce_sum, rms
+from funcpar.kernels import factored as kernels
+from funcpar.kernels.factored import Factors, compute_dtype, decoupled_decay, ema
+from funcpar.shard.reduce import (
+    Reducible,
+    global_shape,
+    reduce_mean,
+    reduce_sum,
+    rms,
+    sum_partial,
+)
 
 __all__ = [
     "RESIDUAL",
     "SECOND_MOMENT",
+    "Factors",
     "MomentNames",
     "clip_by_rms",
+    "clip_divisor",
     "compute_dtype",
     "decoupled_decay",
     "ema",
     "ema_rsqrt",
     "eps_pair",
+    "factored_moment",
     "factored_rsqrt",
     "from_leaf_coords",
     "init_moment",
@@ -43,6 +62,7 @@ __all__ = [
     "mean_over_rows",
     "row_col_mean_squares",
     "row_col_means",
+    "second_moment",
     "to_leaf_coords",
 ]
 
@@ -145,19 +165,6 @@ def mean_over_rows(
     return reduce_mean(row, -2, layout=layout, keepdim=True, purpose="factored mean of row stats")
 
 
-def ema(avg: Tensor, new: Tensor, decay: float | Tensor) -> Tensor:
-    """``decay * avg + (1 - decay) * new``, rounded as the references'
-    ``avg.mul_(decay).add_(new, alpha=1 - decay)`` round it (the add is fused)."""
-    # Hyperparameters are 0-d float64 tensors: cast them, or a 0-d leaf would be promoted.
-    decay = torch.as_tensor(decay, dtype=torch.float64)
-    return torch.addcmul(avg * decay.to(avg.dtype), new, (1 - decay).to(avg.dtype))
-
-
-def decoupled_decay(p: Tensor, coeff: float | Tensor) -> Tensor:
-    """``p - coeff * p``, rounded as the references' ``p.add_(p, alpha=-coeff)`` (fused)."""
-    return torch.addcmul(p, p, torch.as_tensor(-coeff, dtype=torch.float64).to(p.dtype))
-
-
 def factored_rsqrt(
     row: Float[Tensor, "*batch rows 1"],
     col: Float[Tensor, "*batch 1 cols"],
@@ -206,12 +213,6 @@ def clip_by_rms(
     return u / scale.to(u.dtype)
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the factored optimizers compute and keep statistics in: float32 for half
-    precision leaves (as Hugging Face and came-pytorch do), the leaf's own dtype otherwise."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def eps_pair(who: str, eps: Any) -> tuple[Any, Any]:
     """``(eps1, eps2)`` from the optimizers' ``eps`` argument, or a clear error."""
     try:
@@ -219,3 +220,82 @@ def eps_pair(who: str, eps: Any) -> tuple[Any, Any]:
     except (TypeError, ValueError):
         raise ValueError(f"{who}: eps must be a pair (eps1, eps2), got {eps!r}") from None
     return eps1, eps2
+
+
+# --------------------------------------------------------------------------------------------
+# The passes of Adafactor and CAME, with the layout-aware reductions between them
+# --------------------------------------------------------------------------------------------
+
+
+def factored_moment(
+    row_sum: Float[Tensor, "*batch rows 1"],
+    col_sum: Float[Tensor, "*batch 1 cols"],
+    stats: dict[str, Tensor],
+    names: MomentNames,
+    decay: float | Tensor,
+    *,
+    shape: tuple[int, ...],
+    layout: Reducible | None = None,
+) -> tuple[Factors, dict[str, Tensor]]:
+    """New running factors from this shard's row/column sums of ``x`` (the statistics pass).
+
+    ``R <- decay R + (1 - decay) sum_{-1}(x) / m``, ``C <- decay C + (1 - decay) sum_{-2}(x) / n``
+    with ``(n, m)`` the leaf's *global* last two dims and the sums completed over the shards
+    (:func:`funcpar.shard.reduce.sum_partial` with the leaf's layout; no collective when those
+    dims are whole). Returns the :class:`Factors` (with ``mean(R)`` over all rows, also
+    completed over the shards) and the new stored statistics.
+    """
+    nd = len(shape)
+    row_mean = sum_partial(row_sum, nd - 1, layout=layout, purpose="factored row mean") / shape[-1]
+    col_mean = sum_partial(col_sum, nd - 2, layout=layout,
+                           purpose="factored column mean") / shape[-2]
+    row, col = to_leaf_coords(stats[names.row], stats[names.col])
+    row, col = ema(row, row_mean, decay), ema(col, col_mean, decay)
+    factors = Factors(row, col, mean_over_rows(row, layout=layout))
+    row, col = from_leaf_coords(row, col)
+    return factors, {names.row: row, names.col: col}
+
+
+def second_moment(
+    g: Tensor,
+    stats: dict[str, Tensor],
+    names: MomentNames,
+    decay: float | Tensor,
+    eps1: float,
+    *,
+    layout: Reducible | None = None,
+) -> tuple[Factors | Tensor, dict[str, Tensor], Tensor]:
+    """Update the second moment of ``g^2 + eps1`` kept in ``stats`` and return
+    ``(preconditioner, new statistics, ||g rsqrt(V)|| over this shard)``.
+
+    Factored (``names.row`` in ``stats``, decided at init): the statistics pass
+    (:func:`funcpar.kernels.factored.sq_row_col_sums`), :func:`factored_moment`, then the norm
+    pass; the preconditioner is :class:`Factors`. Full: one pass updates ``V`` and takes the norm;
+    the preconditioner is the new ``V``. The norm feeds :func:`clip_divisor`.
+    """
+    if names.row in stats:
+        row_sum, col_sum = kernels.sq_row_col_sums(g, eps1)
+        factors, new = factored_moment(row_sum, col_sum, stats, names, decay,
+                                       shape=global_shape(g, layout), layout=layout)
+        return factors, new, kernels.scaled_norm(g, factors)
+    if names.full is None or names.full not in stats:
+        raise KeyError(f"state has neither {names.row!r} nor {names.full!r}: {sorted(stats)}")
+    v, local_norm = kernels.full_moment(g, stats[names.full], decay, eps1)
+    return v, {names.full: v}, local_norm
+
+
+def clip_divisor(
+    local_norm: Tensor,
+    threshold: float | Tensor,
+    *,
+    shape: tuple[int, ...],
+    layout: Reducible | None = None,
+) -> Tensor:
+    """``max(1, RMS(u) / threshold)`` for the update ``u`` whose norm over this shard is
+    ``local_norm``; ``RMS`` over the whole (global) leaf of ``shape``: the squared local norms
+    are summed over the shards, as :func:`funcpar.shard.reduce.norm` does."""
+    norm = local_norm
+    if layout is not None:
+        norm = sum_partial(local_norm.square(), tuple(range(len(shape))), layout=layout,
+                           purpose="update rms").sqrt()
+    return (norm / math.sqrt(math.prod(shape)) / threshold).clamp(min=1.0)

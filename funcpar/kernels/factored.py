@@ -1,0 +1,346 @@
+"""Passes of the factored optimizers (Adafactor, CAME): Triton kernels and plain-torch references.
+
+Adafactor (Shazeer & Stern 2018, arXiv 1804.04235) and CAME (Luo et al. 2023, arXiv 2307.02047)
+keep, for a leaf ``W`` of shape ``(..., n, m)``, row and column statistics of ``x = g^2 + eps1``
+and precondition the gradient with ``rsqrt(R / mean(R)) (x) rsqrt(C)`` (an outer product over the
+last two dims). Their steps are cut here into *passes* over the leaf, each reading the big tensors
+once; between passes only O(n + m) vectors and 0-d scalars are touched, which is where
+:mod:`funcpar.shard.reduce` completes the sums over the shards of a TP/ZeRO-split leaf. The
+algorithms themselves (which pass, in which order, with which reductions between) are written once
+in :mod:`funcpar.optim.factored`, :mod:`funcpar.optim.adafactor` and :mod:`funcpar.optim.came`.
+
+The passes (local: they see this process's shard only):
+
+* :func:`sq_row_col_sums`: ``sum_{-1}(g^2 + eps)`` and ``sum_{-2}(g^2 + eps)`` (statistics pass);
+* :func:`scaled_norm`: ``||g * rsqrt(R / mu) (x) rsqrt(C)||`` (the update's norm, for clipping);
+* :func:`full_moment`: an unfactored leaf's ``V <- d V + (1-d)(g^2 + eps)`` and ``||g rsqrt(V)||``
+  in one pass;
+* :func:`came_residual`: CAME's ``u = g * rsqrt(V) / clip``, ``M <- b1 M + (1-b1) u`` and the row/
+  column sums of ``(u - M)^2 + eps2`` in one pass;
+* :func:`precond_apply`: the update pass, ``y = x * rsqrt(V)`` (factored, full or none), ``/ clip``,
+  ``* pre``, optional momentum ``M <- b1 M + (1-b1) y; y = M``, ``* post``, then either ``y``
+  itself, or ``W' = W - c W - y`` (decoupled weight decay ``c``) as the new parameter or as
+  ``W' - W``.
+
+Each is a dispatcher: the Triton kernel when :func:`funcpar.kernels.dispatch.use_kernels` says so
+for the leaf's tensors (CUDA in ``auto`` mode) and the leaf's dtype is float32 / bfloat16 /
+float16 (computed in float32; float64 leaves, the exactness tests' dtype, always take the
+reference), else the ``*_reference`` function, which performs exactly the torch operations the
+optimizers performed before kernels existed (same order, same roundings), so a reference step is
+bit-identical to the pre-kernel implementation. A kernel differs from its reference by summation
+order (tile sums, then a sum of the tile partials) and, on a GPU, by fused multiply-adds: a few
+float32 ulps.
+
+Kernel layout: a leaf is viewed as ``(B, n, m)`` (its last two dims; unfactored leaves as
+``(1, 1, numel)``) and cut into ``BR x BC`` tiles, grid ``(column blocks, row blocks x B)``. Row and
+column sums are written as per-tile partials and summed by torch afterwards (deterministic: no
+atomics, so a step is reproducible). Scalars that live on the host (hyperparameters, the step
+count) are passed by value and those on the device (the clipping scale, ``mean(R)``) by pointer,
+so no pass waits for the device.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from funcpar.kernels.dispatch import use_kernels
+
+__all__ = [
+    "KERNEL_DTYPES",
+    "Factors",
+    "came_residual",
+    "came_residual_reference",
+    "compute_dtype",
+    "decoupled_decay",
+    "ema",
+    "full_moment",
+    "full_moment_reference",
+    "inverse_sqrt",
+    "precond_apply",
+    "precond_apply_reference",
+    "scaled_norm",
+    "scaled_norm_reference",
+    "sq_row_col_sums",
+    "sq_row_col_sums_reference",
+]
+
+#: Leaf dtypes the kernels take (all computed in float32).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUT_MODES = ("direction", "update", "param")
+
+# Tests set this to fill every buffer a kernel writes with NaN first, so an element a kernel
+# forgets to write shows up as a NaN.
+_POISON = False
+
+
+class Factors(NamedTuple):
+    """A factored second moment in the leaf's coordinates: ``row`` ``(..., n, 1)``, ``col``
+    ``(..., 1, m)`` and ``row_mean = mean(row)`` over the rows (whole leaf) ``(..., 1, 1)``."""
+
+    row: Tensor
+    col: Tensor
+    row_mean: Tensor
+
+
+# --------------------------------------------------------------------------------------------
+# Shared elementwise math (the references use these; the optimizers re-export them)
+# --------------------------------------------------------------------------------------------
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the factored optimizers compute and keep statistics in: float32 for half
+    precision leaves (as Hugging Face and came-pytorch do), the leaf's own dtype otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def ema(avg: Tensor, new: Tensor, decay: float | Tensor) -> Tensor:
+    """``decay * avg + (1 - decay) * new``, rounded as the references'
+    ``avg.mul_(decay).add_(new, alpha=1 - decay)`` round it (the add is fused)."""
+    # Hyperparameters are 0-d float64 tensors: cast them, or a 0-d leaf would be promoted.
+    decay = torch.as_tensor(decay, dtype=torch.float64)
+    return torch.addcmul(avg * decay.to(avg.dtype), new, (1 - decay).to(avg.dtype))
+
+
+def decoupled_decay(p: Tensor, coeff: float | Tensor) -> Tensor:
+    """``p - coeff * p``, rounded as the references' ``p.add_(p, alpha=-coeff)`` (fused)."""
+    return torch.addcmul(p, p, torch.as_tensor(-coeff, dtype=torch.float64).to(p.dtype))
+
+
+def inverse_sqrt(precond: Factors | Tensor) -> Tensor:
+    """``rsqrt(R / mean(R)) (x) rsqrt(C)`` (fairseq's order of operations, which Hugging Face and
+    came-pytorch copy) for :class:`Factors`, ``rsqrt(V)`` for a full second moment."""
+    if isinstance(precond, Factors):
+        return (precond.row / precond.row_mean).rsqrt() * precond.col.rsqrt()
+    return precond.rsqrt()
+
+
+def _to_compute(x: Tensor) -> Tensor:
+    return x.to(compute_dtype(x.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# References (plain torch)
+# --------------------------------------------------------------------------------------------
+
+
+def sq_row_col_sums_reference(
+    g: Float[Tensor, "*batch rows cols"], eps: float
+) -> tuple[Float[Tensor, "*batch rows 1"], Float[Tensor, "*batch 1 cols"]]:
+    """Sums of ``g^2 + eps`` over the last dim and over the second-last (``keepdim``)."""
+    g = _to_compute(g)
+    x = g * g + eps
+    return x.sum(-1, keepdim=True), x.sum(-2, keepdim=True)
+
+
+def scaled_norm_reference(g: Float[Tensor, "*batch rows cols"], factors: Factors) -> Tensor:
+    """``||g * inverse_sqrt(factors)||`` (0-d; the local part of the update's norm)."""
+    return torch.linalg.vector_norm(inverse_sqrt(factors) * _to_compute(g))
+
+
+def full_moment_reference(
+    g: Float[Tensor, "*shape"], v: Float[Tensor, "*shape"], decay: float | Tensor, eps: float
+) -> tuple[Float[Tensor, "*shape"], Tensor]:
+    """``V' = ema(V, g^2 + eps, decay)`` and ``||g rsqrt(V')||``."""
+    g = _to_compute(g)
+    v = ema(v, g * g + eps, decay)
+    return v, torch.linalg.vector_norm(v.rsqrt() * g)
+
+
+def came_residual_reference(
+    g: Float[Tensor, "*batch rows cols"],
+    factors: Factors,
+    clip: Tensor,
+    m: Float[Tensor, "*batch rows cols"],
+    beta1: float | Tensor,
+    eps2: float,
+) -> tuple[Float[Tensor, "*batch rows cols"], Float[Tensor, "*batch rows 1"],
+           Float[Tensor, "*batch 1 cols"]]:
+    """``u = g inverse_sqrt(factors) / clip``; ``M' = ema(M, u, beta1)``;
+    ``r = (u - M')^2 + eps2``: ``(M', sum_{-1} r, sum_{-2} r)``."""
+    u = inverse_sqrt(factors) * _to_compute(g)
+    u = u / clip.to(u.dtype)
+    m = ema(m, u, beta1)
+    res = (u - m) ** 2 + eps2
+    return m, res.sum(-1, keepdim=True), res.sum(-2, keepdim=True)
+
+
+def _as_tensor(x: float | Tensor) -> Tensor:
+    return x if torch.is_tensor(x) else torch.tensor(float(x), dtype=torch.float64)
+
+
+def precond_apply_reference(
+    x: Float[Tensor, "*shape"],
+    p: Float[Tensor, "*shape"] | None,
+    precond: Factors | Tensor | None,
+    *,
+    clip: Tensor | None = None,
+    pre: float | Tensor | None = None,
+    momentum: Float[Tensor, "*shape"] | None = None,
+    beta1: float | Tensor | None = None,
+    post: float | Tensor | None = None,
+    decay: float | Tensor | None = None,
+    out: str = "param",
+) -> tuple[Tensor, Tensor | None]:
+    """The update pass; see :func:`precond_apply`."""
+    y = _to_compute(x)
+    if precond is not None:
+        y = inverse_sqrt(precond) * y
+    if clip is not None:
+        y = y / clip.to(y.dtype)
+    if pre is not None:
+        y = y * _as_tensor(pre).to(y.dtype)
+    m_new = None
+    if momentum is not None:
+        m_new = y = ema(momentum, y, beta1)
+    if post is not None:
+        y = y * _as_tensor(post).to(y.dtype)
+    if out == "direction":
+        return y, m_new
+    p32 = p.to(y.dtype)
+    new_p = (p32 if decay is None else decoupled_decay(p32, decay)) - y
+    if out == "update":
+        return new_p - p32, m_new
+    return new_p.to(p.dtype), m_new
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatchers
+# --------------------------------------------------------------------------------------------
+
+
+def _kernel_ok(*tensors: Tensor | None) -> bool:
+    live = [t for t in tensors if t is not None]
+    if not use_kernels(*live):
+        return False
+    # float64 (the exactness tests' dtype) and empty shards take the reference.
+    return all(t.dtype in KERNEL_DTYPES and t.numel() > 0 for t in live)
+
+
+def _check_factored(g: Tensor, factors: Factors | None, who: str) -> None:
+    if g.dim() < 2:
+        raise ValueError(f"{who}: a factored pass needs a leaf with >= 2 dims, got shape "
+                         f"{tuple(g.shape)}")
+    if factors is None:
+        return
+    n, m = g.shape[-2], g.shape[-1]
+    lead = tuple(g.shape[:-2])
+    want = {"row": lead + (n, 1), "col": lead + (1, m), "row_mean": lead + (1, 1)}
+    for name, t in zip(Factors._fields, factors):
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{who}: factors.{name} has shape {tuple(t.shape)}, expected "
+                             f"{want[name]} for a leaf of shape {tuple(g.shape)}")
+
+
+def _check_same(who: str, g: Tensor, **others: Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and tuple(t.shape) != tuple(g.shape):
+            raise ValueError(f"{who}: {name} has shape {tuple(t.shape)} but the leaf has "
+                             f"{tuple(g.shape)}")
+
+
+def sq_row_col_sums(
+    g: Float[Tensor, "*batch rows cols"], eps: float
+) -> tuple[Float[Tensor, "*batch rows 1"], Float[Tensor, "*batch 1 cols"]]:
+    """The statistics pass: local sums of ``g^2 + eps`` over the last dim (one per row,
+    ``(..., n, 1)``) and over the second-last (one per column, ``(..., 1, m)``), in the compute
+    dtype. Complete them over the shards with the leaf's layout before dividing by the dims'
+    global sizes."""
+    _check_factored(g, None, "sq_row_col_sums")
+    if _kernel_ok(g):
+        return _tk().sq_row_col_sums(g, eps)
+    return sq_row_col_sums_reference(g, eps)
+
+
+def scaled_norm(g: Float[Tensor, "*batch rows cols"], factors: Factors) -> Tensor:
+    """``||g * rsqrt(R / mean(R)) (x) rsqrt(C)||`` over this shard (0-d, compute dtype)."""
+    _check_factored(g, factors, "scaled_norm")
+    if _kernel_ok(g, *factors):
+        return _tk().scaled_norm(g, factors)
+    return scaled_norm_reference(g, factors)
+
+
+def full_moment(
+    g: Float[Tensor, "*shape"], v: Float[Tensor, "*shape"], decay: float | Tensor, eps: float
+) -> tuple[Float[Tensor, "*shape"], Tensor]:
+    """An unfactored second moment in one pass: ``V' = decay V + (1 - decay)(g^2 + eps)`` and the
+    local ``||g rsqrt(V')||``."""
+    _check_same("full_moment", g, v=v)
+    if _kernel_ok(g, v):
+        return _tk().full_moment(g, v, decay, eps)
+    return full_moment_reference(g, v, decay, eps)
+
+
+def came_residual(
+    g: Float[Tensor, "*batch rows cols"],
+    factors: Factors,
+    clip: Tensor,
+    m: Float[Tensor, "*batch rows cols"],
+    beta1: float | Tensor,
+    eps2: float,
+) -> tuple[Float[Tensor, "*batch rows cols"], Float[Tensor, "*batch rows 1"],
+           Float[Tensor, "*batch 1 cols"]]:
+    """CAME's residual pass: ``u = g rsqrt(R / mean(R)) (x) rsqrt(C) / clip``,
+    ``M' = beta1 M + (1 - beta1) u``, ``r = (u - M')^2 + eps2``; returns ``M'`` and the local
+    row and column sums of ``r``."""
+    _check_factored(g, factors, "came_residual")
+    _check_same("came_residual", g, m=m)
+    if _kernel_ok(g, m, *factors):
+        return _tk().came_residual(g, factors, clip, m, beta1, eps2)
+    return came_residual_reference(g, factors, clip, m, beta1, eps2)
+
+
+def precond_apply(
+    x: Float[Tensor, "*shape"],
+    p: Float[Tensor, "*shape"] | None,
+    precond: Factors | Tensor | None,
+    *,
+    clip: Tensor | None = None,
+    pre: float | Tensor | None = None,
+    momentum: Float[Tensor, "*shape"] | None = None,
+    beta1: float | Tensor | None = None,
+    post: float | Tensor | None = None,
+    decay: float | Tensor | None = None,
+    out: str = "param",
+) -> tuple[Tensor, Tensor | None]:
+    """The update pass, elementwise over the leaf (``None`` arguments skip their step)::
+
+        y = x * inverse_sqrt(precond)        (Factors, a full V, or None: y = x)
+        y = y / clip * pre
+        momentum:  M' = beta1 M + (1 - beta1) y;  y = M'
+        y = y * post
+        out="direction": y      out="update": W' - W      out="param": W' (W's dtype)
+        with W' = W - decay W - y
+
+    Returns ``(result, M' or None)``. ``result`` is in the compute dtype except for
+    ``out="param"``; ``p`` is only read for ``update``/``param``.
+    """
+    if out not in OUT_MODES:
+        raise ValueError(f"precond_apply: out must be one of {OUT_MODES}, got {out!r}")
+    if (momentum is None) != (beta1 is None):
+        raise ValueError("precond_apply: momentum and beta1 go together")
+    if out != "direction" and p is None:
+        raise ValueError(f"precond_apply: out={out!r} needs the parameter p")
+    if isinstance(precond, Factors):
+        _check_factored(x, precond, "precond_apply")
+    _check_same("precond_apply", x, p=p if out != "direction" else None, momentum=momentum,
+                precond=precond if torch.is_tensor(precond) else None)
+    tensors = [x, momentum, p if out != "direction" else None]
+    tensors += list(precond) if isinstance(precond, Factors) else [precond]
+    kw: dict[str, Any] = dict(clip=clip, pre=pre, momentum=momentum, beta1=beta1, post=post,
+                              decay=decay, out=out)
+    if _kernel_ok(*tensors):
+        return _tk().precond_apply(x, p, precond, **kw)
+    return precond_apply_reference(x, p, precond, **kw)
+
+
+@functools.cache
+def _tk():
+    # Triton is imported on first use only (and TRITON_INTERPRET is read at that import).
+    from funcpar.kernels import _factored_triton
+
+    return _factored_triton

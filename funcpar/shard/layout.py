@@ -332,6 +332,21 @@ class Layout:
                              "has no single slice; use shard_tensor")
         return tuple(slice(s, s + n) for s, n in self._intervals(rank))
 
+    def local_indices(self, rank: int | None = None) -> tuple[Tensor, ...]:
+        """Per dim, the global indices (int64, in shard order) of ``rank``'s shard along it.
+
+        ``x[torch.meshgrid(*idx, indexing="ij")]`` is ``shard_tensor(x, self, rank)``, blocked
+        splits included (a rank's piece of every block, in block order): lazy initialization
+        (:mod:`funcpar.init`) computes a shard's values from these indices alone.
+        """
+        out = []
+        for (start, length), n, k in zip(self._intervals(rank), self.global_shape,
+                                         self.dim_blocks):
+            piece = torch.arange(start, start + length, dtype=torch.int64)
+            blocks = torch.arange(k, dtype=torch.int64)[:, None] * (n // k)
+            out.append((blocks + piece).reshape(-1))
+        return tuple(out)
+
     # ------------------------------------------------------------------------------ contract
     def _purpose(self, purpose: str) -> str:
         return f"{self.name}: {purpose}" if self.name else purpose

@@ -18,7 +18,7 @@ import torch
 
 import funcpar.offload.store as store_mod
 from funcpar.models import Llama, lm_loss
-from funcpar.offload import BLOCK, CpuStore, NvmeStore, StoreError
+from funcpar.offload import BLOCK, CHECKSUMS, CpuStore, NvmeStore, StoreError, aligned_empty
 from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state import functionalize, init_state
@@ -76,6 +76,45 @@ def test_round_trip_dtypes_shapes(tmp_path, make):
     store.close()
 
 
+@pytest.mark.parametrize("o_direct", [True, False])
+def test_pieces_out_and_zero_copy(tmp_path, o_direct):
+    """Tensors larger than one request go in several pieces (checksummed across them); a
+    page-aligned source is written without a buffer and a page-aligned ``out`` is read into
+    without one; an unaligned ``out`` goes through a buffer; sizes that are not whole blocks
+    keep their tail."""
+    store = NvmeStore(tmp_path, request_bytes=2 * BLOCK, max_inflight=2, o_direct=o_direct)
+    sizes = [1, 1023, 1024, 2048, 2049, 5000, 300_000]  # float32: 4 B to 1.2 MB
+    for n in sizes:
+        src = aligned_empty((n,), torch.float32)
+        src.copy_(torch.randn(n, generator=torch.Generator().manual_seed(n)))
+        assert src.data_ptr() % BLOCK == 0
+        store.put(f"a{n}", src)  # aligned source
+        store.put(f"u{n}", src[1:].clone())  # plain torch memory
+        store.flush()  # the sources stay untouched until the writes are done
+        out_a = aligned_empty((n,), torch.float32)
+        assert store.get(f"a{n}", out=out_a) is out_a and torch.equal(out_a, src)
+        out_u = torch.empty(n + 1, dtype=torch.float32)[1:]  # contiguous, not aligned
+        assert store.get(f"a{n}", out=out_u) is out_u and torch.equal(out_u, src)
+        assert torch.equal(store.get(f"u{n}"), src[1:])
+        # Prefetched into out: the get hands back the same tensor.
+        out_p = aligned_empty((n,), torch.float32)
+        assert store.prefetch(f"a{n}", out=out_p)
+        assert store.get(f"a{n}", out=out_p) is out_p and torch.equal(out_p, src)
+    assert store.buffer_bytes() <= 2 * (BLOCK + 2 * BLOCK)  # buffers of one request each
+    if o_direct and store.direct:
+        assert store.zero_copy > 0
+    with pytest.raises(ValueError, match=r"get\('a5000', out=\).*holds \(5000,\) "
+                                         r"torch.float32, out is \(\(4999,\)"):
+        store.get("a5000", out=torch.empty(4999))
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        store.get("a5000", out=torch.empty(10000)[::2])
+    store.close()
+    with pytest.raises(ValueError, match="request_bytes must be a positive multiple"):
+        NvmeStore(tmp_path, request_bytes=1000)
+    with pytest.raises(ValueError, match="checksum 'md5' is not available"):
+        NvmeStore(tmp_path, checksum="md5")
+
+
 def test_many_tensors_and_overwrite(tmp_path):
     with NvmeStore(tmp_path, workers=2, max_inflight=4) as store:
         xs = [torch.full((50 + i,), float(i)) for i in range(300)]
@@ -91,9 +130,10 @@ def test_many_tensors_and_overwrite(tmp_path):
             store.get("k7", tag=0)
 
 
+@pytest.mark.parametrize("checksum", sorted(CHECKSUMS))
 @pytest.mark.parametrize("n", [1000, 300_000])  # through a buffer; straight into the result
-def test_corrupt_file_detected(tmp_path, n):
-    store = NvmeStore(tmp_path)
+def test_corrupt_file_detected(tmp_path, n, checksum):
+    store = NvmeStore(tmp_path, checksum=checksum)
     store.put("w", torch.randn(n))
     store.flush()
     path = store.path("w")
@@ -102,7 +142,7 @@ def test_corrupt_file_detected(tmp_path, n):
         b = f.read(1)
         f.seek(BLOCK + 123)
         f.write(bytes([b[0] ^ 0x40]))
-    with pytest.raises(StoreError, match=r"'w'.*corrupt \(CRC-32") as err:
+    with pytest.raises(StoreError, match=rf"'w'.*corrupt \({checksum} 0x") as err:
         store.get("w")
     assert err.value.path == path and err.value.key == "w"
     # A truncated file and a foreign one are refused too.

@@ -1,5 +1,14 @@
 """Tensor stores for offloading: pinned host memory and NVMe files (see :mod:`.store`)."""
 
-from funcpar.offload.store import BLOCK, CpuStore, NvmeStore, StoreError, TensorStore
+from funcpar.offload.store import (
+    BLOCK,
+    CHECKSUMS,
+    CpuStore,
+    NvmeStore,
+    StoreError,
+    TensorStore,
+    aligned_empty,
+)
 
-__all__ = ["BLOCK", "CpuStore", "NvmeStore", "StoreError", "TensorStore"]
+__all__ = ["BLOCK", "CHECKSUMS", "CpuStore", "NvmeStore", "StoreError", "TensorStore",
+           "aligned_empty"]

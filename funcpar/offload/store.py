@@ -40,18 +40,30 @@ import os
 import re
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK", "CpuStore", "NvmeStore", "StoreError", "TensorStore"]
+__all__ = ["BLOCK", "CHECKSUMS", "CpuStore", "NvmeStore", "StoreError", "TensorStore",
+           "aligned_empty"]
 
 DIRECT_MIN = 1 << 20  # tensors from this size are read into their own memory, not a buffer
 BLOCK = 4096  # header size and alignment of every transfer (O_DIRECT's logical block bound)
 _MAGIC = b"FUNCPAR-TENSOR-1\n"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+
+# Checksum name -> f(data, running value) -> value. CRC32C from the optional ``crc32c`` package
+# (SSE4.2 / ARMv8 CRC instructions: ~17 GB/s on one core of this project's VM, against zlib's
+# ~6.7 GB/s CRC-32, the fallback). Both release the GIL, so the worker threads overlap them.
+CHECKSUMS: dict[str, Callable[[Any, int], int]] = {"crc32": zlib.crc32}
+try:
+    import crc32c as _crc32c
+
+    CHECKSUMS["crc32c"] = lambda data, value=0: _crc32c.crc32c(data, value)
+except ImportError:  # optional: funcpar[fast] installs it
+    pass
 
 
 class StoreError(RuntimeError):
@@ -165,7 +177,7 @@ class CpuStore(TensorStore):
 
 class _Buffer:
     """A reusable page-aligned host buffer (an anonymous mmap; pinned via cudaHostRegister
-    when CUDA is available), grown when a larger tensor comes."""
+    when CUDA is available), grown when a larger request comes (up to ``BLOCK + request``)."""
 
     def __init__(self, pin: bool) -> None:
         self.pin, self.capacity = pin, 0
@@ -197,6 +209,27 @@ class _Buffer:
         return memoryview(self.mm)[:n]
 
 
+_MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def aligned_empty(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """An uninitialised host tensor whose memory is page-aligned and padded to whole 4 KiB
+    blocks (an anonymous mmap), so :meth:`NvmeStore.get` with ``out=`` reads straight into it
+    with ``O_DIRECT``, and :meth:`NvmeStore.put` writes straight from it (no copy through a
+    store buffer). The memory lives as long as the tensor (and its views) do."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    n = numel * torch.empty((), dtype=dtype).element_size()
+    if n == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    # MAP_POPULATE faults the pages in with the mmap itself: 2.7 GB/s against 0.75 GB/s
+    # for first-touch faults on this project's loaded VM (a fresh page must be zeroed either
+    # way; one syscall instead of a trap per 4 KiB page).
+    mm = mmap.mmap(-1, _round_up(n), flags=_MAP_FLAGS)
+    return torch.frombuffer(mm, dtype=torch.uint8)[:n].view(dtype).reshape(tuple(shape))
+
+
 def _probe_direct(directory: str) -> tuple[bool, str]:
     """Whether files in ``directory`` can be written and read with O_DIRECT."""
     if not hasattr(os, "O_DIRECT"):
@@ -225,25 +258,41 @@ class NvmeStore(TensorStore):
     """Tensors in files under ``directory`` (see the module docstring).
 
     ``workers``: I/O threads. ``max_inflight``: the number of reusable buffers, hence the
-    bound on the store's memory; a ``put`` waits for a free one, and at most
-    ``max_inflight - 1`` prefetched reads wait for their ``get``. ``o_direct``: try
-    ``O_DIRECT`` (``io_mode`` says what was used). ``fsync``: make each write durable before
-    its buffer is reused (off by default: a training state is rewritten every step and
-    checkpoints are what must survive a crash; on for throughput measurements against a
-    synced baseline).
+    bound on the store's memory: at most ``max_inflight`` buffers of at most ``BLOCK +
+    request_bytes`` each; a ``put`` waits for a free one, and at most ``max_inflight - 1``
+    prefetched reads wait for their ``get``. ``request_bytes``: the size of each read or write
+    syscall (a multiple of 4 KiB; 8 MiB measured best on this project's VM, where 32 MiB
+    requests ran 20 % slower). ``o_direct``: try ``O_DIRECT`` (``io_mode`` says what was used).
+    ``fsync``: make each write durable before its buffer is reused (off by default: a training
+    state is rewritten every step and checkpoints are what must survive a crash; on for
+    throughput measurements against a synced baseline). ``checksum``: ``"crc32c"`` (needs the
+    ``crc32c`` package: hardware CRC32C, ~17 GB/s on one core here) or ``"crc32"`` (zlib,
+    ~6.7 GB/s); ``None`` picks crc32c when it is installed. A file records its algorithm, and
+    reading it needs that one.
     """
 
     def __init__(self, directory: str | os.PathLike, *, workers: int = 2, max_inflight: int = 4,
-                 o_direct: bool = True, fsync: bool = False, pin: bool | None = None) -> None:
+                 o_direct: bool = True, fsync: bool = False, pin: bool | None = None,
+                 request_bytes: int = 8 << 20, checksum: str | None = None) -> None:
         if workers < 1:
             raise ValueError(f"NvmeStore needs workers >= 1, got {workers}")
         if max_inflight < 1:
             raise ValueError(f"NvmeStore needs max_inflight >= 1 buffers, got {max_inflight}")
+        if request_bytes < BLOCK or request_bytes % BLOCK:
+            raise ValueError(f"NvmeStore request_bytes must be a positive multiple of {BLOCK}, "
+                             f"got {request_bytes}")
+        if checksum is None:
+            checksum = "crc32c" if "crc32c" in CHECKSUMS else "crc32"
+        if checksum not in CHECKSUMS:
+            raise ValueError(f"NvmeStore checksum {checksum!r} is not available here (have "
+                             f"{sorted(CHECKSUMS)}; crc32c needs `pip install crc32c`)")
+        self.checksum, self._crc = checksum, CHECKSUMS[checksum]
         self.directory = os.fspath(directory)
         os.makedirs(self.directory, exist_ok=True)
         self.direct, self.io_mode = (_probe_direct(self.directory) if o_direct
                                      else (False, "buffered (o_direct=False)"))
         self.fsync, self.max_inflight = bool(fsync), int(max_inflight)
+        self.request = int(request_bytes)
         self.pinned = torch.cuda.is_available() if pin is None else bool(pin)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "funcpar-nvme")
         self._lock = threading.Condition()
@@ -251,9 +300,9 @@ class NvmeStore(TensorStore):
         self._free = list(self._buffers)
         self._in_use = 0
         self.peak_in_use = 0  # the most buffers held at once (tests check the bound)
+        self.zero_copy = 0  # transfers made straight from/to the caller's memory (tests)
         self._writes: dict[str, concurrent.futures.Future] = {}
         self._reads: dict[str, concurrent.futures.Future] = {}
-        self._errors: list[BaseException] = []
         self._closed = False
 
     # -- buffers --------------------------------------------------------------------------
@@ -275,8 +324,17 @@ class NvmeStore(TensorStore):
             self._lock.notify()
 
     def buffer_bytes(self) -> int:
-        """Bytes held by the store's buffers (at most ``max_inflight`` x the largest file)."""
+        """Bytes held by the store's buffers (at most ``max_inflight * (BLOCK +
+        request_bytes)``)."""
         return sum(b.capacity for b in self._buffers)
+
+    def _count_zero_copy(self) -> None:
+        with self._lock:
+            self.zero_copy += 1
+
+    def _direct_ok(self, t: Tensor, n: int) -> bool:
+        """Whether ``n`` bytes at ``t``'s memory may be transferred without a store buffer."""
+        return not self.direct or (t.data_ptr() % BLOCK == 0 and n % BLOCK == 0)
 
     # -- paths ----------------------------------------------------------------------------
 
@@ -301,33 +359,59 @@ class NvmeStore(TensorStore):
         self._wait_key(key)  # one operation per key at a time: the last put wins, in order
         data = _bytes_of(tensor.cpu() if tensor.device.type != "cpu" else tensor)
         header = {"key": key, "dtype": str(tensor.dtype), "shape": list(tensor.shape),
-                  "nbytes": data.numel(), "tag": int(tag)}
+                  "nbytes": data.numel(), "tag": int(tag), "checksum": self.checksum}
         buf = self._take()  # blocks while max_inflight buffers are busy: the memory bound
         fut = self._pool.submit(self._write, key, path, buf, header, data)
         with self._lock:
             self._writes[key] = fut
 
     def _write(self, key: str, path: str, buf: _Buffer, header: dict, data: Tensor) -> None:
+        """Write one file: the data in ``request``-sized pieces at offset ``BLOCK`` (each
+        copied into the buffer, unless the source is page-aligned, and checksummed while it
+        is in cache), then the header with the checksum at offset 0, then the rename."""
         tmp = f"{path}.tmp{threading.get_ident()}"
+        n = header["nbytes"]
         try:
-            n = header["nbytes"]
-            buf.ensure(BLOCK + n)
-            buf.tensor[BLOCK:BLOCK + n].copy_(data)
-            del data
-            body = buf.view(BLOCK + _round_up(n))
-            header["crc32"] = zlib.crc32(body[BLOCK:BLOCK + n])
-            head = _MAGIC + json.dumps(header).encode() + b"\n"
-            if len(head) > BLOCK:
-                raise StoreError(f"tensor {key!r}: header of {len(head)} bytes exceeds {BLOCK} "
-                                 f"(shape {header['shape']} too long)", key, path)
-            body[:len(head)] = head
-            body[len(head):BLOCK] = bytes(BLOCK - len(head))
+            # Whole blocks straight from a page-aligned source (no copy; any source with
+            # buffered I/O, whose kernel copy is the page cache's); the rest through the buffer.
+            direct = n if not self.direct else (
+                n // BLOCK * BLOCK if self._direct_ok(data, 0) else 0)
+            buf.ensure(BLOCK + min(self.request, _round_up(n - direct)))
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct else 0)
             fd = os.open(tmp, flags, 0o600)
             try:
-                done = 0
-                while done < len(body):  # pwrite may write less than asked
-                    done += os.pwrite(fd, body[done:], done)
+                src = data.numpy() if n else None
+                crc, off = 0, 0
+                if direct:
+                    self._count_zero_copy()
+                while off < direct:
+                    m = min(self.request, direct - off)
+                    piece = memoryview(src[off:off + m])
+                    crc = self._crc(piece, crc)
+                    _write_all(fd, piece, BLOCK + off)
+                    off += m
+                while off < n:
+                    m = min(self.request, n - off)
+                    buf.tensor[BLOCK:BLOCK + m].copy_(data[off:off + m])
+                    padded = _round_up(m)
+                    if padded > m:  # O_DIRECT writes whole blocks: zeros after the data
+                        buf.tensor[BLOCK + m:BLOCK + padded].zero_()
+                    body = buf.view(BLOCK + padded)
+                    crc = self._crc(body[BLOCK:BLOCK + m], crc)
+                    _write_all(fd, body[BLOCK:], BLOCK + off)
+                    off += m
+                del data, src
+                if not self.direct and n % BLOCK:  # buffered: pad the file with zeros
+                    os.ftruncate(fd, BLOCK + _round_up(n))
+                header["crc"] = crc
+                head = _MAGIC + json.dumps(header).encode() + b"\n"
+                if len(head) > BLOCK:
+                    raise StoreError(f"tensor {key!r}: header of {len(head)} bytes exceeds "
+                                     f"{BLOCK} (shape {header['shape']} too long)", key, path)
+                block = buf.view(BLOCK)
+                block[:len(head)] = head
+                block[len(head):] = bytes(BLOCK - len(head))
+                _write_all(fd, block, 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -337,7 +421,7 @@ class NvmeStore(TensorStore):
             _unlink(tmp)
             if err.errno == errno.ENOSPC:
                 raise StoreError(f"disk full writing tensor {key!r} to {path}: it needs "
-                                 f"{BLOCK + _round_up(header['nbytes'])} bytes "
+                                 f"{BLOCK + _round_up(n)} bytes "
                                  f"(free space under {self.directory} is exhausted)",
                                  key, path) from err
             raise StoreError(f"writing tensor {key!r} to {path} failed: {err}", key,
@@ -358,11 +442,23 @@ class NvmeStore(TensorStore):
         if r is not None:
             r.exception()  # its result (the old contents) is dropped
 
+    def wait(self, keys: Sequence[str]) -> None:
+        """Wait for the writes of ``keys`` (raising the first failure): after it the tensors
+        given to those ``put`` calls are no longer read by the store."""
+        for key in keys:
+            with self._lock:
+                w = self._writes.get(key)
+            if w is not None:
+                w.result()
+
     # -- reads ----------------------------------------------------------------------------
 
-    def prefetch(self, key: str) -> bool:
-        """Start reading ``key`` in the background; False when ``max_inflight - 1`` reads are
-        already waiting for their ``get`` (a hint: the ``get`` then reads it itself)."""
+    def prefetch(self, key: str, out: Tensor | None = None) -> bool:
+        """Start reading ``key`` in the background (into ``out`` when given, see ``get``);
+        False when ``max_inflight - 1`` reads are already waiting for their ``get`` (a hint:
+        the ``get`` then reads it itself). Several reads in flight matter on a disk where each
+        file's first request waits (measured on this project's VM: 16 files of 32 MB read at
+        82 % of one large file's rate by one thread, 99 % by two)."""
         with self._lock:
             if key in self._reads:
                 return True
@@ -371,29 +467,41 @@ class NvmeStore(TensorStore):
                 return False  # read after the write lands; the get will do it
             if len(self._reads) >= max(self.max_inflight - 1, 0):
                 return False
-            self._reads[key] = self._pool.submit(self._read, key, self.path(key))
+            self._reads[key] = self._pool.submit(self._read, key, self.path(key), out)
         return True
 
-    def get(self, key: str, tag: int | None = None) -> Tensor:
+    def get(self, key: str, tag: int | None = None, out: Tensor | None = None) -> Tensor:
+        """The stored tensor (a new one, or ``out`` filled: a contiguous CPU tensor of the
+        stored shape and dtype; page-aligned, as :func:`aligned_empty` makes, it is read into
+        with ``O_DIRECT`` and no copy)."""
         path = self.path(key)
         with self._lock:
             fut = self._reads.pop(key, None)
             w = self._writes.pop(key, None)
         if w is not None:
             w.result()
-        header, out = fut.result() if fut is not None else self._read(key, path)
+        if fut is not None:
+            header, got = fut.result()
+            if out is not None and got is not out:  # prefetched elsewhere: one copy
+                _check_out(out, header, key, path)
+                out.copy_(got)
+                got = out
+        else:
+            header, got = self._read(key, path, out)
         if tag is not None and header["tag"] != tag:
             raise StoreError(f"tensor {key!r} in {path} has tag {header['tag']}, expected "
                              f"{tag} (a state older than the store's last two versions?)",
                              key, path)
-        return out
+        return got
 
-    def _read(self, key: str, path: str) -> tuple[dict, Tensor]:
+    def _read(self, key: str, path: str, out: Tensor | None) -> tuple[dict, Tensor]:
         """Read ``key`` and verify it (on the calling thread: a worker for a prefetch).
 
-        Large tensors land in fresh page-aligned memory that becomes the result (one pass
-        over the bytes fewer than a copy out of a buffer); small ones go through a store
-        buffer, given back at once, and are copied out."""
+        The data go straight into their destination where it is page-aligned (``out`` from
+        :func:`aligned_empty`; a new tensor of >= ``DIRECT_MIN`` bytes, made page-aligned for
+        it), in ``request``-sized pieces each checksummed as it lands; otherwise (small
+        tensors, an unaligned ``out``, the last partial block) through a store buffer and a
+        copy."""
         try:
             fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         except FileNotFoundError:
@@ -405,43 +513,59 @@ class NvmeStore(TensorStore):
                 raise StoreError(f"tensor {key!r}: file {path} is truncated or corrupt "
                                  f"({size} bytes, not a whole number of {BLOCK}-byte blocks)",
                                  key, path)
-            if size - BLOCK >= DIRECT_MIN:
-                head_mm, body_mm = mmap.mmap(-1, BLOCK), mmap.mmap(-1, size - BLOCK)
-                head, body = memoryview(head_mm), memoryview(body_mm)
-            else:
-                buf = self._take()
-                buf.ensure(size)
-                head, body = buf.view(BLOCK), buf.view(size)[BLOCK:]
-            _fill(fd, head, 0, key, path)
-            _fill(fd, body, BLOCK, key, path)
-        except BaseException:
-            if buf is not None:
-                self._give(buf)
-            raise
-        finally:
-            os.close(fd)
-        try:
-            header = self._header(key, path, head)
+            head_mm = mmap.mmap(-1, BLOCK)
+            _fill(fd, memoryview(head_mm), 0, key, path)
+            header = self._header(key, path, memoryview(head_mm))
             n = header["nbytes"]
             if BLOCK + _round_up(n) != size:
                 raise StoreError(f"tensor {key!r}: file {path} has {size} bytes, its header "
                                  f"says {BLOCK + _round_up(n)}: truncated or corrupt", key, path)
-            crc = zlib.crc32(body[:n])
-            if crc != header["crc32"]:
-                raise StoreError(f"tensor {key!r}: file {path} is corrupt (CRC-32 {crc:#010x}, "
-                                 f"header says {header['crc32']:#010x})", key, path)
+            crc_fn = CHECKSUMS.get(header["checksum"])
+            if crc_fn is None:
+                raise StoreError(f"tensor {key!r}: file {path} was checksummed with "
+                                 f"{header['checksum']!r}, not available here (install the "
+                                 "crc32c package)", key, path)
             dtype = _dtype_of(header["dtype"], key, path)
-            if buf is None:  # the result owns the mmap it was read into
-                del head, body
-                flat = torch.frombuffer(body_mm, dtype=torch.uint8)[:n]
-                return header, flat.view(dtype).reshape(header["shape"])
-            out = torch.empty(header["shape"], dtype=dtype)
-            if n:
-                _bytes_of(out).copy_(buf.tensor[BLOCK:BLOCK + n])
-            return header, out
+            if out is not None:
+                _check_out(out, header, key, path)
+                dest = _bytes_of(out)
+            elif n >= DIRECT_MIN:  # its own page-aligned memory, padded to whole blocks
+                dest = aligned_empty((_round_up(n),), torch.uint8)
+            else:
+                dest = torch.empty(n, dtype=torch.uint8)
+            view = dest.numpy() if n else None
+            # The prefix of whole blocks that can be read without a buffer.
+            direct = n if not self.direct else (
+                min(dest.numel(), _round_up(n)) // BLOCK * BLOCK
+                if self._direct_ok(dest, 0) else 0)
+            if direct:
+                self._count_zero_copy()
+            crc, off = 0, 0
+            while off < min(direct, n):
+                m = min(self.request, direct - off)
+                _fill(fd, memoryview(view[off:off + m]), BLOCK + off, key, path)
+                crc = crc_fn(memoryview(view[off:min(off + m, n)]), crc)
+                off += m
+            if off < n:
+                buf = self._take()
+                buf.ensure(min(self.request, _round_up(n - off)))
+                while off < n:
+                    m = min(self.request, n - off)
+                    piece = buf.view(_round_up(m))
+                    _fill(fd, piece, BLOCK + off, key, path)
+                    crc = crc_fn(piece[:m], crc)
+                    dest[off:off + m].copy_(buf.tensor[:m])
+                    off += m
         finally:
+            os.close(fd)
             if buf is not None:
                 self._give(buf)
+        if crc != header["crc"]:
+            raise StoreError(f"tensor {key!r}: file {path} is corrupt ({header['checksum']} "
+                             f"{crc:#010x}, header says {header['crc']:#010x})", key, path)
+        if out is not None:
+            return header, out
+        return header, dest[:n].view(dtype).reshape(header["shape"])
 
     @staticmethod
     def _header(key: str, path: str, block: memoryview) -> dict:
@@ -452,8 +576,8 @@ class NvmeStore(TensorStore):
         line = raw[len(_MAGIC):].split(b"\n", 1)[0]
         try:
             header = json.loads(line)
-            _ = (header["dtype"], header["shape"], int(header["nbytes"]), int(header["crc32"]),
-                 int(header["tag"]))
+            _ = (header["dtype"], header["shape"], int(header["nbytes"]), int(header["crc"]),
+                 int(header["tag"]), str(header["checksum"]))
         except (ValueError, KeyError, TypeError) as err:
             raise StoreError(f"tensor {key!r}: file {path} has a corrupt header ({err})", key,
                              path) from None
@@ -507,6 +631,17 @@ class NvmeStore(TensorStore):
             pass
 
 
+def _check_out(out: Tensor, header: dict, key: str, path: str) -> None:
+    want = (tuple(header["shape"]), header["dtype"])
+    if not torch.is_tensor(out) or (tuple(out.shape), str(out.dtype)) != want:
+        got = (tuple(out.shape), str(out.dtype)) if torch.is_tensor(out) else type(out).__name__
+        raise ValueError(f"get({key!r}, out=): the file {path} holds {want[0]} {want[1]}, out "
+                         f"is {got}")
+    if out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"get({key!r}, out=): out must be a contiguous CPU tensor, got one on "
+                         f"{out.device} (contiguous: {out.is_contiguous()})")
+
+
 def _fill(fd: int, view: memoryview, offset: int, key: str, path: str) -> None:
     """Read ``len(view)`` bytes at ``offset`` (``preadv`` may return fewer than asked)."""
     done = 0
@@ -515,6 +650,12 @@ def _fill(fd: int, view: memoryview, offset: int, key: str, path: str) -> None:
         if got == 0:
             raise StoreError(f"tensor {key!r}: file {path} ended early", key, path)
         done += got
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):  # pwrite may write less than asked
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def _unlink(path: str) -> None:

@@ -1,11 +1,12 @@
 """Collectives over one mesh axis, each recorded with what asked for it.
 
 Thin wrappers over torch.distributed: :func:`all_reduce`, :func:`all_gather` (uneven pieces
-included), :func:`reduce_scatter`, :func:`broadcast`, :func:`send` / :func:`recv`. Each takes the
-mesh, the axis to communicate over and a ``purpose`` (the leaf name or what asked), and is
-functional: it returns a new tensor and leaves its input alone (``all_reduce(inplace=True)``
-excepted). Over an axis of size 1 nothing is issued, nothing is recorded, and the input itself
-is returned.
+included), :func:`reduce_scatter`, :func:`broadcast`, :func:`send` / :func:`recv`, and
+:func:`batch_p2p` (asynchronous sends and receives posted together, for pipeline stages).
+Each takes the mesh, the axis to communicate over and a ``purpose`` (the leaf name or what
+asked), and is functional: it returns a new tensor and leaves its input alone
+(``all_reduce(inplace=True)`` excepted). Over an axis of size 1 nothing is issued, nothing is
+recorded, and the input itself is returned.
 
 Accounting: every collective actually issued is appended as a :class:`CommRecord` (step, op,
 axis, bytes, purpose) to the process-local :data:`comm_log` while it is enabled, and to every
@@ -33,9 +34,11 @@ __all__ = [
     "CommLog",
     "CommRecord",
     "CommSummary",
+    "P2POp",
     "Pending",
     "all_gather",
     "all_reduce",
+    "batch_p2p",
     "broadcast",
     "chunk_sizes",
     "comm_log",
@@ -384,3 +387,47 @@ def recv(like: Tensor, mesh: DeviceMesh, axis: str, *, src: int, purpose: str = 
     comm_log.record("recv", mesh, axis, _nbytes(out), purpose, out.dtype)
     dist.recv(out, src=peer, group=mesh.group(axis))
     return out
+
+
+# ------------------------------------------------------------------------- point to point
+class P2POp(NamedTuple):
+    """One half of a point-to-point transfer for :func:`batch_p2p`: ``op`` is ``"send"`` (of
+    ``tensor``) or ``"recv"`` (into ``tensor``, a buffer of the right shape and dtype); ``peer``
+    the other rank's coordinate on the axis; ``tag`` tells apart transfers between one pair of
+    ranks (gloo matches a receive to the send of the same tag; NCCL matches in order)."""
+
+    op: str
+    tensor: Tensor
+    peer: int
+    tag: int = 0
+    purpose: str = ""
+
+
+def batch_p2p(ops: Sequence[P2POp], mesh: DeviceMesh, axis: str) -> list[Pending]:
+    """Post the sends and receives of ``ops`` over ``axis`` together, without waiting.
+
+    One ``torch.distributed.batch_isend_irecv`` (a coalesced group under NCCL, so a send and a
+    receive between the same two ranks in opposite directions cannot block each other); each
+    op is recorded as ``send`` / ``recv`` with its bytes and purpose. Returns one
+    :class:`Pending` per op, in order: a receive's ``wait()`` gives its filled buffer, a send's
+    ``wait()`` returns once the tensor may be reused.
+    """
+    if not ops:
+        return []
+    import torch.distributed as dist
+
+    group = mesh.group(axis)
+    p2p = []
+    for o in ops:
+        if o.op not in ("send", "recv"):
+            raise ValueError(f"a P2POp is a 'send' or a 'recv', got {o.op!r} ({o.purpose})")
+        if not o.tensor.is_contiguous():
+            raise ValueError(f"p2p {o.op} of a non-contiguous tensor ({o.purpose})")
+        peer = _peer(mesh, axis, o.peer, f"{o.op} peer")
+        comm_log.record(o.op, mesh, axis, _nbytes(o.tensor), o.purpose, o.tensor.dtype)
+        fn = dist.isend if o.op == "send" else dist.irecv
+        p2p.append(dist.P2POp(fn, o.tensor, peer, group=group, tag=o.tag))
+    works = dist.batch_isend_irecv(p2p)
+    if len(works) != len(ops):  # NCCL coalesces the batch into one work
+        works = [works[0] if works else None] * len(ops)
+    return [Pending(w, o.tensor) for w, o in zip(works, ops)]

@@ -9,6 +9,8 @@ collectives of the same runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import funcpar.optim as fo
@@ -18,7 +20,13 @@ from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import llama_rules
 from funcpar.state import functionalize, init_state
 from funcpar.train import make_train_step
-from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
+from funcpar.transforms import (
+    compose,
+    data_parallel,
+    pipeline_split,
+    shard_params,
+    zero_partition,
+)
 
 CFG = LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, ffn_hidden=42,
                   max_seq_len=16)
@@ -83,19 +91,35 @@ LAYOUTS = {
 }
 
 
+#: The example model with more (and, over 2 or 4 stages, uneven) blocks, for pipelines.
+PP_CFG = dataclasses.replace(CFG, n_layers=9)
+
+
 def build(tp, dp, optim, dtype=torch.float64, *, zero=0, vocab_parallel_loss=True,
-          sequence_parallel=False):
-    """The composed ``(step, state)`` of ``optim`` under tp x dp (+ ZeRO) on this rank."""
-    mesh = DeviceMesh.from_env(dp=dp, tp=tp)
+          sequence_parallel=False, cfg=None, pp=1, microbatches=None, schedule="1f1b",
+          virtual_stages=1, cuts=None):
+    """The composed ``(step, state)`` of ``optim`` under tp x dp (+ ZeRO) on this rank.
+
+    ``cfg``: the model's config (default :data:`CFG`). With ``pp > 1`` or ``microbatches``
+    the model is first cut by ``pipeline_split`` over a mesh ``(pp, dp, tp)``.
+    """
+    cfg = CFG if cfg is None else cfg
+    piped = pp > 1 or microbatches is not None
+    mesh = DeviceMesh.from_env(pp=pp, dp=dp, tp=tp) if piped else DeviceMesh.from_env(dp=dp,
+                                                                                     tp=tp)
     torch.manual_seed(0)
-    model = Llama(CFG).to(dtype)
+    model = Llama(cfg).to(dtype)
     apply_fn, params, buffers = functionalize(model)
     opt = OPTIMIZERS[optim](params)
     step = make_train_step(apply_fn, lm_loss, opt)
     state = init_state(params, buffers, opt)
     transforms = []
+    if piped:
+        transforms.append(pipeline_split(mesh, microbatches=microbatches or 1,
+                                         schedule=schedule, virtual_stages=virtual_stages,
+                                         cuts=cuts))
     if tp > 1:
-        rules = llama_rules(CFG.head_dim, vocab_parallel_loss=vocab_parallel_loss)
+        rules = llama_rules(cfg.head_dim, vocab_parallel_loss=vocab_parallel_loss)
         kw = {"sequence_parallel": True} if sequence_parallel else {}
         transforms.append(shard_params(rules, mesh, **kw))
     if dp > 1:
@@ -106,10 +130,12 @@ def build(tp, dp, optim, dtype=torch.float64, *, zero=0, vocab_parallel_loss=Tru
 
 
 def train(tp, dp, optim, dtype=torch.float64, *, zero=0, vocab_parallel_loss=True,
-          sequence_parallel=False):
-    """10 steps; returns (losses, whole params) on every rank."""
+          sequence_parallel=False, **pipeline):
+    """10 steps; returns (losses, whole params) on every rank. ``pipeline``: :func:`build`'s
+    ``cfg``, ``pp``, ``microbatches``, ``schedule``, ``virtual_stages``, ``cuts``; under a
+    pipeline the params are this rank's stages' leaves (whole over tp and dp)."""
     step, state = build(tp, dp, optim, dtype, zero=zero, vocab_parallel_loss=vocab_parallel_loss,
-                        sequence_parallel=sequence_parallel)
+                        sequence_parallel=sequence_parallel, **pipeline)
     losses = []
     for batch in batches():
         state, metrics = step(state, batch)

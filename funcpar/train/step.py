@@ -144,6 +144,13 @@ class TrainStep:
     ``partition`` the ``apply_fn`` must be amp_cast's own (amp_cast applied after it), else
     constructing the step is a ValueError.
 
+    ``pipeline`` (set by ``pipeline_split``): an object whose ``loss_and_grads(step, params,
+    buffers, batch, loss_scale)`` replaces the single forward/backward (it runs this rank's
+    pipeline stages over micro-batches and returns the loss on every rank and the gradients
+    of this rank's leaves; the ``overlap_grads`` reduction then runs after it, without
+    hooks), and whose ``global_norm(norm)`` completes the ``grad_norm`` metric over the other
+    stages' leaves.
+
     ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
     they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
     plan and the data-parallel axis, so that the transforms compose in either order.
@@ -163,6 +170,7 @@ class TrainStep:
     dp_axis: str | None = None
     loss_scaler: LossScaler | None = None
     precision: str | None = None
+    pipeline: Any = None
 
     def __post_init__(self) -> None:
         # ZeRO-3 installs the gathered float32 leaves into the modules itself, past the params
@@ -188,7 +196,12 @@ class TrainStep:
         scale = None if scaler is None else scaler.scale(extras)
         if self.local_batch is not None:
             batch = self.local_batch(batch)
-        if self.overlap_grads is None:
+        if self.pipeline is not None:
+            loss, grads, new_buffers = self.pipeline.loss_and_grads(self, params, buffers,
+                                                                    batch, scale)
+            if self.overlap_grads is not None:
+                grads = self.overlap_grads(tree_flatten(params)[0]).finish(grads)
+        elif self.overlap_grads is None:
             loss, grads, new_buffers = self._grads_of(params, buffers, batch, scale)
         else:
             sync = self.overlap_grads(tree_flatten(params)[0])
@@ -210,6 +223,8 @@ class TrainStep:
             grads, finite = scaler.unscale(grads, extras)
         gnorm = global_norm(grads, self.layouts if self.grad_layouts is None
                             else self.grad_layouts)
+        if self.pipeline is not None:
+            gnorm = self.pipeline.global_norm(gnorm)
         if finite is not None and not bool(finite):
             # Skipped: every rank got the same ``finite``, so they all skip, and none runs the
             # optimizer's collectives alone.

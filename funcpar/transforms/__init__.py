@@ -4,6 +4,7 @@ from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.compose import compose
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.offload import offload
+from funcpar.transforms.pipeline_split import pipeline_split
 from funcpar.transforms.shard_params import logits_of, shard_params
 from funcpar.transforms.zero_partition import zero_partition
 
@@ -13,6 +14,7 @@ __all__ = [
     "data_parallel",
     "logits_of",
     "offload",
+    "pipeline_split",
     "shard_params",
     "zero_partition",
 ]

@@ -1,0 +1,296 @@
+"""Executing a pipeline schedule on one rank: micro-batches, transfers, gradient accumulation.
+
+:class:`Pipeline` is what :func:`~funcpar.transforms.pipeline_split` stores in
+``TrainStep.pipeline``; the step calls :meth:`Pipeline.loss_and_grads` in place of the
+single-pass forward/backward. It walks this rank's action list (:mod:`.schedules`):
+
+* ``F(s, mb)``: ``step.apply_fn(params, buffers, s, x, *inputs_mb)`` on the activation ``x``
+  received from stage ``s - 1`` (detached, made a leaf that requires grad, so the stage's
+  backward stops there); the last stage also computes ``step.loss_fn(out, targets_mb)``;
+* ``B(s, mb)``: ``torch.autograd.grad`` of the stage's output against the received gradient
+  (the last stage: of ``loss_mb / m``, times the loss scale under fp16) with respect to the
+  stage's parameter leaves (summed into the step's gradients) and to ``x`` (sent back);
+* transfers: consecutive ones are posted together (:func:`funcpar.shard.comm.batch_p2p`,
+  recorded in the comm log as ``send``/``recv`` over ``pp``); sends are not waited for until
+  the step's end, receives right away - the semantics :func:`.schedules.simulate` verified the
+  lists under. Each (stage, micro-batch, direction) has its own tag. The first activation a
+  stage receives in a step is preceded by a small header (its shape and dtype); gradients have
+  their activation's shape.
+
+The loss is the mean over micro-batches of the micro-batch losses - the full-batch loss when
+the loss is a mean over equal-size micro-batches (as data parallelism assumes for its ranks) -
+and its gradients are those of that mean. The last stage's loss is broadcast over ``pp`` (as
+float64), so every rank reports it. Leaves held by two ranks (tied embeddings) get the sum of
+both ranks' gradients, added in rank order so both hold the same bits.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcpar.pipeline.schedules import COMPUTE, Action
+from funcpar.pipeline.stages import StagePlan
+from funcpar.shard import comm
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
+
+__all__ = ["Pipeline", "split_microbatches"]
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32]
+_HEADER = 10  # ndim, up to 8 sizes, dtype code
+
+
+def split_microbatches(batch: Any, m: int) -> list[Any]:
+    """``batch`` cut into ``m`` equal micro-batches along dim 0 of every tensor."""
+    leaves, spec = tree_flatten(batch)
+    cut = []
+    for x in leaves:
+        if not torch.is_tensor(x):
+            cut.append([x] * m)
+            continue
+        if x.dim() == 0 or x.shape[0] % m:
+            raise ValueError(f"pipeline: a batch tensor of shape {tuple(x.shape)} does not "
+                             f"split into {m} equal micro-batches along dim 0 (the batch on "
+                             f"this rank must be a multiple of microbatches={m})")
+        cut.append(list(x.chunk(m)))
+    return [tree_unflatten(spec, [c[i] for c in cut]) for i in range(m)]
+
+
+class Pipeline:
+    """This rank's share of a pipelined step (module docstring).
+
+    ``actions``: this rank's schedule; ``trace``: when ``record`` is set, the last step's
+    compute spans ``(action, start, end)`` in ``time.perf_counter`` seconds and its peak
+    number of micro-batches held (``peak_in_flight``), for benchmarks.
+    """
+
+    def __init__(self, mesh: DeviceMesh, axis: str, plan: StagePlan, schedule: str,
+                 microbatches: int, actions: list[Action]) -> None:
+        self.mesh, self.axis, self.plan = mesh, axis, plan
+        self.schedule, self.m, self.actions = schedule, microbatches, actions
+        self.rank = mesh.rank(axis)
+        self.record = False
+        self.trace: list[tuple[Action, float, float]] = []
+        self.peak_in_flight = 0
+
+    # ------------------------------------------------------------------------------ helpers
+    def _tag(self, kind: int, sender_stage: int, mb: int) -> int:
+        return (kind * self.plan.n_stages + sender_stage) * self.m + mb
+
+    def global_norm(self, norm: Tensor) -> Tensor:
+        """The norm over every stage's leaves from this rank's (a sum of squares over pp)."""
+        sq = comm.all_reduce(norm.square(), self.mesh, self.axis, purpose="pp grad norm")
+        return sq.sqrt()
+
+    # ------------------------------------------------------------------------------ the step
+    def loss_and_grads(self, step: Any, params: Tree, buffers: Tree, batch: Any,
+                       loss_scale: Tensor | None = None) -> tuple[Tensor, Tree, Tree]:
+        """``(loss, grads, new_buffers)`` of the pipelined forward/backward over ``batch``
+        (this rank's stages' leaves only)."""
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError("a batch must be a pair (inputs, targets); inputs may be a tuple "
+                            "of tensors")
+        if not isinstance(params, dict):
+            raise TypeError("pipeline_split needs params as a dict of dotted names "
+                            "(functionalize's)")
+        inputs, targets = batch
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        m, plan = self.m, self.plan
+        mb_args = split_microbatches(args, m)
+        mb_targets = split_microbatches(targets, m)
+        last = plan.n_stages - 1
+        live = {n: x.detach().requires_grad_(x.is_floating_point() or x.is_complex())
+                for n, x in params.items()}
+        stage_leaves = {s: [n for n in plan.names[s] if live[n].requires_grad]
+                        for s in plan.stages_of(self.rank)}
+        grads: dict[str, Tensor | None] = dict.fromkeys(params)
+        held: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        inbox: dict[tuple[str, int, int], comm.Pending | Tensor] = {}
+        local: dict[tuple[str, int, int], Tensor] = {}  # hand-overs between stages of a rank
+        sent: list[comm.Pending] = []
+        shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        loss_sum: Tensor | None = None
+        new_buffers = buffers
+        self.trace = []
+        self.peak_in_flight = 0
+        pending_comm: list[Action] = []
+
+        def flush() -> None:
+            ops: list[comm.P2POp] = []
+            recvs: list[tuple[tuple[str, int, int], int]] = []
+            for a in pending_comm:
+                if a.kind == "SEND_F":
+                    out = held[(a.stage, a.mb)][1].detach().contiguous()
+                    peer = plan.rank_of(a.stage + 1)
+                    if a.stage not in shapes:
+                        shapes[a.stage] = (tuple(out.shape), out.dtype)
+                        ops.append(comm.P2POp("send", _header(out), peer,
+                                              self._tag(2, a.stage, a.mb),
+                                              f"pp activation header s{a.stage}"))
+                    ops.append(comm.P2POp("send", out, peer, self._tag(0, a.stage, a.mb),
+                                          f"pp activation s{a.stage}->s{a.stage + 1}"))
+                elif a.kind == "SEND_B":
+                    g = local.pop(("dx", a.stage, a.mb)).contiguous()
+                    ops.append(comm.P2POp("send", g, plan.rank_of(a.stage - 1),
+                                          self._tag(1, a.stage, a.mb),
+                                          f"pp grad s{a.stage}->s{a.stage - 1}"))
+                elif a.kind == "RECV_F":
+                    src = a.stage - 1
+                    if src not in shapes:
+                        # The header travels first; its receive is waited for here (a receive
+                        # blocks in the verified semantics anyway).
+                        ops_now = ops + [comm.P2POp(
+                            "recv", torch.empty(_HEADER, dtype=torch.int64,
+                                                device=self.mesh.device),
+                            plan.rank_of(src), self._tag(2, src, a.mb),
+                            f"pp activation header s{src}")]
+                        got = comm.batch_p2p(ops_now, self.mesh, self.axis)
+                        sent.extend(got[:-1])
+                        ops = []
+                        shapes[src] = _parse_header(got[-1].wait())
+                    shape, dtype = shapes[src]
+                    buf = torch.empty(shape, dtype=dtype, device=self.mesh.device)
+                    ops.append(comm.P2POp("recv", buf, plan.rank_of(src),
+                                          self._tag(0, src, a.mb),
+                                          f"pp activation s{src}->s{a.stage}"))
+                    recvs.append((("x", a.stage, a.mb), len(ops) - 1))
+                elif a.kind == "RECV_B":
+                    like = held[(a.stage, a.mb)][1]
+                    buf = torch.empty(like.shape, dtype=like.dtype, device=self.mesh.device)
+                    ops.append(comm.P2POp("recv", buf, plan.rank_of(a.stage + 1),
+                                          self._tag(1, a.stage + 1, a.mb),
+                                          f"pp grad s{a.stage + 1}->s{a.stage}"))
+                    recvs.append((("g", a.stage, a.mb), len(ops) - 1))
+            got = comm.batch_p2p(ops, self.mesh, self.axis)
+            is_recv = {i for _, i in recvs}
+            sent.extend(w for i, w in enumerate(got) if i not in is_recv)
+            for key, i in recvs:
+                inbox[key] = got[i].wait()
+            pending_comm.clear()
+
+        for a in self.actions:
+            if a.kind not in COMPUTE:
+                pending_comm.append(a)
+                continue
+            if pending_comm:
+                flush()
+            t0 = time.perf_counter()
+            if a.kind == "F":
+                if a.stage == 0:
+                    x = None
+                elif ("x", a.stage, a.mb) in inbox:
+                    x = inbox.pop(("x", a.stage, a.mb))
+                else:
+                    x = local.pop(("y", a.stage - 1, a.mb))
+                if x is not None and (x.is_floating_point() or x.is_complex()):
+                    x = x.detach().requires_grad_()
+                with torch.enable_grad():
+                    out, new_buffers = step.apply_fn(live, new_buffers, a.stage, x,
+                                                     *mb_args[a.mb])
+                    if a.stage == last:
+                        out = _checked_loss(step.loss_fn(out, mb_targets[a.mb]))
+                        loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
+                    elif not torch.is_tensor(out):
+                        raise TypeError(f"pipeline stage {a.stage} returned a "
+                                        f"{type(out).__name__}; a stage before the last must "
+                                        "return one tensor (the hidden states)")
+                held[(a.stage, a.mb)] = (x, out)
+                self.peak_in_flight = max(self.peak_in_flight, len(held))
+                if a.stage < last and plan.rank_of(a.stage + 1) == self.rank:
+                    local[("y", a.stage, a.mb)] = out.detach()
+            else:
+                x, out = held.pop((a.stage, a.mb))
+                if a.stage == last:
+                    target = out if loss_scale is None else out.float() * loss_scale
+                    target, g_out = target / m, None
+                else:
+                    target = out
+                    g_out = inbox.pop(("g", a.stage, a.mb), None)
+                    if g_out is None:
+                        g_out = local.pop(("dx", a.stage + 1, a.mb))
+                names = stage_leaves[a.stage]
+                wanted = [live[n] for n in names]
+                want_x = x is not None and x.requires_grad
+                if want_x:
+                    wanted.append(x)
+                got = torch.autograd.grad(target, wanted, grad_outputs=g_out,
+                                          allow_unused=True)
+                for n, g in zip(names, got):
+                    if g is not None:
+                        grads[n] = g if grads[n] is None else grads[n] + g
+                if a.stage > 0:
+                    dx = got[-1] if want_x else None
+                    local[("dx", a.stage, a.mb)] = (torch.zeros_like(x) if dx is None else dx)
+            if self.record:
+                self.trace.append((a, t0, time.perf_counter()))
+        if pending_comm:
+            flush()
+        for w in sent:
+            w.wait()
+        if held or inbox:
+            raise RuntimeError(f"pipeline schedule left work undone on rank {self.rank}: "
+                               f"held {sorted(held)}, received {sorted(inbox)}")
+        flat = {n: (torch.zeros_like(params[n]) if g is None else g) for n, g in grads.items()}
+        flat = self._sum_shared(flat)
+        loss = self._loss_everywhere(loss_sum)
+        return loss, flat, new_buffers
+
+    def _loss_everywhere(self, loss_sum: Tensor | None) -> Tensor:
+        """The mean micro-batch loss, broadcast from the last stage's rank over pp."""
+        src = self.plan.rank_of(self.plan.n_stages - 1)
+        mine = (loss_sum.double() / self.m) if loss_sum is not None else torch.zeros(
+            (), dtype=torch.float64, device=self.mesh.device)
+        return comm.broadcast(mine, self.mesh, self.axis, src=src, purpose="pp loss")
+
+    def _sum_shared(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Leaves held by several ranks (tied weights): the sum of their gradients, in rank
+        order, on each holder."""
+        for name, holders in self.plan.shared().items():
+            if self.rank not in holders:
+                continue
+            mine = grads[name].contiguous()
+            ops = []
+            for r in holders:
+                if r != self.rank:
+                    ops.append(comm.P2POp("send", mine, r, 0, f"{name}: tied grad"))
+                    ops.append(comm.P2POp("recv", torch.empty_like(mine), r, 0,
+                                          f"{name}: tied grad"))
+            got = comm.batch_p2p(ops, self.mesh, self.axis)
+            theirs = {r: got[2 * k + 1].wait() for k, r in enumerate(
+                r for r in holders if r != self.rank)}
+            for w in got[0::2]:
+                w.wait()
+            total = None
+            for r in holders:
+                g = mine if r == self.rank else theirs[r]
+                total = g if total is None else total + g
+            grads[name] = total
+        return grads
+
+
+def _checked_loss(loss: Any) -> Tensor:
+    if not (torch.is_tensor(loss) and loss.dim() == 0):
+        raise ValueError(f"loss_fn must return a 0-d tensor, got {type(loss).__name__} "
+                         f"{tuple(getattr(loss, 'shape', ()))}")
+    return loss
+
+
+def _header(t: Tensor) -> Tensor:
+    if t.dim() > _HEADER - 2:
+        raise ValueError(f"pipeline activations of more than {_HEADER - 2} dims are not "
+                         f"supported, got shape {tuple(t.shape)}")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"pipeline activation dtype {t.dtype} is not one of {_DTYPES}")
+    h = [t.dim(), *t.shape, *([0] * (_HEADER - 2 - t.dim())), _DTYPES.index(t.dtype)]
+    return torch.tensor(h, dtype=torch.int64, device=t.device)
+
+
+def _parse_header(h: Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    v = [int(x) for x in h.tolist()]
+    return tuple(v[1:1 + v[0]]), _DTYPES[v[-1]]
+

@@ -1,0 +1,170 @@
+"""``pipeline_split``: pipeline parallelism over a mesh axis as a transform of step and state.
+
+``step, state = pipeline_split(mesh, microbatches=8, schedule="1f1b")(step, state)`` cuts the
+model into ``S = pp * virtual_stages`` stages at block boundaries (:mod:`funcpar.pipeline.stages`:
+explicit ``cuts`` or balanced by parameter count; the embedding on the first stage, final norm
+and LM head on the last), keeps in ``state.params`` only the leaves of this rank's stages, and
+makes the step run a pipeline schedule (:mod:`funcpar.pipeline.schedules`: ``gpipe``,
+``1f1b`` or ``interleaved`` with ``virtual_stages`` per rank) over ``microbatches`` equal
+micro-batches of the (data-parallel local) batch, activations and their gradients moving by
+point-to-point transfers over ``axis`` (:mod:`funcpar.pipeline.runtime`).
+
+What the step computes is the single-process step on the whole batch:
+
+* the loss is the mean of the micro-batch losses (the full-batch loss for a mean loss over
+  equal micro-batches), reported on every rank; the gradients are those of that mean, summed
+  over micro-batches in this rank's leaves; a weight tied between the first and last stage
+  gets the sum of both stages' gradients on both;
+* the ``grad_norm`` metric and the norm that ``clip_by_global_norm`` clips by are over *all*
+  stages' leaves: the metric is completed by an all-reduce over ``pp``; for the optimizer's
+  own norm, the optimizer is wrapped so that its gradient tree carries one extra element
+  ``PP_NORM_CARRIER`` (shape ``(1,)``) holding ``sqrt(sum over other stages of ||g||^2)``,
+  whose update is dropped. Every tree-wide reduction an optimizer makes (only the global norm
+  today) therefore sees the whole model, and every per-leaf one (Adafactor's factored
+  statistics, LAMB's trust ratio) is unchanged, since each leaf lives whole on its stage. The
+  carrier costs a (1,)-shaped slot in the optimizer state; an optimizer whose masks are trees
+  of the parameters' structure (GaLore's ``galore_mask``) does not accept it.
+
+Composition: apply ``pipeline_split`` **first**, on the freshly built step (whole model, step
+0): it cuts the model, and the transforms after it - :func:`shard_params` (tensor parallel
+inside each stage), :func:`data_parallel`, :func:`zero_partition` (per stage, over the ranks
+of the same pipeline coordinate), :func:`amp_cast` - see a step over this rank's stages like
+any other. The mesh holds ``pp`` with the other axes (``DeviceMesh.from_env(pp=2, dp=2,
+tp=2)``); the pp fibres (ranks that differ only in their pp coordinate) carry the transfers.
+
+Not supported: ``compile=True`` (the schedule runs eagerly), overlapping the data-parallel
+gradient reduction with the backward (it runs after the last micro-batch), and parameters
+that are 0-d.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from funcpar.optim.base import GradientTransformation
+from funcpar.optim.clip import global_norm
+from funcpar.pipeline.runtime import Pipeline
+from funcpar.pipeline.schedules import SCHEDULES, build_schedule
+from funcpar.pipeline.stages import StagedModel, plan_stages, stage_apply, staged_model_for
+from funcpar.shard import comm
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.state.train_state import TrainState
+from funcpar.state.tree import Tree, tree_leaves
+from funcpar.train.step import TrainStep
+
+__all__ = ["PP_NORM_CARRIER", "pipeline_split"]
+
+#: The key of the optimizer's extra gradient element (module docstring).
+PP_NORM_CARRIER = "__pp_grad_norm_of_other_stages__"
+
+
+def pipeline_split(
+    mesh: DeviceMesh,
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    cuts: Sequence[int] | None = None,
+    axis: str = "pp",
+    stages: StagedModel | None = None,
+) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
+    """The pipeline-parallel transform over mesh axis ``axis`` (see the module docstring).
+
+    ``microbatches``: how many micro-batches each step's (local) batch is cut into; the batch
+    must divide into them. ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``
+    (with ``virtual_stages`` >= 1 stages per rank). ``cuts``: the block indices where stages
+    2..S begin (default: balanced by parameter count). ``stages``: how to run the model
+    piecewise (default: known for :class:`funcpar.models.Llama`).
+    """
+    if axis not in mesh.axis_names:
+        raise ValueError(f"the mesh has no axis {axis!r}: its axes are {mesh.axis_names}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of {SCHEDULES}")
+    for name, x in (("microbatches", microbatches), ("virtual_stages", virtual_stages)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+            raise ValueError(f"pipeline_split: {name} must be an int >= 1, got {x!r}")
+    if virtual_stages > 1 and schedule != "interleaved":
+        raise ValueError(f"pipeline_split: virtual_stages={virtual_stages} needs "
+                         f"schedule='interleaved', got {schedule!r}")
+    p = mesh.size(axis)
+
+    def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
+        if step.pipeline is not None:
+            raise ValueError("pipeline_split is already applied: apply it once")
+        later = [what for what, on in (
+            ("shard_params", step.layouts is not None), ("zero_partition",
+                                                          step.partition is not None),
+            ("data_parallel", step.dp_axis is not None), ("amp_cast", step.precision is not None),
+            ("a loss scaler", step.loss_scaler is not None)) if on]
+        if later:
+            raise ValueError(f"apply pipeline_split first: the step already has {later}, which "
+                             "must apply per stage, after the model is cut")
+        if int(state.step) != 0:
+            raise ValueError(f"pipeline_split takes a fresh state (step 0), got step "
+                             f"{int(state.step)}")
+        module = getattr(step.apply_fn, "module", None)
+        if module is None:
+            raise TypeError("pipeline_split needs a step built on functionalize(module)'s "
+                            "apply_fn")
+        if not isinstance(state.params, dict):
+            raise TypeError("pipeline_split needs state.params as functionalize's dict")
+        staged = staged_model_for(module, stages)
+        plan = plan_stages(module, staged, p, virtual_stages, cuts)
+        known = {n for ns in plan.names for n in ns}
+        if set(state.params) != known:
+            raise ValueError(f"state.params does not match the model's parameters: missing "
+                             f"{sorted(known - set(state.params))[:5]}, unexpected "
+                             f"{sorted(set(state.params) - known)[:5]}")
+        rank = mesh.rank(axis)
+        actions = build_schedule(schedule, p, microbatches, virtual_stages)[rank]
+        params = {n: state.params[n] for n in plan.names_of(rank)}
+        optimizer = step.optimizer if p == 1 else _norm_over_stages(step.optimizer, mesh, axis)
+        pipeline = Pipeline(mesh, axis, plan, schedule, microbatches, actions)
+        new_step = dataclasses.replace(step, apply_fn=stage_apply(module, staged, plan),
+                                       optimizer=optimizer, pipeline=pipeline)
+        return new_step, state._replace(params=params, opt_state=optimizer.init(params))
+
+    return transform
+
+
+def _carrier_dtype(tree: Tree) -> torch.dtype:
+    leaves = [x for x in tree_leaves(tree) if torch.is_tensor(x)]
+    return torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
+
+
+def _with(tree: Any, value: Any) -> dict:
+    if not isinstance(tree, dict):
+        raise TypeError(f"pipeline_split's optimizer expects dict trees, got {type(tree)}")
+    return {**tree, PP_NORM_CARRIER: value}
+
+
+def _norm_over_stages(inner: GradientTransformation, mesh: DeviceMesh,
+                      axis: str) -> GradientTransformation:
+    """``inner`` with the carrier of the other stages' gradient norm (module docstring)."""
+
+    def zero_like(tree: Tree) -> torch.Tensor:
+        return torch.zeros(1, dtype=_carrier_dtype(tree), device=mesh.device)
+
+    def init(params: Tree) -> Any:
+        return inner.init(_with(params, zero_like(params)))
+
+    def update(grads: Tree, state: Any, params: Tree | None = None, *,
+               layouts: Tree | None = None) -> tuple[Tree, Any]:
+        # Exactly what a global-norm clip computes over this stage's leaves (the same layouts,
+        # so tensor-parallel and ZeRO splits count once), then the sum over the stages.
+        local = global_norm(grads, layouts).square()
+        total = comm.all_reduce(local, mesh, axis, purpose="pp grad norm (optimizer)")
+        others = (total - local).clamp(min=0).sqrt().reshape(1).to(_carrier_dtype(grads))
+        g = _with(grads, others)
+        p = None if params is None else _with(params, zero_like(grads))
+        lay = None if layouts is None else _with(layouts, None)
+        updates, state = inner.update(g, state, p, layouts=lay)
+        updates = dict(updates)
+        updates.pop(PP_NORM_CARRIER)
+        return updates, state
+
+    return GradientTransformation(init, update)

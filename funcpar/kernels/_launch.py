@@ -1,0 +1,199 @@
+"""Shared pieces of the multi-tensor Triton kernels: tables, scalars, output allocation.
+
+One launch updates many leaves. The leaves of a call are grouped by device and dtypes (the
+dtypes are compile-time constants of a kernel); for each group two small tables go to the
+kernel:
+
+* a *leaf table* (int64, one row per leaf): the leaf's element count, its flags (say whether
+  weight decay applies) and the raw addresses of its input and output tensors. The kernel
+  casts an address back to a typed pointer (``int64 -> pointer``), so any number of leaves of
+  any sizes share one launch without copying them into one buffer. The addresses change every
+  step (the outputs are new tensors: steps are pure), so this table is rebuilt per call: a few
+  dozen bytes per leaf, copied to the device asynchronously.
+* a *tile table* (int32, one row per program): ``(leaf, tile)``, the leaf that program ``i``
+  works on and which ``BLOCK``-sized tile of it. It depends only on the leaf sizes, so it is
+  cached per (sizes, block, device) and stays on the device.
+
+Hyperparameters arrive as 0-d float64 tensors (schedules, :mod:`funcpar.optim.hyperparams`);
+:func:`device_scalars` rounds them to float32 (the rounding the plain-torch reference applies
+when it multiplies a float32 tensor by them) and moves them with ``non_blocking=True``, so a
+step never waits for the host to read a value back from the device.
+
+Triton is imported lazily: :func:`lazy_kernels` builds a module's kernels on first use (once
+per interpreter/compiled mode), so ``import funcpar`` works without Triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, no_type_check
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BLOCK",
+    "KERNEL_DTYPES",
+    "NUM_WARPS",
+    "device_scalars",
+    "interpreting",
+    "kernel_dtype_ok",
+    "lazy_kernels",
+    "leaf_table",
+    "new_output",
+    "poisoned_outputs",
+    "segment_sums",
+    "tile_table",
+    "tl_dtype",
+]
+
+#: Elements per program. 1024 fp32 elements are 8 per thread at 4 warps: two 16-byte vector
+#: accesses per tensor, the usual shape of a bandwidth-bound elementwise kernel.
+BLOCK = 1024
+NUM_WARPS = 4
+#: The dtypes the kernels load and store (arithmetic is float32); float64 and complex leaves
+#: take the plain-torch reference.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_poison: list[bool] = []
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels built now run in Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def lazy_kernels(build: Callable[[], Any]) -> Callable[[], Any]:
+    """``build()`` (which imports Triton and defines the kernels) run once per mode.
+
+    Triton decides when a kernel is *defined* whether it runs interpreted, so kernels built
+    under ``TRITON_INTERPRET=1`` are kept apart from compiled ones.
+    """
+    built: dict[bool, Any] = {}
+
+    def get() -> Any:
+        key = interpreting()
+        if key not in built:
+            built[key] = build()
+        return built[key]
+
+    return get
+
+
+def tl_dtype(dtype: torch.dtype) -> Any:
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+            torch.uint8: tl.uint8, torch.float64: tl.float64}[dtype]
+
+
+def kernel_dtype_ok(*tensors: Tensor | None) -> bool:
+    """Every tensor (``None`` ignored) has a dtype the kernels handle."""
+    return all(t is None or t.dtype in KERNEL_DTYPES for t in tensors)
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Tests: kernel outputs start as NaN (255 for uint8) instead of uninitialised memory, so an
+    element a kernel fails to write shows."""
+    _poison.append(True)
+    try:
+        yield
+    finally:
+        _poison.pop()
+
+
+def new_output(shape: Sequence[int] | torch.Size, dtype: torch.dtype,
+               device: torch.device) -> Tensor:
+    """A fresh contiguous output tensor for a kernel to fill completely."""
+    if _poison:
+        fill = 255 if dtype == torch.uint8 else float("nan")
+        return torch.full(tuple(shape), fill, dtype=dtype, device=device)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    # A pageable host buffer is staged by the driver before cudaMemcpyAsync returns, so the
+    # non-blocking copy is safe and waits for nothing queued on the stream.
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
+def leaf_table(rows: Sequence[Sequence[int]], device: torch.device) -> Tensor:
+    """``rows`` (numel, flags, addresses...) as an int64 tensor on ``device``."""
+    return _to_device(torch.tensor(rows, dtype=torch.int64), device)
+
+
+@functools.lru_cache(maxsize=64)
+def _tile_table(numels: tuple[int, ...], block: int, device: str) -> tuple[Tensor, Tensor]:
+    counts = torch.tensor([-(-n // block) for n in numels], dtype=torch.int64)
+    first = torch.zeros(len(numels) + 1, dtype=torch.int64)
+    first[1:] = counts.cumsum(0)
+    leaf = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    tile = torch.arange(int(first[-1])) - first[:-1][leaf]
+    table = torch.stack([leaf, tile], dim=1).to(torch.int32).contiguous()
+    return table.to(device), first.to(torch.int32).to(device)
+
+
+def tile_table(numels: Sequence[int], block: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(tiles, first)``: ``tiles[i] = (leaf, tile)`` for program ``i`` (leaves in order, each
+    cut into ``ceil(numel / block)`` tiles) and ``first[j]`` the first program of leaf ``j``
+    (``first[-1]`` = the number of programs). Cached on the device per sizes."""
+    if any(n >= 2**31 * block for n in numels):
+        raise ValueError(f"a leaf of {max(numels)} elements has more than 2**31 tiles of {block}")
+    return _tile_table(tuple(int(n) for n in numels), int(block), str(device))
+
+
+def device_scalars(values: Sequence[Tensor | float], device: torch.device) -> Tensor:
+    """The hyperparameters ``values`` as one float32 vector on ``device``, without a host sync.
+
+    Each value is first a float64 (a Python float exactly, a 0-d tensor as it is), then rounded
+    to float32 once: what torch does to a 0-d float64 tensor or a Python scalar multiplied
+    with a float32 tensor.
+    """
+    parts = [v.detach().reshape(()).to(torch.float64) if torch.is_tensor(v)
+             else torch.tensor(float(v), dtype=torch.float64) for v in values]
+    on = {p.device for p in parts}
+    if len(on) > 1:  # scheduled values on the device next to constants on the host
+        parts = [_to_device(p, device) for p in parts]
+    return _to_device(torch.stack(parts).to(torch.float32), device)
+
+
+def _build_segment():
+    global tl, triton
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    @no_type_check
+    def segment_sum_kernel(partials, first, out, N_COLS: tl.constexpr, BLOCK: tl.constexpr):
+        # One program per leaf sums that leaf's tile partials in a fixed order (float64), so a
+        # step is reproducible bit for bit (atomics would add in arrival order).
+        leaf = tl.program_id(0)
+        lo = tl.load(first + leaf)
+        hi = tl.load(first + leaf + 1)
+        for c in tl.static_range(N_COLS):
+            acc = tl.zeros([BLOCK], dtype=tl.float64)
+            for start in range(lo, hi, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                acc += tl.load(partials + offs.to(tl.int64) * N_COLS + c, mask=offs < hi,
+                               other=0.0).to(tl.float64)
+            tl.store(out + leaf * N_COLS + c, tl.sum(acc, axis=0))
+
+    return segment_sum_kernel
+
+
+_segment_kernel = lazy_kernels(_build_segment)
+
+
+def segment_sums(partials: Tensor, first: Tensor) -> Tensor:
+    """Per-leaf sums (float64, ``[n_leaves, n_cols]``) of per-tile ``partials``
+    (``[n_tiles, n_cols]``); leaf ``j`` owns the tiles ``first[j]:first[j+1]``."""
+    n_leaves = first.numel() - 1
+    n_cols = partials.shape[1]
+    out = new_output((n_leaves, n_cols), torch.float64, partials.device)
+    if n_leaves:
+        _segment_kernel()[(n_leaves,)](partials, first, out, N_COLS=n_cols, BLOCK=256)
+    return out

@@ -1,0 +1,243 @@
+"""Fused AdamW step: the plain-torch reference, the multi-tensor Triton kernel, the dispatch.
+
+Per element, with ``g`` the gradient (negated with ``maximize``) and the scalars of the step
+(``step_size = lr / (1 - b1^t)``, ``bc2_sqrt = sqrt(1 - b2^t)``, ``lr_wd = lr * weight_decay``):
+
+``m' = lerp(m, g, 1 - b1)``, ``v' = b2 v + (1 - b2) g^2``, ``vmax' = max(vmax, v')`` (amsgrad),
+``u = -step_size * m' / (sqrt(v' or vmax') / bc2_sqrt + eps) [- lr_wd * p]``,
+and ``p' = p + u`` (:func:`adamw_step` with ``write_params=True``) or ``u`` itself.
+
+Bytes per parameter (fp32 everything): ``p`` read and written, ``g`` read, ``m`` and ``v`` read
+and written: 28 B (36 B with amsgrad); returning ``u`` instead writes ``u`` and does not read
+``p`` on leaves without decay (24 B), and adding it later costs 12 B more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, no_type_check
+
+import torch
+from torch import Tensor
+
+from funcpar.kernels import _launch
+from funcpar.kernels.dispatch import use_kernels
+
+__all__ = ["AdamWScalars", "adamw_leaf", "adamw_reference", "adamw_step", "adamw_triton"]
+
+
+class AdamWScalars(NamedTuple):
+    """The step's scalars: 0-d float64 tensors (or floats) and the static betas."""
+
+    step_size: Tensor | float  # lr / (1 - b1^t)
+    bc2_sqrt: Tensor | float  # sqrt(1 - b2^t)
+    eps: Tensor | float
+    lr_wd: Tensor | float  # lr * weight_decay
+    beta1: float
+    beta2: float
+
+
+def _t(x: Tensor | float) -> Tensor:
+    return x if torch.is_tensor(x) else torch.tensor(float(x), dtype=torch.float64)
+
+
+def adamw_leaf(
+    g: Tensor, p: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, use_decay: bool,
+    s: AdamWScalars, *, amsgrad: bool, maximize: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The reference for one leaf: ``(u, m', v', vmax')`` exactly as torch.optim.AdamW."""
+    if maximize:
+        g = -g
+    m = torch.lerp(m, g, 1 - s.beta1)
+    v = v * s.beta2 + (1 - s.beta2) * g * g
+    if amsgrad:
+        vmax = torch.maximum(vmax, v)
+    # Hyperparameters in the leaf's dtype: a 0-d float64 scalar would otherwise promote a 0-d
+    # float32 leaf to float64.
+    dt = g.dtype
+    denom = ((vmax if amsgrad else v).sqrt() / _t(s.bc2_sqrt).to(dt)) + _t(s.eps).to(dt)
+    u = -_t(s.step_size).to(dt) * (m / denom)
+    if use_decay:
+        u = u - _t(s.lr_wd).to(dt) * p
+    return u, m, v, vmax
+
+
+Leaves = Sequence[Tensor]
+Out = tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor | None]]
+
+
+def adamw_reference(
+    grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves,
+    max_exp_avg_sq: Sequence[Tensor | None], decay: Sequence[bool], s: AdamWScalars, *,
+    amsgrad: bool = False, maximize: bool = False, write_params: bool = False,
+) -> Out:
+    """:func:`adamw_leaf` over lists of leaves: ``(out, m', v', vmax')`` with ``out`` the
+    updates, or the new parameters ``p + u`` (in ``p``'s dtype) with ``write_params``."""
+    outs, ms, vs, vmaxs = [], [], [], []
+    for g, p, m, v, vmax, dec in zip(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay,
+                                     strict=True):
+        u, m, v, vmax = adamw_leaf(g, p, m, v, vmax, dec, s, amsgrad=amsgrad, maximize=maximize)
+        outs.append(p + u.to(p.dtype) if write_params else u)
+        ms.append(m)
+        vs.append(v)
+        vmaxs.append(vmax)
+    return outs, ms, vs, vmaxs
+
+
+def _build():
+    global tl, triton
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    @no_type_check
+    def adamw_kernel(table, tiles, scal, NCOL: tl.constexpr, BLOCK: tl.constexpr,
+                     P: tl.constexpr, G: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
+                     VM: tl.constexpr, MO: tl.constexpr, VO: tl.constexpr, VMO: tl.constexpr,
+                     U: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                     LERP_SMALL: tl.constexpr, WRITE_PARAMS: tl.constexpr):
+        # Program i: tile tiles[i, 1] of leaf tiles[i, 0]; the leaf's row of the table holds
+        # numel, the decay flag and the addresses (in, then out) of its tensors.
+        pid = tl.program_id(0)
+        leaf = tl.load(tiles + 2 * pid).to(tl.int64)
+        offs = tl.load(tiles + 2 * pid + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        row = table + leaf * NCOL
+        n = tl.load(row)
+        dflag = tl.load(row + 1)  # 1: weight decay applies to this leaf
+        mask = offs < n
+        step_size = tl.load(scal)
+        bc2_sqrt = tl.load(scal + 1)
+        eps = tl.load(scal + 2)
+        lr_wd = tl.load(scal + 3)
+        w1 = tl.load(scal + 4)  # 1 - beta1, the lerp weight
+        beta2 = tl.load(scal + 5)
+        c2 = tl.load(scal + 6)  # 1 - beta2
+
+        g = tl.load(tl.load(row + 3).to(tl.pointer_type(G)) + offs, mask=mask).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        m = tl.load(tl.load(row + 4).to(tl.pointer_type(M)) + offs, mask=mask).to(tl.float32)
+        v = tl.load(tl.load(row + 5).to(tl.pointer_type(V)) + offs, mask=mask).to(tl.float32)
+        # torch.lerp's two forms (exact at either end), as fused multiply-adds like torch's.
+        if LERP_SMALL:
+            m = tl.fma(w1, g - m, m)
+        else:
+            m = tl.fma(w1 - 1.0, g - m, g)
+        v = v * beta2 + (c2 * g) * g
+        # The update uses the states as stored (rounded to a bf16 state's dtype, say).
+        m = m.to(MO).to(tl.float32)
+        v = v.to(VO).to(tl.float32)
+        tl.store(tl.load(row + 8).to(tl.pointer_type(MO)) + offs, m.to(MO), mask=mask)
+        tl.store(tl.load(row + 9).to(tl.pointer_type(VO)) + offs, v.to(VO), mask=mask)
+        if AMSGRAD:
+            vm = tl.load(tl.load(row + 6).to(tl.pointer_type(VM)) + offs, mask=mask)
+            v = tl.maximum(vm.to(tl.float32), v).to(VMO).to(tl.float32)
+            tl.store(tl.load(row + 10).to(tl.pointer_type(VMO)) + offs, v.to(VMO), mask=mask)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        u = -step_size * tl.div_rn(m, denom)
+        # p is read only where it is needed: for the decay, or to write p + u.
+        p_ptr = tl.load(row + 2).to(tl.pointer_type(P)) + offs
+        if WRITE_PARAMS:
+            p = tl.load(p_ptr, mask=mask).to(tl.float32)
+        else:
+            p = tl.load(p_ptr, mask=offs < n * dflag, other=0.0).to(tl.float32)
+        u = tl.where(dflag != 0, u - lr_wd * p, u)
+        out = tl.load(row + 7)
+        if WRITE_PARAMS:
+            # p + u.to(p.dtype), as apply_updates computes it from the updates.
+            u = u.to(U).to(P).to(tl.float32)
+            tl.store(out.to(tl.pointer_type(P)) + offs, (p + u).to(P), mask=mask)
+        else:
+            tl.store(out.to(tl.pointer_type(U)) + offs, u.to(U), mask=mask)
+
+    return adamw_kernel
+
+
+_kernel = _launch.lazy_kernels(_build)
+
+
+def _promote(*dtypes: torch.dtype) -> torch.dtype:
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def adamw_triton(
+    grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves,
+    max_exp_avg_sq: Sequence[Tensor | None], decay: Sequence[bool], s: AdamWScalars, *,
+    amsgrad: bool = False, maximize: bool = False, write_params: bool = False,
+    block: int | None = None,
+) -> Out:
+    """:func:`adamw_reference` computed by the Triton kernel: one launch per group of leaves
+    that share a device and dtypes. Every tensor must have a dtype of
+    :data:`funcpar.kernels._launch.KERNEL_DTYPES`; the outputs have the reference's dtypes."""
+    block = block or _launch.BLOCK
+    n = len(grads)
+    outs: list = [None] * n
+    ms: list = [None] * n
+    vs: list = [None] * n
+    vmaxs: list = [None] * n
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        t = (grads[i], params[i], exp_avg[i], exp_avg_sq[i])
+        key = (grads[i].device, *(x.dtype for x in t),
+               max_exp_avg_sq[i].dtype if amsgrad else None)
+        groups.setdefault(key, []).append(i)
+    lerp_small = abs(1 - s.beta1) < 0.5
+    for (device, gd, pd, md, vd, vmd), idx in groups.items():
+        mo, vo = _promote(md, gd), _promote(vd, gd)
+        vmo = _promote(vmd, vo) if amsgrad else vo
+        ud = _promote(gd, mo, vmo, pd)
+        rows, numels, keep = [], [], []
+        for i in idx:
+            g, p = grads[i].contiguous(), params[i].contiguous()
+            m, v = exp_avg[i].contiguous(), exp_avg_sq[i].contiguous()
+            vm = max_exp_avg_sq[i].contiguous() if amsgrad else None
+            shape = p.shape
+            outs[i] = _launch.new_output(shape, pd if write_params else ud, device)
+            ms[i] = _launch.new_output(shape, mo, device)
+            vs[i] = _launch.new_output(shape, vo, device)
+            # Without amsgrad the (unused) state passes through, as in the reference.
+            vmaxs[i] = (_launch.new_output(shape, vmo, device) if amsgrad
+                        else max_exp_avg_sq[i])
+            if p.numel() == 0:
+                continue
+            # The contiguous copies must outlive the launch (the table holds raw addresses).
+            keep.append((g, p, m, v, vm))
+            numels.append(p.numel())
+            rows.append([p.numel(), int(bool(decay[i])), p.data_ptr(), g.data_ptr(),
+                         m.data_ptr(), v.data_ptr(), vm.data_ptr() if amsgrad else 0,
+                         outs[i].data_ptr(), ms[i].data_ptr(), vs[i].data_ptr(),
+                         vmaxs[i].data_ptr() if amsgrad else 0])
+        if not rows:
+            continue
+        table = _launch.leaf_table(rows, device)
+        tiles, _first = _launch.tile_table(numels, block, device)
+        scal = _launch.device_scalars(
+            [s.step_size, s.bc2_sqrt, s.eps, s.lr_wd, 1 - s.beta1, s.beta2, 1 - s.beta2], device)
+        T = _launch.tl_dtype
+        _kernel()[(tiles.shape[0],)](
+            table, tiles, scal, NCOL=11, BLOCK=block, P=T(pd), G=T(gd), M=T(md), V=T(vd),
+            VM=T(vmd if amsgrad else vd), MO=T(mo), VO=T(vo), VMO=T(vmo), U=T(ud),
+            AMSGRAD=amsgrad, MAXIMIZE=maximize, LERP_SMALL=lerp_small,
+            WRITE_PARAMS=write_params, num_warps=_launch.NUM_WARPS)
+        del keep
+    return outs, ms, vs, vmaxs
+
+
+
+def adamw_step(
+    grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves,
+    max_exp_avg_sq: Sequence[Tensor | None], decay: Sequence[bool], s: AdamWScalars, *,
+    amsgrad: bool = False, maximize: bool = False, write_params: bool = False,
+) -> Out:
+    """The kernel when :func:`funcpar.kernels.use_kernels` says so and every tensor has a
+    kernel dtype, else the reference (float64 and complex leaves, CPU tensors by default)."""
+    tensors = [*grads, *params, *exp_avg, *exp_avg_sq, *(max_exp_avg_sq if amsgrad else ())]
+    if (all(torch.is_tensor(t) for t in tensors) and _launch.kernel_dtype_ok(*tensors)
+            and use_kernels(*tensors)):
+        return adamw_triton(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s,
+                            amsgrad=amsgrad, maximize=maximize, write_params=write_params)
+    return adamw_reference(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s,
+                           amsgrad=amsgrad, maximize=maximize, write_params=write_params)

@@ -1,0 +1,345 @@
+"""Fused Lamb passes: references, Triton kernels, dispatch.
+
+Lamb needs two per-leaf norms before it can update anything, so it runs in two passes with the
+layout-aware reduction of the norms between them (done by :mod:`funcpar.optim.lamb`, through
+:func:`funcpar.shard.reduce.sum_partial`, so tensor-parallel and ZeRO shards work unchanged):
+
+1. :func:`lamb_moments`: ``m' = b1 m + c g``, ``v' = b2 v + (1 - b2) g^2`` (``g`` negated with
+   ``maximize``), written; the direction ``a`` (``m'/bc1 / (sqrt(v'/bc2) + eps)`` with
+   ``bias_correction="moments"``, else ``m' / (sqrt(v') + eps)``; ``+ wd p`` with decay
+   ``"in_update"``) and the weight ``w`` (``p``, or ``p (1 - lr wd)`` with ``"decoupled"``
+   decay) are *not* written: each program returns its tile's ``sum(w^2)`` and ``sum(a^2)``, and
+   a second tiny kernel adds those per leaf in a fixed order (reproducible, no atomics).
+2. :func:`lamb_update`: ``a`` and ``w`` recomputed from ``p, m', v'``, then
+   ``u = (w - p) - coef a`` with the per-leaf ``coef = step size * trust ratio``, written as
+   ``u`` or as ``p + u``.
+
+Bytes per parameter (fp32): pass 1 reads ``p, g, m, v`` and writes ``m, v`` (24 B), pass 2
+reads ``p, m, v`` and writes ``p`` (16 B): 40 B, against the 28 B of one AdamW-like pass.
+Writing ``a`` in pass 1 and reading ``a, p`` in pass 2 costs the same 40 B and an extra buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, no_type_check
+
+import torch
+from torch import Tensor
+
+from funcpar.kernels import _launch
+from funcpar.kernels.dispatch import use_kernels
+
+__all__ = [
+    "LambScalars",
+    "lamb_direction",
+    "lamb_moments",
+    "lamb_moments_reference",
+    "lamb_moments_triton",
+    "lamb_update",
+    "lamb_update_reference",
+    "lamb_update_triton",
+]
+
+
+class LambScalars(NamedTuple):
+    beta1: float
+    beta2: float
+    m_coef: float  # 1 - beta1, or 1 without grad averaging
+    bc1: Tensor | float  # 1 - b1^t
+    bc2: Tensor | float  # 1 - b2^t
+    eps: Tensor | float
+    weight_decay: Tensor | float
+    shrink: Tensor | float  # 1 - lr * weight_decay (decoupled decay)
+    moments: bool  # bias_correction == "moments"
+    in_update: bool  # weight_decay_mode == "in_update"
+    maximize: bool
+
+
+def lamb_direction(
+    g: Tensor, p: Tensor, m: Tensor, v: Tensor, use_decay: bool, s: LambScalars,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The reference for one leaf: ``(m', v', a, w)`` exactly as :func:`funcpar.optim.lamb`."""
+    if s.maximize:
+        g = -g
+    # A Python number alpha: torch.add fuses it the way the references' add_ does.
+    m = torch.add(m * s.beta1, g, alpha=s.m_coef)
+    v = torch.addcmul(v * s.beta2, g, g, value=1 - s.beta2)
+    if s.moments:
+        a = (m / s.bc1) / ((v / s.bc2).sqrt() + s.eps)
+    else:
+        a = m / (v.sqrt() + s.eps)
+    w = p
+    if use_decay and s.in_update:
+        a = a + s.weight_decay * p
+    elif use_decay:
+        # pytorch_optimizer shrinks the weight first; its norm is the shrunk one's.
+        w = p * s.shrink
+    return m, v, a, w
+
+
+Leaves = Sequence[Tensor]
+
+
+def lamb_moments_reference(
+    grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves, decay: Sequence[bool],
+    s: LambScalars,
+) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Pass 1 in plain torch: ``(m', v', sums)`` with ``sums[j] = (sum w_j^2, sum a_j^2)``
+    over this process's part of leaf ``j`` (float64, ``[n_leaves, 2]``)."""
+    ms, vs, sums = [], [], []
+    for g, p, m, v, dec in zip(grads, params, exp_avg, exp_avg_sq, decay, strict=True):
+        m, v, a, w = lamb_direction(g, p, m, v, dec, s)
+        ms.append(m)
+        vs.append(v)
+        sums.append(torch.stack([w.double().square().sum(), a.double().square().sum()]))
+    device = grads[0].device if len(grads) else None
+    out = torch.stack(sums) if sums else torch.zeros((0, 2), dtype=torch.float64, device=device)
+    return ms, vs, out
+
+
+def lamb_update_reference(
+    params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves, decay: Sequence[bool], coef: Tensor,
+    s: LambScalars, *, write_params: bool = False,
+) -> list[Tensor]:
+    """Pass 2 in plain torch: ``u = (w - p) - coef_j a`` per leaf (``coef`` float64
+    ``[n_leaves]``; its float32 rounding multiplies a float32 ``a``), or ``p + u``."""
+    outs = []
+    for j, (p, m, v, dec) in enumerate(zip(params, exp_avg, exp_avg_sq, decay, strict=True)):
+        # The direction from the new moments: lamb_direction with g = 0 and betas 1 is
+        # (m, v) unchanged; write it out instead to keep the order of operations.
+        if s.moments:
+            a = (m / s.bc1) / ((v / s.bc2).sqrt() + s.eps)
+        else:
+            a = m / (v.sqrt() + s.eps)
+        w = p
+        if dec and s.in_update:
+            a = a + s.weight_decay * p
+        elif dec:
+            w = p * s.shrink
+        u = (w - p) - coef[j] * a
+        outs.append(p + u.to(p.dtype) if write_params else u)
+    return outs
+
+
+def _build():
+    global tl, triton, lamb_direction_jit
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    @no_type_check
+    def lamb_direction_jit(p, m, v, dflag, scal, MOMENTS: tl.constexpr,
+                           IN_UPDATE: tl.constexpr):
+        bc1 = tl.load(scal + 4)
+        bc2 = tl.load(scal + 5)
+        eps = tl.load(scal + 6)
+        wd = tl.load(scal + 7)
+        shrink = tl.load(scal + 8)
+        if MOMENTS:
+            a = tl.div_rn(tl.div_rn(m, bc1), tl.sqrt_rn(tl.div_rn(v, bc2)) + eps)
+        else:
+            a = tl.div_rn(m, tl.sqrt_rn(v) + eps)
+        w = p
+        if IN_UPDATE:
+            a = tl.where(dflag != 0, a + wd * p, a)
+        else:
+            w = tl.where(dflag != 0, p * shrink, p)
+        return a, w
+
+    @triton.jit
+    @no_type_check
+    def lamb_moments_kernel(table, tiles, scal, partials, NCOL: tl.constexpr,
+                            BLOCK: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
+                            M: tl.constexpr, V: tl.constexpr, MO: tl.constexpr,
+                            VO: tl.constexpr, MOMENTS: tl.constexpr, IN_UPDATE: tl.constexpr,
+                            MAXIMIZE: tl.constexpr):
+        # Leaf row: numel, decay flag, p, g, m, v, m out, v out.
+        pid = tl.program_id(0)
+        leaf = tl.load(tiles + 2 * pid).to(tl.int64)
+        offs = tl.load(tiles + 2 * pid + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        row = table + leaf * NCOL
+        n = tl.load(row)
+        dflag = tl.load(row + 1)
+        mask = offs < n
+        beta1 = tl.load(scal)
+        m_coef = tl.load(scal + 1)
+        beta2 = tl.load(scal + 2)
+        c2 = tl.load(scal + 3)  # 1 - beta2
+        p = tl.load(tl.load(row + 2).to(tl.pointer_type(P)) + offs, mask=mask).to(tl.float32)
+        g = tl.load(tl.load(row + 3).to(tl.pointer_type(G)) + offs, mask=mask).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        m = tl.load(tl.load(row + 4).to(tl.pointer_type(M)) + offs, mask=mask).to(tl.float32)
+        v = tl.load(tl.load(row + 5).to(tl.pointer_type(V)) + offs, mask=mask).to(tl.float32)
+        m = tl.fma(g, m_coef, m * beta1).to(MO)  # torch.add(m * b1, g, alpha=c)
+        v = (v * beta2 + (c2 * g) * g).to(VO)  # torch.addcmul(v * b2, g, g, value=1 - b2)
+        tl.store(tl.load(row + 6).to(tl.pointer_type(MO)) + offs, m, mask=mask)
+        tl.store(tl.load(row + 7).to(tl.pointer_type(VO)) + offs, v, mask=mask)
+        a, w = lamb_direction_jit(p, m.to(tl.float32), v.to(tl.float32), dflag, scal,
+                                  MOMENTS, IN_UPDATE)
+        # Masked lanes load zeros: a = 0 / (0 + eps) = 0 and w = 0 add nothing.
+        tl.store(partials + 2 * pid, tl.sum(w * w, axis=0))
+        tl.store(partials + 2 * pid + 1, tl.sum(a * a, axis=0))
+
+    @triton.jit
+    @no_type_check
+    def lamb_update_kernel(table, tiles, scal, coef, NCOL: tl.constexpr, BLOCK: tl.constexpr,
+                           P: tl.constexpr, M: tl.constexpr, V: tl.constexpr, U: tl.constexpr,
+                           MOMENTS: tl.constexpr, IN_UPDATE: tl.constexpr,
+                           WRITE_PARAMS: tl.constexpr):
+        # Leaf row: numel, decay flag, p, m', v', out.
+        pid = tl.program_id(0)
+        leaf = tl.load(tiles + 2 * pid).to(tl.int64)
+        offs = tl.load(tiles + 2 * pid + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        row = table + leaf * NCOL
+        n = tl.load(row)
+        dflag = tl.load(row + 1)
+        mask = offs < n
+        p = tl.load(tl.load(row + 2).to(tl.pointer_type(P)) + offs, mask=mask).to(tl.float32)
+        m = tl.load(tl.load(row + 3).to(tl.pointer_type(M)) + offs, mask=mask).to(tl.float32)
+        v = tl.load(tl.load(row + 4).to(tl.pointer_type(V)) + offs, mask=mask).to(tl.float32)
+        a, w = lamb_direction_jit(p, m, v, dflag, scal, MOMENTS, IN_UPDATE)
+        u = (w - p) - tl.load(coef + leaf) * a
+        out = tl.load(row + 5)
+        if WRITE_PARAMS:
+            u = u.to(U).to(P).to(tl.float32)
+            tl.store(out.to(tl.pointer_type(P)) + offs, (p + u).to(P), mask=mask)
+        else:
+            tl.store(out.to(tl.pointer_type(U)) + offs, u.to(U), mask=mask)
+
+    return lamb_moments_kernel, lamb_update_kernel
+
+
+_kernels = _launch.lazy_kernels(_build)
+
+
+def _scalars(s: LambScalars, device: torch.device) -> Tensor:
+    return _launch.device_scalars([s.beta1, s.m_coef, s.beta2, 1 - s.beta2, s.bc1, s.bc2, s.eps,
+                                   s.weight_decay, s.shrink], device)
+
+
+def _check_one_group(tensors: Sequence[Tensor]) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"the Lamb kernels take the leaves of one device, got "
+                         f"{sorted(map(str, devices))}")
+
+
+def lamb_moments_triton(
+    grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves, decay: Sequence[bool],
+    s: LambScalars, *, block: int | None = None,
+) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """:func:`lamb_moments_reference` by the Triton kernels (one launch per dtype group plus
+    the per-leaf sums). All leaves on one device."""
+    block = block or _launch.BLOCK
+    n = len(grads)
+    _check_one_group([*grads, *params])
+    ms: list = [None] * n
+    vs: list = [None] * n
+    device = grads[0].device if n else torch.device("cpu")
+    sums = torch.zeros((n, 2), dtype=torch.float64, device=device)
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        key = (grads[i].dtype, params[i].dtype, exp_avg[i].dtype, exp_avg_sq[i].dtype)
+        groups.setdefault(key, []).append(i)
+    for (gd, pd, md, vd), idx in groups.items():
+        mo, vo = torch.promote_types(md, gd), torch.promote_types(vd, gd)
+        rows, numels, live, keep = [], [], [], []
+        for i in idx:
+            g, p = grads[i].contiguous(), params[i].contiguous()
+            m, v = exp_avg[i].contiguous(), exp_avg_sq[i].contiguous()
+            ms[i] = _launch.new_output(p.shape, mo, device)
+            vs[i] = _launch.new_output(p.shape, vo, device)
+            if p.numel() == 0:
+                continue
+            keep.append((g, p, m, v))  # the table holds raw addresses: keep them alive
+            live.append(i)
+            numels.append(p.numel())
+            rows.append([p.numel(), int(bool(decay[i])), p.data_ptr(), g.data_ptr(),
+                         m.data_ptr(), v.data_ptr(), ms[i].data_ptr(), vs[i].data_ptr()])
+        if not rows:
+            continue
+        table = _launch.leaf_table(rows, device)
+        tiles, first = _launch.tile_table(numels, block, device)
+        partials = _launch.new_output((tiles.shape[0], 2), torch.float32, device)
+        T = _launch.tl_dtype
+        _kernels()[0][(tiles.shape[0],)](
+            table, tiles, _scalars(s, device), partials, NCOL=8, BLOCK=block, P=T(pd), G=T(gd),
+            M=T(md), V=T(vd), MO=T(mo), VO=T(vo), MOMENTS=s.moments, IN_UPDATE=s.in_update,
+            MAXIMIZE=s.maximize, num_warps=_launch.NUM_WARPS)
+        sums[torch.tensor(live, device=device)] = _launch.segment_sums(partials, first)
+        del keep
+    return ms, vs, sums
+
+
+def lamb_update_triton(
+    params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves, decay: Sequence[bool], coef: Tensor,
+    s: LambScalars, *, write_params: bool = False, block: int | None = None,
+) -> list[Tensor]:
+    """:func:`lamb_update_reference` by the Triton kernel."""
+    block = block or _launch.BLOCK
+    n = len(params)
+    _check_one_group(params)
+    outs: list = [None] * n
+    device = params[0].device if n else torch.device("cpu")
+    coef32 = coef.to(device=device, dtype=torch.float32)
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        key = (params[i].dtype, exp_avg[i].dtype, exp_avg_sq[i].dtype, params[i].dim() == 0)
+        groups.setdefault(key, []).append(i)
+    for (pd, md, vd, scalar), idx in groups.items():
+        ud = torch.promote_types(torch.promote_types(pd, md), vd)
+        if scalar:  # the reference's float64 coef times a 0-d leaf's a promotes to float64
+            ud = torch.promote_types(ud, torch.float64)
+        rows, numels, live, keep = [], [], [], []
+        for i in idx:
+            p, m, v = params[i].contiguous(), exp_avg[i].contiguous(), exp_avg_sq[i].contiguous()
+            outs[i] = _launch.new_output(p.shape, pd if write_params else ud, device)
+            if p.numel() == 0:
+                continue
+            keep.append((p, m, v))
+            live.append(i)
+            numels.append(p.numel())
+            rows.append([p.numel(), int(bool(decay[i])), p.data_ptr(), m.data_ptr(),
+                         v.data_ptr(), outs[i].data_ptr()])
+        if not rows:
+            continue
+        table = _launch.leaf_table(rows, device)
+        tiles, _first = _launch.tile_table(numels, block, device)
+        group_coef = coef32 if len(live) == n else coef32[torch.tensor(live, device=device)]
+        T = _launch.tl_dtype
+        _kernels()[1][(tiles.shape[0],)](
+            table, tiles, _scalars(s, device), group_coef.contiguous(), NCOL=6, BLOCK=block,
+            P=T(pd), M=T(md), V=T(vd), U=T(ud), MOMENTS=s.moments, IN_UPDATE=s.in_update,
+            WRITE_PARAMS=write_params, num_warps=_launch.NUM_WARPS)
+        del keep
+    return outs
+
+
+def _kernel_ok(tensors: Sequence[Tensor]) -> bool:
+    return (all(torch.is_tensor(t) for t in tensors) and _launch.kernel_dtype_ok(*tensors)
+            and len({t.device for t in tensors}) <= 1 and use_kernels(*tensors))
+
+
+def lamb_moments(
+    grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves, decay: Sequence[bool],
+    s: LambScalars,
+) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Pass 1: the kernel when :func:`funcpar.kernels.use_kernels` says so (kernel dtypes, one
+    device), else the reference."""
+    if _kernel_ok([*grads, *params, *exp_avg, *exp_avg_sq]):
+        return lamb_moments_triton(grads, params, exp_avg, exp_avg_sq, decay, s)
+    return lamb_moments_reference(grads, params, exp_avg, exp_avg_sq, decay, s)
+
+
+def lamb_update(
+    params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves, decay: Sequence[bool], coef: Tensor,
+    s: LambScalars, *, write_params: bool = False,
+) -> list[Tensor]:
+    """Pass 2: the kernel or the reference, as :func:`lamb_moments` chooses."""
+    if _kernel_ok([*params, *exp_avg, *exp_avg_sq]):
+        return lamb_update_triton(params, exp_avg, exp_avg_sq, decay, coef, s,
+                                  write_params=write_params)
+    return lamb_update_reference(params, exp_avg, exp_avg_sq, decay, coef, s,
+                                 write_params=write_params)

@@ -1,0 +1,188 @@
+"""Fused SGD step (momentum, dampening, Nesterov, coupled weight decay): reference, Triton
+kernel, dispatch.
+
+Per element, ``d = g`` (``-g`` with ``maximize``) ``[+ wd * p]``; with momentum ``mu``:
+``b' = d`` on the first step, else ``b' = mu b + (1 - dampening) d``; the direction is
+``d + mu b'`` (Nesterov) or ``b'``; ``u = -lr * direction`` (``-lr * d`` without momentum), and
+``p' = p + u`` (``write_params=True``) or ``u``.
+
+Bytes per parameter (fp32): ``p`` r/w, ``g`` r, ``b`` r/w: 20 B with momentum, 12 B without.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, no_type_check
+
+import torch
+from torch import Tensor
+
+from funcpar.kernels import _launch
+from funcpar.kernels.dispatch import use_kernels
+
+__all__ = ["SGDScalars", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
+
+
+class SGDScalars(NamedTuple):
+    lr: Tensor | float  # 0-d float64 (a schedule's value) or a number
+    weight_decay: Tensor | float
+    first: Tensor | bool  # 0-d bool: this is the first step (the buffer starts at d)
+    momentum: float
+    dampening: float
+
+
+def _t(x: Tensor | float) -> Tensor:
+    return x if torch.is_tensor(x) else torch.tensor(float(x), dtype=torch.float64)
+
+
+def sgd_leaf(
+    g: Tensor, p: Tensor, buf: Tensor | None, use_decay: bool, s: SGDScalars, *,
+    nesterov: bool, maximize: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The reference for one leaf: ``(u, b')`` exactly as torch.optim.SGD."""
+    # Hyperparameters in the leaf's dtype (a 0-d float64 would promote 0-d leaves).
+    lr_, wd = _t(s.lr).to(g.dtype), _t(s.weight_decay).to(g.dtype)
+    d = -g if maximize else g
+    if use_decay:
+        d = d + wd * p
+    if not s.momentum:
+        return -lr_ * d, None
+    # torch.optim.SGD starts the buffer at the first gradient, undamped.
+    first = torch.as_tensor(s.first)
+    buf = torch.where(first, d, s.momentum * buf + (1 - s.dampening) * d)
+    d = d + s.momentum * buf if nesterov else buf
+    return -lr_ * d, buf
+
+
+Leaves = Sequence[Tensor]
+
+
+def sgd_reference(
+    grads: Leaves, params: Leaves, bufs: Sequence[Tensor | None], decay: Sequence[bool],
+    s: SGDScalars, *, nesterov: bool = False, maximize: bool = False, write_params: bool = False,
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """:func:`sgd_leaf` over lists: ``(out, b')``, ``out`` the updates or ``p + u``."""
+    outs, new_bufs = [], []
+    for g, p, b, dec in zip(grads, params, bufs, decay, strict=True):
+        u, b = sgd_leaf(g, p, b, dec, s, nesterov=nesterov, maximize=maximize)
+        outs.append(p + u.to(p.dtype) if write_params else u)
+        new_bufs.append(b)
+    return outs, new_bufs
+
+
+def _build():
+    global tl, triton
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    @no_type_check
+    def sgd_kernel(table, tiles, scal, NCOL: tl.constexpr, BLOCK: tl.constexpr,
+                   P: tl.constexpr, G: tl.constexpr, B: tl.constexpr, BO: tl.constexpr,
+                   U: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                   MAXIMIZE: tl.constexpr, WRITE_PARAMS: tl.constexpr):
+        # Leaf row: numel, decay flag, p, g, b (in), out, b (out).
+        pid = tl.program_id(0)
+        leaf = tl.load(tiles + 2 * pid).to(tl.int64)
+        offs = tl.load(tiles + 2 * pid + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        row = table + leaf * NCOL
+        n = tl.load(row)
+        dflag = tl.load(row + 1)
+        mask = offs < n
+        lr = tl.load(scal)
+        wd = tl.load(scal + 1)
+        g = tl.load(tl.load(row + 3).to(tl.pointer_type(G)) + offs, mask=mask).to(tl.float32)
+        d = -g if MAXIMIZE else g
+        p_ptr = tl.load(row + 2).to(tl.pointer_type(P)) + offs
+        if WRITE_PARAMS:
+            p = tl.load(p_ptr, mask=mask).to(tl.float32)
+        else:
+            p = tl.load(p_ptr, mask=offs < n * dflag, other=0.0).to(tl.float32)
+        d = tl.where(dflag != 0, d + wd * p, d)
+        if MOMENTUM:
+            mu = tl.load(scal + 2)
+            damp1 = tl.load(scal + 3)  # 1 - dampening
+            first = tl.load(scal + 4) != 0
+            b = tl.load(tl.load(row + 4).to(tl.pointer_type(B)) + offs, mask=mask)
+            b = tl.where(first, d, mu * b.to(tl.float32) + damp1 * d).to(BO)
+            tl.store(tl.load(row + 6).to(tl.pointer_type(BO)) + offs, b, mask=mask)
+            b = b.to(tl.float32)
+            if NESTEROV:
+                d = d + mu * b
+            else:
+                d = b
+        u = -lr * d
+        out = tl.load(row + 5)
+        if WRITE_PARAMS:
+            u = u.to(U).to(P).to(tl.float32)
+            tl.store(out.to(tl.pointer_type(P)) + offs, (p + u).to(P), mask=mask)
+        else:
+            tl.store(out.to(tl.pointer_type(U)) + offs, u.to(U), mask=mask)
+
+    return sgd_kernel
+
+
+_kernel = _launch.lazy_kernels(_build)
+
+
+def sgd_triton(
+    grads: Leaves, params: Leaves, bufs: Sequence[Tensor | None], decay: Sequence[bool],
+    s: SGDScalars, *, nesterov: bool = False, maximize: bool = False, write_params: bool = False,
+    block: int | None = None,
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """:func:`sgd_reference` by the Triton kernel, one launch per device and dtype group."""
+    block = block or _launch.BLOCK
+    momentum = bool(s.momentum)
+    n = len(grads)
+    outs: list = [None] * n
+    new_bufs: list = [None] * n
+    groups: dict[tuple, list[int]] = {}
+    for i in range(n):
+        key = (grads[i].device, grads[i].dtype, params[i].dtype,
+               bufs[i].dtype if momentum else None)
+        groups.setdefault(key, []).append(i)
+    for (device, gd, pd, bd), idx in groups.items():
+        bo = torch.promote_types(bd, gd) if momentum else gd
+        ud = torch.promote_types(torch.promote_types(gd, pd), bo)
+        rows, numels, keep = [], [], []
+        for i in idx:
+            g, p = grads[i].contiguous(), params[i].contiguous()
+            b = bufs[i].contiguous() if momentum else None
+            outs[i] = _launch.new_output(p.shape, pd if write_params else ud, device)
+            new_bufs[i] = _launch.new_output(p.shape, bo, device) if momentum else None
+            if p.numel() == 0:
+                continue
+            keep.append((g, p, b))  # the table holds raw addresses: keep them alive
+            numels.append(p.numel())
+            rows.append([p.numel(), int(bool(decay[i])), p.data_ptr(), g.data_ptr(),
+                         b.data_ptr() if momentum else 0, outs[i].data_ptr(),
+                         new_bufs[i].data_ptr() if momentum else 0])
+        if not rows:
+            continue
+        table = _launch.leaf_table(rows, device)
+        tiles, _first = _launch.tile_table(numels, block, device)
+        first = s.first if torch.is_tensor(s.first) else torch.tensor(bool(s.first))
+        scal = _launch.device_scalars(
+            [s.lr, s.weight_decay, s.momentum, 1 - s.dampening, first], device)
+        T = _launch.tl_dtype
+        _kernel()[(tiles.shape[0],)](
+            table, tiles, scal, NCOL=7, BLOCK=block, P=T(pd), G=T(gd), B=T(bd or gd), BO=T(bo),
+            U=T(ud), MOMENTUM=momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
+            WRITE_PARAMS=write_params, num_warps=_launch.NUM_WARPS)
+        del keep
+    return outs, new_bufs
+
+
+def sgd_step(
+    grads: Leaves, params: Leaves, bufs: Sequence[Tensor | None], decay: Sequence[bool],
+    s: SGDScalars, *, nesterov: bool = False, maximize: bool = False, write_params: bool = False,
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """The kernel when :func:`funcpar.kernels.use_kernels` says so and every tensor has a
+    kernel dtype, else the reference."""
+    tensors = [*grads, *params, *(bufs if s.momentum else ())]
+    if (all(torch.is_tensor(t) for t in tensors) and _launch.kernel_dtype_ok(*tensors)
+            and use_kernels(*tensors)):
+        return sgd_triton(grads, params, bufs, decay, s, nesterov=nesterov, maximize=maximize,
+                          write_params=write_params)
+    return sgd_reference(grads, params, bufs, decay, s, nesterov=nesterov, maximize=maximize,
+                         write_params=write_params)

@@ -1,0 +1,616 @@
+"""The plan of a composed step: mesh, layouts, expected communication per step, memory per rank.
+
+:func:`describe` reads a composed ``(step, state)`` - its layouts, its ZeRO plan, its
+data-parallel axis and precision - and derives, without running it:
+
+* **layouts**: leaves grouped by how they are split (which dims over which axes), with their
+  global bytes and the bytes this rank holds;
+* **communication per step**: every collective the step issues, as (op, axis, count, bytes),
+  in :mod:`funcpar.shard.comm`'s byte convention (the largest buffer of the operation on this
+  rank: the tensor for all-reduce, the gathered output for all-gather, the full input for
+  reduce-scatter, uneven pieces padded to the longest). Derived from the transforms' code paths:
+
+  - tensor parallelism (from the sharding plan; ``tokens`` = this rank's batch x sequence, ``w``
+    the feature width, ``s`` the compute dtype's size): per group of column-split siblings (one
+    shared input: q/k/v, gate/up) one all-reduce of the input gradient, ``tokens*w_in*s``;
+    per row-split linear one all-reduce of its output, ``tokens*w_out*s``; the vocab-parallel
+    embedding one all-reduce of its output; the vocab-parallel cross-entropy three all-reduces
+    of ``tokens`` entries (max, sum of exponentials, target logit, in float32 or wider); a
+    gathered head one all-gather of the logits. With sequence parallelism the all-reduces
+    become reduce-scatters and all-gathers of the padded sequence (``ceil(seq/tp)*tp``): the
+    embedding scatters its output (and gathers its gradient), each region gathers its input
+    and scatters its output (and the reverse backward), the head gathers its input, and the
+    gradients of the leaves not split over tp are summed in one all-reduce per dtype;
+  - data parallelism: the gradient buckets (the bucketing of
+    :class:`~funcpar.transforms.data_parallel.BucketedMean` replayed on the local leaves) and
+    the loss's all-reduce;
+  - ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054): stage 1-2, one all-gather of the
+    updates per partitioned leaf; stage 2, one reduce-scatter per partitioned leaf (an
+    all-reduce per leaf too small to cut); stage 3, per partitioned leaf one all-gather in the
+    forward, one more in the backward for each leaf whose gathered value autograd saved (every
+    leaf of a module other than an ``nn.Embedding``, whose backward needs only the indices),
+    and the reduce-scatter of its gradient (in the compute dtype: it is the gradient of the
+    gathered leaf);
+  - norms: the ``grad_norm`` metric and each ``clip_by_global_norm`` sum the squares with one
+    all-reduce per mesh axis per distinct set of splitting axes
+    (:func:`~funcpar.shard.reduce.total_sum_of_squares`);
+  - fp16: one all-reduce (max) per mesh axis for the agreed inf/nan check.
+
+  Not modeled: an optimizer's own reductions beyond clipping (factored statistics of Adafactor
+  or CAME, Lamb's trust ratios, GaLore's projections; elementwise optimizers such as SGD and
+  AdamW issue none), and pipeline sends/receives. A model whose column-split siblings do not
+  share one input, or that runs a sharded module more than once per step, issues more.
+* **memory per rank**: parameters as stored, gradients as the optimizer receives them (after the
+  reductions; ZeRO-2/3 keep their part), optimizer state (:func:`funcpar.optim.memory.
+  state_bytes`) on the device and in an offload store, and the transient copies: the compute
+  dtype's copy of the parameters under amp, the gathered leaves of ZeRO-3 (the leaves outside
+  every block plus the largest block).
+
+``tests/test_presets.py`` checks the communication against :func:`~funcpar.shard.comm.
+comm_report`'s records of a real step, count and bytes per (op, axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from funcpar.optim.memory import state_bytes
+from funcpar.shard.comm import chunk_sizes
+from funcpar.shard.layout import Layout
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.rules import ModulePlan, ShardingPlan
+from funcpar.state.train_state import TrainState
+from funcpar.state.tree import named_leaves, tree_flatten
+from funcpar.train.step import TrainStep
+from funcpar.transforms.amp_cast import PRECISIONS
+
+__all__ = ["CommRow", "LayoutRow", "MemoryReport", "Plan", "describe"]
+
+_COLUMN = ("colwise", "vocab_parallel", "colwise_gather_output")
+_HEADS = ("vocab_parallel", "colwise_gather_output")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommRow:
+    """``count`` collectives ``op`` over ``axis`` moving ``nbytes`` in all (per local token
+    when ``per_token``: activation traffic with no batch shape given)."""
+
+    op: str
+    axis: str
+    count: int
+    nbytes: int
+    what: str
+    per_token: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutRow:
+    """Leaves split the same way: how, how many, their global bytes and this rank's."""
+
+    split: str
+    leaves: int
+    global_bytes: int
+    rank_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Bytes per rank (``*_max``: the most any rank holds, uneven splits included)."""
+
+    params: int
+    params_max: int
+    grads: int
+    grads_max: int
+    opt_state: int  # on the device (this rank)
+    opt_state_offloaded: int  # in the offload store (this rank)
+    compute_params: int  # amp's compute-dtype copy of the parameters, during the step
+    zero3_gathered: int  # ZeRO-3's gathered leaves at the peak, during the step
+
+    @property
+    def resident(self) -> int:
+        """Held between steps on the device: params + optimizer state (gradients live during
+        the step only, but they peak with it, so they are counted too)."""
+        return self.params + self.grads + self.opt_state
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * _size(dtype)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n} GiB"  # pragma: no cover
+
+
+def _split_text(lay: Layout | None, mesh: DeviceMesh) -> str:
+    if lay is None:
+        return "whole on every rank"
+    parts = []
+    for d, axes in enumerate(lay.dim_axes):
+        cut = [a for a in axes if mesh.size(a) > 1]
+        if cut:
+            parts.append(f"dim {d} over {' x '.join(cut)}")
+    return "; ".join(parts) or "whole on every rank"
+
+
+def _layout_rows(params: Any, layouts: Any, mesh: DeviceMesh) -> list[LayoutRow]:
+    named = named_leaves(params)
+    lays = [None] * len(named) if layouts is None else tree_flatten(layouts)[0]
+    rows: dict[str, list[int]] = {}
+    for (_, x), lay in zip(named, lays):
+        if not torch.is_tensor(x):
+            continue
+        key = _split_text(lay, mesh)
+        shape = lay.global_shape if lay is not None else tuple(x.shape)
+        local = lay.local_shape() if lay is not None else tuple(x.shape)
+        acc = rows.setdefault(key, [0, 0, 0])
+        acc[0] += 1
+        acc[1] += _nbytes(shape, x.dtype)
+        acc[2] += _nbytes(local, x.dtype)
+    return [LayoutRow(k, *v) for k, v in rows.items()]
+
+
+def _per_rank(params: Any, layouts: Any, mesh: DeviceMesh, dtype_of: Any = None) -> list[int]:
+    """Bytes of ``params`` (described by ``layouts``) on every rank of the mesh."""
+    named = named_leaves(params)
+    lays = [None] * len(named) if layouts is None else tree_flatten(layouts)[0]
+    world = mesh.world_size
+    out = [0] * world
+    for (_, x), lay in zip(named, lays):
+        if not torch.is_tensor(x):
+            continue
+        dtype = x.dtype if dtype_of is None else dtype_of
+        for r in range(world):
+            shape = tuple(x.shape) if lay is None else lay.local_shape(r)
+            out[r] += _nbytes(shape, dtype)
+    return out
+
+
+class _Rows:
+    """An ordered accumulator of (op, axis, what) -> count, bytes."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.rows: dict[tuple[str, str, str, bool], list[int]] = {}
+
+    def add(self, op: str, axis: str, nbytes: int, what: str, *, count: int = 1,
+            per_token: bool = False) -> None:
+        if count == 0 or self.mesh.size(axis) == 1:  # size-1 axes issue nothing
+            return
+        acc = self.rows.setdefault((op, axis, what, per_token), [0, 0])
+        acc[0] += count
+        acc[1] += nbytes
+
+    def out(self) -> list[CommRow]:
+        return [CommRow(op, axis, c, n, what, pt)
+                for (op, axis, what, pt), (c, n) in self.rows.items()]
+
+
+class Plan:
+    """What a composed step does per step and holds per rank; ``str(plan)`` prints it.
+
+    Build it with :func:`describe` (the presets do: ``composed.plan``). ``expected_comm``
+    and ``comm_totals`` take an optional global ``batch_shape`` ``(batch, seq)`` for the
+    activation traffic of tensor parallelism.
+    """
+
+    def __init__(self, step: TrainStep, state: TrainState, mesh: DeviceMesh, *, name: str,
+                 transforms: Sequence[str], sharding: ShardingPlan | None,
+                 sequence_parallel: bool, bucket_mb: float, clip_norms: int,
+                 batch_shape: tuple[int, int] | None, max_norm: float | None) -> None:
+        self.step, self.state, self.mesh = step, state, mesh
+        self.name = name
+        self.transforms = tuple(transforms)
+        self.sharding = sharding
+        self.sequence_parallel = sequence_parallel
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.clip_norms = clip_norms
+        self.batch_shape = batch_shape
+        self.max_norm = max_norm
+        leaves = [x for _, x in named_leaves(state.params) if torch.is_tensor(x)]
+        floating = [x.dtype for x in leaves if x.is_floating_point()]
+        self.param_dtype = floating[0] if floating else torch.float32
+        self.compute_dtype = (PRECISIONS[step.precision] if step.precision is not None
+                              else self.param_dtype)
+        self.layout_rows = _layout_rows(state.params, step.layouts, mesh)
+        zero = step.partition
+        self.opt_layout_rows = None
+        if zero is not None and zero.stage < 3:
+            self.opt_layout_rows = _layout_rows(state.params, zero.part_layouts(state.params),
+                                                mesh)
+        self.memory = self._memory()
+
+    # --------------------------------------------------------------------------- memory
+    def _memory(self) -> MemoryReport:
+        step, state, mesh = self.step, self.state, self.mesh
+        params = _per_rank(state.params, step.layouts, mesh)
+        zero = step.partition
+        glay = step.grad_layouts if step.grad_layouts is not None else step.layouts
+        grads = _per_rank(state.params, glay, mesh)
+        total = state_bytes(state.opt_state)
+        offloaded = sum(x.numel() * x.element_size()
+                        for x in tree_flatten(state.opt_state)[0]
+                        if torch.is_tensor(x) and x.is_meta)
+        r = mesh.rank()
+        compute = 0
+        if step.precision is not None:
+            compute = _per_rank(state.params, step.layouts, mesh, self.compute_dtype)[r]
+        gathered = self._zero3_gathered() if zero is not None and zero.stage == 3 else 0
+        return MemoryReport(params[r], max(params), grads[r], max(grads), total - offloaded,
+                            offloaded, compute, gathered)
+
+    def _whole_local(self, i: int) -> tuple[int, ...]:
+        """Leaf ``i``'s tensor-parallel shard shape (before the ZeRO cut)."""
+        zero = self.step.partition
+        shape = list(zero.layouts[i].local_shape())
+        if zero.dims[i] is not None:
+            shape[zero.dims[i]] = zero.lengths[i]
+        return tuple(shape)
+
+    def _zero3_gathered(self) -> int:
+        zero = self.step.partition
+        module = getattr(self.step.apply_fn, "module", None)
+        size = _size(self.compute_dtype)
+        blocks = _blocks(module) if module is not None else []
+        per_block = [0] * len(blocks)
+        rest = 0
+        for i, n in enumerate(zero.names):
+            if zero.dims[i] is None:
+                continue
+            b = next((k for k, prefix in enumerate(blocks) if n.startswith(prefix + ".")), None)
+            nbytes = math.prod(self._whole_local(i)) * size
+            if b is None:
+                rest += nbytes
+            else:
+                per_block[b] += nbytes
+        return rest + max(per_block, default=0)
+
+    # ------------------------------------------------------------------- communication
+    def expected_comm(self, batch_shape: tuple[int, int] | None = None) -> list[CommRow]:
+        """The collectives of one step (see the module docstring). ``batch_shape``: the global
+        ``(batch, seq)`` (default: the one given to the preset); without one, the activation
+        traffic of tensor parallelism is given per local token."""
+        batch_shape = batch_shape if batch_shape is not None else self.batch_shape
+        rows = _Rows(self.mesh)
+        if self.sharding is not None:
+            self._tp_rows(rows, batch_shape)
+        self._dp_rows(rows)
+        self._norm_rows(rows)
+        scaler = self.step.loss_scaler
+        if scaler is not None and getattr(scaler, "mesh", None) is not None:
+            for axis in self.mesh.axis_names:
+                rows.add("all_reduce", axis, 4, "amp fp16 inf/nan check")
+        return rows.out()
+
+    def comm_totals(self, batch_shape: tuple[int, int] | None = None
+                    ) -> dict[tuple[str, str], tuple[int, int]]:
+        """``{(op, axis): (count, bytes)}`` of :meth:`expected_comm` (a batch shape is needed
+        when tensor parallelism moves activations)."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        for row in self.expected_comm(batch_shape):
+            if row.per_token:
+                raise ValueError("comm_totals needs batch_shape=(batch, seq): the activation "
+                                 "traffic of tensor parallelism depends on it")
+            c, n = out.get((row.op, row.axis), (0, 0))
+            out[(row.op, row.axis)] = (c + row.count, n + row.nbytes)
+        return out
+
+    def _local_batch(self, batch_shape: tuple[int, int] | None) -> tuple[int, int, bool]:
+        """(this rank's batch, seq, per_token) for the activation traffic."""
+        dp = self.mesh.size(self.step.dp_axis) if self.step.dp_axis is not None else 1
+        if batch_shape is None:
+            # One token per tp rank of one sequence, divided out below: per local token.
+            return 1, self.mesh.size(self.sharding.axis), True
+        b, t = batch_shape
+        if b % dp:
+            raise ValueError(f"batch_shape {batch_shape}: a batch of {b} does not split over "
+                             f"dp={dp}")
+        return b // dp, t, False
+
+    def _tp_rows(self, rows: _Rows, batch_shape: tuple[int, int] | None) -> None:
+        sp, axis = self.sharding, self.sharding.axis
+        k = self.mesh.size(axis)
+        b, t, per_token = self._local_batch(batch_shape)
+        div = t if per_token else 1  # per_token: b = 1, t = k tokens, divided out
+        act = _size(self.compute_dtype)
+        # The cross-entropy works in float32 at least (half-precision logits are upcast).
+        ce = max(act, 4)
+
+        def add(op: str, nbytes: int, what: str, count: int = 1) -> None:
+            rows.add(op, axis, nbytes // div, what, count=count, per_token=per_token)
+
+        def width(mp: ModulePlan, which: str) -> int:
+            shape = sp.layouts[mp.weight_name].global_shape
+            if mp.kind == "embedding":
+                return shape[1]
+            out_dim = 1 if mp.kind == "conv1d" else 0
+            return shape[out_dim] if which == "out" else shape[1 - out_dim]
+
+        def padded(n: int) -> int:  # a dim of n cut over k, as it travels
+            return chunk_sizes(n, k)[0] * k
+
+        mods = list(sp.modules)
+        parent = {mp.name: mp.name.rpartition(".")[0] for mp in mods}
+        heads = [mp for mp in mods if mp.style in _HEADS]
+        if not self.sequence_parallel:
+            seen: set[str] = set()
+            for mp in mods:
+                if mp.style in _COLUMN and parent[mp.name] not in seen:
+                    # Column-split siblings (q/k/v, gate/up) share one input: one all-reduce
+                    # of its gradient in the backward.
+                    seen.add(parent[mp.name])
+                    add("all_reduce", b * t * width(mp, "in") * act,
+                        "tp: input grads of column-split linears (backward)")
+                if mp.style == "rowwise":
+                    add("all_reduce", b * t * width(mp, "out") * act,
+                        "tp: row-split linear outputs (forward)")
+                if mp.style == "embedding_rowwise":
+                    add("all_reduce", b * t * width(mp, "out") * act,
+                        "tp: vocab-parallel embedding output (forward)")
+        else:
+            tpad = padded(t)
+            for mp in mods:
+                if mp.style == "embedding_rowwise":
+                    add("reduce_scatter", b * tpad * width(mp, "out") * act,
+                        "sp: embedding output scattered over the sequence")
+                    add("all_gather", b * tpad * width(mp, "out") * act,
+                        "sp: embedding output grad gathered (backward)")
+            regions = {parent[mp.name]: mp for mp in mods if mp.style == "rowwise"}
+            for region, row in regions.items():
+                col = next(mp for mp in mods if mp.style == "colwise"
+                           and parent[mp.name] == region)
+                win, wout = width(col, "in"), width(row, "out")
+                add("all_gather", b * tpad * win * act, "sp: region input gathered (forward)")
+                add("reduce_scatter", b * tpad * win * act,
+                    "sp: region input grad scattered (backward)")
+                add("reduce_scatter", b * tpad * wout * act,
+                    "sp: region output scattered (forward)")
+                add("all_gather", b * tpad * wout * act, "sp: region output grad gathered "
+                    "(backward)")
+            for mp in heads:
+                add("all_gather", b * tpad * width(mp, "in") * act, "sp: head input gathered")
+                add("reduce_scatter", b * tpad * width(mp, "in") * act,
+                    "sp: head input grad scattered (backward)")
+        for mp in heads:
+            if mp.style == "vocab_parallel":
+                add("all_reduce", 3 * b * t * ce, "tp: vocab-parallel cross-entropy (max, "
+                    "sum_exp, target)", count=3)
+            else:
+                add("all_gather", b * t * padded(width(mp, "out")) * act,
+                    "tp: head logits gathered")
+        if self.sequence_parallel:
+            self._sp_grad_rows(rows)
+
+    def _sp_grad_rows(self, rows: _Rows) -> None:
+        """One all-reduce per dtype of the gradients of the leaves not split over tp."""
+        axis = self.sharding.axis
+        step = self.step
+        glay = step.grad_layouts if step.grad_layouts is not None else step.layouts
+        by_dtype: dict[torch.dtype, int] = {}
+        for (_, x), lay in zip(named_leaves(self.state.params), tree_flatten(glay)[0]):
+            if not torch.is_tensor(x) or any(axis in a for a in lay.dim_axes):
+                continue
+            by_dtype[x.dtype] = by_dtype.get(x.dtype, 0) + _nbytes(lay.local_shape(),
+                                                                   x.dtype)
+        for n in by_dtype.values():
+            rows.add("all_reduce", axis, n, "sp: grads of leaves not split over tp")
+
+    def _dp_rows(self, rows: _Rows) -> None:
+        step, state = self.step, self.state
+        zero = step.partition
+        if step.dp_axis is not None:
+            loss = max(_size(self.compute_dtype), 4) if step.precision else _size(
+                self.param_dtype)
+            rows.add("all_reduce", step.dp_axis, loss, "dp: loss mean")
+            if zero is None or zero.stage < 2:
+                for nbytes in _buckets(tree_flatten(state.params)[0], self.bucket_bytes):
+                    rows.add("all_reduce", step.dp_axis, nbytes, "dp: gradient buckets")
+        if zero is None:
+            return
+        leaves = tree_flatten(state.params)[0]
+        n = self.mesh.size(zero.axis)
+        comp = _size(self.compute_dtype)
+        saved = _saved_leaves(getattr(step.apply_fn, "module", None), zero.names)
+        for i in range(len(zero.names)):
+            elem = leaves[i].element_size()
+            whole = self._whole_local(i)
+            if zero.dims[i] is None:
+                if zero.stage >= 2:
+                    rows.add("all_reduce", zero.axis, math.prod(whole) * elem,
+                             "zero: grads of leaves too small to cut")
+                continue
+            # The pieces travel padded to the longest, ceil(length / n).
+            moved = math.prod(whole) // whole[zero.dims[i]] * chunk_sizes(zero.lengths[i], n)[0] * n
+            if zero.stage < 3:
+                rows.add("all_gather", zero.axis, moved * elem, "zero: updates gathered")
+                if zero.stage == 2:
+                    rows.add("reduce_scatter", zero.axis, moved * elem,
+                             "zero: grads reduce-scattered")
+                continue
+            rows.add("all_gather", zero.axis, moved * comp, "zero-3: params gathered (forward)")
+            if saved[i]:
+                rows.add("all_gather", zero.axis, moved * comp,
+                         "zero-3: params gathered again (backward)")
+            rows.add("reduce_scatter", zero.axis, moved * comp, "zero-3: grads reduce-scattered")
+
+    def _norm_rows(self, rows: _Rows) -> None:
+        step = self.step
+        dtypes = [x.dtype for x in tree_flatten(self.state.params)[0]]
+        glay = step.grad_layouts if step.grad_layouts is not None else step.layouts
+        _norm(rows, dtypes, glay, self.mesh, "norm: grad_norm metric")
+        opt_lay = (step.partition.part_layouts(self.state.params)
+                   if step.partition is not None else step.layouts)
+        for _ in range(self.clip_norms):
+            _norm(rows, dtypes, opt_lay, self.mesh, "norm: clip_by_global_norm")
+
+    # ---------------------------------------------------------------------------- text
+    def __str__(self) -> str:
+        mesh = self.mesh
+        lines = [f"{self.name} plan (rank {mesh.rank()} of {mesh.world_size})",
+                 "mesh: " + " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
+                 + f" ({mesh.kind})"]
+        opt = "optimizer"
+        if self.max_norm is not None:
+            opt = f"chain(clip_by_global_norm({self.max_norm}), optimizer)"
+        lines.append("manual composition:")
+        lines.append(f"  step = make_train_step(apply_fn, loss_fn, {opt})")
+        if self.transforms:
+            lines.append("  step, state = compose(")
+            lines += [f"      {t}," for t in self.transforms]
+            lines.append("  )(step, init_state(params, buffers, optimizer))")
+        else:
+            lines.append("  (no transform: one process, or every axis of size 1)")
+        lines.append("params as stored:")
+        lines += _layout_table(self.layout_rows)
+        if self.opt_layout_rows is not None:
+            lines.append(f"optimizer state and updates: ZeRO-{self.step.partition.stage} parts "
+                         f"over {self.step.partition.axis}:")
+            lines += _layout_table(self.opt_layout_rows)
+        shape = self.batch_shape
+        lines.append("expected communication per step"
+                     + (f" (global batch {shape[0]} x {shape[1]}):" if shape else ":"))
+        comm = self.expected_comm()
+        if not comm:
+            lines.append("  none")
+        else:
+            lines.append(f"  {'op':<15} {'axis':<5} {'count':>6} {'bytes':>14}  what")
+            for r in comm:
+                nb = f"{r.nbytes:,}" + (" /tok" if r.per_token else "")
+                lines.append(f"  {r.op:<15} {r.axis:<5} {r.count:>6} {nb:>14}  {r.what}")
+            for axis in mesh.axis_names:
+                sel = [r for r in comm if r.axis == axis]
+                if sel:
+                    fixed = sum(r.nbytes for r in sel if not r.per_token)
+                    tok = sum(r.nbytes for r in sel if r.per_token)
+                    more = f" + {tok:,} per local token" if tok else ""
+                    lines.append(f"  total over {axis}: {sum(r.count for r in sel)} "
+                                 f"collectives, {fixed:,} bytes{more}")
+        lines.append("  not modeled: the optimizer's own reductions beyond clipping (none for "
+                     "elementwise optimizers such as sgd and adamw)")
+        m = self.memory
+        lines.append("memory on this rank (max over ranks):")
+        lines.append(f"  params          {_human(m.params):>12} ({_human(m.params_max)})")
+        lines.append(f"  grads           {_human(m.grads):>12} ({_human(m.grads_max)})"
+                     "  as the optimizer receives them")
+        lines.append(f"  optimizer state {_human(m.opt_state):>12} on the device"
+                     + (f", {_human(m.opt_state_offloaded)} offloaded"
+                        if m.opt_state_offloaded else ""))
+        if m.compute_params:
+            lines.append(f"  amp copy        {_human(m.compute_params):>12} "
+                         f"({self.step.precision} params during the step)")
+        if m.zero3_gathered:
+            lines.append(f"  zero-3 gathered {_human(m.zero3_gathered):>12} (peak during the "
+                         "step: leaves outside blocks + the largest block)")
+        lines.append(f"  total           {_human(m.resident):>12} (params + grads + optimizer "
+                     "state; activations not counted)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<Plan {self.name} on {self.mesh!r}>"
+
+
+def _layout_table(rows: list[LayoutRow]) -> list[str]:
+    out = [f"  {'split':<32} {'leaves':>6} {'global':>12} {'this rank':>12}"]
+    for r in rows:
+        out.append(f"  {r.split:<32} {r.leaves:>6} {_human(r.global_bytes):>12} "
+                   f"{_human(r.rank_bytes):>12}")
+    return out
+
+
+def _buckets(leaves: list[Any], bucket_bytes: int) -> list[int]:
+    """The bytes of each gradient bucket, as BucketedMean cuts them: leaves in reverse order,
+    a new bucket when the next leaf would overflow it or changes dtype."""
+    sizes: list[int] = []
+    last_dtype = None
+    size = 0
+    for g in reversed(leaves):
+        nbytes = g.numel() * g.element_size()
+        if not sizes or size + nbytes > bucket_bytes or last_dtype != g.dtype:
+            sizes.append(0)
+            size = 0
+            last_dtype = g.dtype
+        sizes[-1] += nbytes
+        size += nbytes
+    return sizes
+
+
+def _blocks(module: nn.Module) -> list[str]:
+    """Names of the elements of the outermost ``nn.ModuleList``s (ZeRO-3's gather units)."""
+    blocks: list[str] = []
+    for name, m in module.named_modules():
+        if isinstance(m, nn.ModuleList) and not any(name.startswith(b + ".") for b in blocks):
+            blocks += [f"{name}.{k}" if name else k for k, _ in m.named_children()]
+    return blocks
+
+
+def _saved_leaves(module: nn.Module | None, names: Sequence[str]) -> list[bool]:
+    """Per leaf, whether autograd saves its gathered value (a module other than an
+    ``nn.Embedding`` uses it; tied leaves count every module using them)."""
+    if module is None:
+        return [True] * len(names)
+    users: dict[int, list[nn.Module]] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            users.setdefault(id(p), []).append(m)
+    params = dict(module.named_parameters())
+    return [any(not isinstance(m, nn.Embedding) for m in users.get(id(params[n]), [None]))
+            if n in params else True for n in names]
+
+
+def _norm(rows: _Rows, dtypes: list[torch.dtype], layouts: Any, mesh: DeviceMesh,
+          what: str) -> None:
+    """The all-reduces of one total_sum_of_squares over leaves of ``layouts``."""
+    if layouts is None:
+        return
+    groups: dict[tuple[int, tuple[str, ...]], None] = {}
+    for dtype, lay in zip(dtypes, tree_flatten(layouts)[0]):
+        acc = 8 if dtype == torch.float64 else 4
+        nd = 0 if lay is None else len(lay.global_shape)
+        axes = () if lay is None or nd == 0 else tuple(lay.axes_for(range(nd)))
+        groups[(acc, axes)] = None
+    for acc, axes in groups:
+        for axis in axes:
+            rows.add("all_reduce", axis, acc, what)
+
+
+def describe(
+    step: TrainStep,
+    state: TrainState,
+    mesh: DeviceMesh,
+    *,
+    name: str = "composition",
+    transforms: Sequence[str] = (),
+    sharding: ShardingPlan | None = None,
+    sequence_parallel: bool = False,
+    bucket_mb: float = 25.0,
+    clip_norms: int = 0,
+    batch_shape: tuple[int, int] | None = None,
+    max_norm: float | None = None,
+) -> Plan:
+    """The :class:`Plan` of a composed ``(step, state)`` over ``mesh``.
+
+    What the step does not record is passed in: ``sharding`` (``plan_sharding(module, rules,
+    mesh)``, for tensor parallelism's activation traffic), ``sequence_parallel``,
+    ``bucket_mb`` (data_parallel's), ``clip_norms`` (how many ``clip_by_global_norm`` the
+    optimizer holds), ``transforms`` (text of the manual calls, for printing).
+    """
+    if sequence_parallel and sharding is None:
+        raise ValueError("describe: sequence_parallel needs sharding= (the sharding plan)")
+    if clip_norms < 0:
+        raise ValueError(f"describe: clip_norms must be >= 0, got {clip_norms}")
+    return Plan(step, state, mesh, name=name, transforms=transforms, sharding=sharding,
+                sequence_parallel=sequence_parallel, bucket_mb=bucket_mb,
+                clip_norms=clip_norms, batch_shape=batch_shape, max_norm=max_norm)

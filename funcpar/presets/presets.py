@@ -1,0 +1,649 @@
+"""The presets: Colossal-AI's Booster plugins as thin compositions of funcpar's transforms.
+
+Each preset is a :class:`Preset` (a frozen set of choices) that composes, in the one valid
+order documented by the transforms,
+
+``[clip] -> shard_params -> [pipeline_split] -> data_parallel -> zero_partition -> offload ->
+amp_cast``
+
+* ``shard_params(rules, mesh)`` when ``tp_size > 1``; the rules are the model's
+  (:func:`pick_rules`) unless given;
+* ``data_parallel(mesh, bucket_mb=...)`` when the ``dp`` axis has more than one rank;
+* ``zero_partition(stage, mesh)`` when ``zero_stage > 0`` (after ``shard_params``: the
+  partition cuts the tensor-parallel shards);
+* ``offload(target)`` for the optimizer state (with ZeRO in either order; here after it, so
+  the store holds this rank's parts);
+* ``amp_cast(precision, mesh=mesh)`` last (required after ZeRO-3, whose gathers would bypass
+  its casts otherwise).
+
+``max_norm`` prepends ``clip_by_global_norm(max_norm)`` to the optimizer, as the plugins'
+``max_norm`` does. Under the transforms the clip sees the global norm of the sharded or
+partitioned gradients (:mod:`funcpar.shard.reduce`), so it clips exactly as one process would.
+
+A preset is used in one of two ways:
+
+* ``hybrid_parallel(model, loss_fn, optimizer, tp_size=2, zero_stage=2)``: functionalize the
+  model, build ``make_train_step`` and ``init_state``, compose (Colossal-AI's
+  ``booster.boost``);
+* ``hybrid_parallel(tp_size=2, zero_stage=2)`` (no model): the :class:`Preset`, which is itself
+  a transform ``(step, state) -> (step, state)`` of a fresh state, composable with others.
+
+Both return a :class:`Composed`: the pair ``(step, state)`` (a ``TrainStep`` and a
+``TrainState``, the very objects the manual composition gives) that also carries ``.plan``
+(:class:`~funcpar.presets.plan.Plan`: mesh, layouts, expected communication per step, memory
+per rank). ``plan=True`` prints it on rank 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from funcpar.offload.store import TensorStore
+from funcpar.optim.base import GradientTransformation, chain
+from funcpar.optim.clip import clip_by_global_norm
+from funcpar.presets.plan import Plan, describe
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.rules import (
+    LocalAttr,
+    Rule,
+    bert_rules,
+    gpt2_rules,
+    hf_rules,
+    llama_rules,
+    plan_sharding,
+)
+from funcpar.state.functional import functionalize
+from funcpar.state.train_state import TrainState, init_state
+from funcpar.train.step import TrainStep, make_train_step
+from funcpar.transforms.amp_cast import amp_cast
+from funcpar.transforms.data_parallel import data_parallel
+from funcpar.transforms.offload import offload as offload_transform
+from funcpar.transforms.shard_params import shard_params
+from funcpar.transforms.zero_partition import zero_partition
+
+__all__ = [
+    "PRECISIONS",
+    "Composed",
+    "Preset",
+    "ddp",
+    "gemini",
+    "hybrid_parallel",
+    "low_level_zero",
+    "pick_rules",
+    "titan_parallelize",
+]
+
+#: Colossal-AI's precision names; "fp32" means no amp_cast.
+PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOAD_TARGETS = ("cpu", "nvme")
+_PIPELINE_MODULE = "funcpar.transforms.pipeline_split"
+
+Transform = Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]
+
+
+class Composed(tuple):
+    """``(step, state)``: unpacks like the manual composition's pair; ``.plan`` describes it.
+
+    The plan is computed on first access (it reads the layouts and the state, no
+    communication). ``offload_store``: the optimizer state's store when offloading (flush or
+    close it when training ends; ``funcpar.transforms.offload.read_state`` reads the state
+    back), else None."""
+
+    def __new__(cls, step: TrainStep, state: TrainState,
+                plan: Callable[[], Plan] | None = None, store: TensorStore | None = None
+                ) -> Composed:
+        obj = super().__new__(cls, (step, state))
+        obj._make_plan = plan
+        obj._plan = None
+        obj.offload_store = store
+        return obj
+
+    @property
+    def step(self) -> TrainStep:
+        return self[0]
+
+    @property
+    def state(self) -> TrainState:
+        return self[1]
+
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            if self._make_plan is None:
+                raise ValueError("this pair was not built by a preset: use "
+                                 "funcpar.presets.describe(step, state, mesh, ...)")
+            self._plan = self._make_plan()
+        return self._plan
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _head_dim(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def pick_rules(model: nn.Module, *, vocab_parallel_loss: bool = True) -> list[Rule | LocalAttr]:
+    """The tensor-parallel rules funcpar knows for ``model``.
+
+    funcpar's :class:`~funcpar.models.Llama` -> ``llama_rules``; Hugging Face's
+    ``GPT2LMHeadModel``/``GPT2Model`` -> ``gpt2_rules``; ``BertForMaskedLM``/``BertModel`` ->
+    ``bert_rules``; any other Hugging Face model with a ``tp_plan`` -> ``hf_rules``. Anything
+    else is a ValueError asking for ``rules=``. ``vocab_parallel_loss``: keep the LM head's
+    logits split and compute the loss vocab-parallel (the loss must then be token-mean
+    cross-entropy, ``funcpar.models.lm_loss``).
+    """
+    from funcpar.models.llama import Llama
+
+    vpl = vocab_parallel_loss
+    if isinstance(model, Llama):
+        return list(llama_rules(model.cfg.head_dim, vocab_parallel_loss=vpl))
+    name = type(model).__name__
+    cfg = getattr(model, "config", None)
+    # By class name: importing transformers to test isinstance would cost seconds.
+    if name == "GPT2LMHeadModel":
+        return list(gpt2_rules(_head_dim(cfg), vocab_parallel_loss=vpl))
+    if name == "GPT2Model":
+        return list(gpt2_rules(_head_dim(cfg), prefix=""))
+    if name == "BertForMaskedLM":
+        return list(bert_rules(_head_dim(cfg), vocab_parallel_loss=vpl))
+    if name == "BertModel":
+        return list(bert_rules(_head_dim(cfg), prefix="", mlm_head=False))
+    if getattr(model, "tp_plan", None):
+        return list(hf_rules(model, vocab_parallel_loss=vpl))
+    raise ValueError(
+        f"no tensor-parallel rules are known for {type(model).__module__}.{name}: pass "
+        "rules=[Rule(pattern, style), ...] (funcpar.shard.rules; funcpar's Llama, Hugging "
+        "Face GPT-2, BERT and models with a tp_plan are picked automatically)"
+    )
+
+
+def _rules_text(model: nn.Module, rules: Sequence[Rule | LocalAttr]) -> str:
+    return f"<{len(rules)} rules for {type(model).__name__}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A composition of funcpar's transforms, chosen by Colossal-AI-style arguments.
+
+    ``tp_size`` / ``pp_size`` / ``dp_size`` (None: what the world leaves): the mesh
+    ``dp x tp`` (``pp x dp x tp`` with a pipeline) built from the torchrun world unless
+    ``mesh`` is given. ``zero_stage`` 0-3 over ``dp``. ``precision`` "fp32", "bf16" or "fp16"
+    (with dynamic loss scaling from ``initial_scale``, ``growth_factor``, ``backoff_factor``,
+    ``growth_interval``). ``max_norm``: gradient clipping by the global norm. ``offload``:
+    optimizer state in host memory ("cpu") or in files under ``offload_path`` ("nvme").
+    ``bucket_mb``: data-parallel gradient bucket size. ``rules``: tensor-parallel rules
+    (default :func:`pick_rules`). ``sequence_parallel``: with ``tp_size > 1``. ``microbatches``:
+    pipeline micro-batches (with ``pp_size > 1``). ``batch_shape`` ``(batch, seq)`` of the
+    global batch: lets the plan give the activation collectives in bytes. ``plan``: print the
+    plan on rank 0 when composing.
+    """
+
+    name: str = "preset"
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int | None = None
+    zero_stage: int = 0
+    precision: str = "fp32"
+    microbatches: int | None = None
+    sequence_parallel: bool = False
+    rules: Sequence[Rule | LocalAttr] | None = None
+    mesh: DeviceMesh | None = None
+    max_norm: float | None = None
+    offload: str | None = None
+    offload_path: str | os.PathLike | None = None
+    keep_fp32: Any = None
+    bucket_mb: float = 25.0
+    initial_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    batch_shape: tuple[int, int] | None = None
+    plan: bool = False
+
+    def __post_init__(self) -> None:
+        who = self.name
+        for field in ("tp_size", "pp_size"):
+            v = getattr(self, field)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{who}: {field} must be an int >= 1, got {v!r}")
+        if self.dp_size is not None and (not _is_int(self.dp_size) or self.dp_size < 1):
+            raise ValueError(f"{who}: dp_size must be an int >= 1 or None (what the world "
+                             f"leaves), got {self.dp_size!r}")
+        if not _is_int(self.zero_stage) or self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"{who}: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"{who}: unknown precision {self.precision!r}; use one of "
+                             f"{PRECISIONS}")
+        if self.offload not in (None, *OFFLOAD_TARGETS):
+            raise ValueError(f"{who}: offload must be None, 'cpu' or 'nvme', got "
+                             f"{self.offload!r}")
+        if self.offload == "nvme" and self.offload_path is None:
+            raise ValueError(f"{who}: offload='nvme' needs offload_path=, the directory for the "
+                             "optimizer-state files")
+        if self.offload != "nvme" and self.offload_path is not None:
+            raise ValueError(f"{who}: offload_path is for offload='nvme' (offload is "
+                             f"{self.offload!r})")
+        if self.max_norm is not None and not (math.isfinite(self.max_norm)
+                                              and self.max_norm > 0):
+            raise ValueError(f"{who}: max_norm must be a finite number > 0 or None, got "
+                             f"{self.max_norm!r}")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"{who}: bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ValueError(f"{who}: sequence_parallel splits activations over tp: it needs "
+                             "tp_size > 1")
+        if self.microbatches is not None:
+            if not _is_int(self.microbatches) or self.microbatches < 1:
+                raise ValueError(f"{who}: microbatches must be an int >= 1, got "
+                                 f"{self.microbatches!r}")
+            if self.pp_size == 1:
+                raise ValueError(f"{who}: microbatches={self.microbatches} are pipeline "
+                                 "micro-batches: they need pp_size > 1 (for gradient "
+                                 "accumulation use funcpar.optim.accumulate)")
+        if self.pp_size > 1 and importlib.util.find_spec(_PIPELINE_MODULE) is None:
+            raise ValueError(
+                f"{who}: pp_size={self.pp_size} needs pipeline parallelism "
+                f"({_PIPELINE_MODULE}), which is not available in this funcpar yet; use "
+                "pp_size=1 (tensor, data parallelism and ZeRO compose without it)"
+            )
+        if self.batch_shape is not None and (
+                len(self.batch_shape) != 2 or not all(_is_int(s) and s > 0
+                                                      for s in self.batch_shape)):
+            raise ValueError(f"{who}: batch_shape must be (batch, seq) of positive ints, got "
+                             f"{self.batch_shape!r}")
+        if self.mesh is not None:
+            self._check_mesh(self.mesh)
+
+    # ------------------------------------------------------------------------------- mesh
+    def _check_mesh(self, mesh: DeviceMesh) -> None:
+        sizes = mesh.shape
+        extra = {a: s for a, s in sizes.items() if a not in ("pp", "dp", "tp") and s > 1}
+        if extra:
+            raise ValueError(f"{self.name}: the mesh has axes {extra} that the preset does not "
+                             "use; its axes are 'dp' and 'tp' (and 'pp')")
+        for axis, want in (("tp", self.tp_size), ("pp", self.pp_size)):
+            if sizes.get(axis, 1) != want:
+                raise ValueError(f"{self.name}: {axis}_size={want} but the mesh's {axis!r} axis "
+                                 f"has {sizes.get(axis, 1)} ranks ({mesh!r})")
+        if self.dp_size is not None and sizes.get("dp", 1) != self.dp_size:
+            raise ValueError(f"{self.name}: dp_size={self.dp_size} but the mesh's 'dp' axis "
+                             f"has {sizes.get('dp', 1)} ranks ({mesh!r})")
+        if "dp" not in sizes:
+            raise ValueError(f"{self.name}: the mesh needs a 'dp' axis (size 1 if unused), got "
+                             f"{mesh!r}")
+        if self.tp_size > 1 and "tp" not in sizes:
+            raise ValueError(f"{self.name}: tp_size={self.tp_size} needs a 'tp' mesh axis")
+
+    def build_mesh(self) -> DeviceMesh:
+        """``mesh`` if given, else ``DeviceMesh.from_env(dp=..., tp=...)`` over the torchrun
+        world (a local mesh for one process); checked against the world size first."""
+        if self.mesh is not None:
+            return self.mesh
+        world = _world_size()
+        fixed = self.tp_size * self.pp_size
+        what = f"tp_size {self.tp_size} x pp_size {self.pp_size}"
+        if self.dp_size is None:
+            if world % fixed:
+                raise ValueError(f"{self.name}: {what} = {fixed} does not divide the world of "
+                                 f"{world} process(es); launch a multiple of {fixed}")
+            dp = world // fixed
+        else:
+            dp = self.dp_size
+            if fixed * dp != world:
+                raise ValueError(f"{self.name}: {what} x dp_size {dp} = {fixed * dp} processes, "
+                                 f"but the world has {world}; tp_size * pp_size * dp_size must "
+                                 "equal the number of processes")
+        axes = {"pp": self.pp_size} if self.pp_size > 1 else {}
+        axes.update(dp=dp, tp=self.tp_size)
+        return DeviceMesh.from_env(**axes)
+
+    # ------------------------------------------------------------------------ composition
+    def transforms(self, step: TrainStep, mesh: DeviceMesh) -> list[tuple[str, Transform]]:
+        """The transforms this preset applies (after clipping), in order, each with the
+        manual call it stands for."""
+        out: list[tuple[str, Transform]] = []
+        if self.tp_size > 1:
+            module = getattr(step.apply_fn, "module", None)
+            if module is None:
+                raise TypeError(f"{self.name}: tp_size > 1 needs a step built on "
+                                "functionalize(module)'s apply_fn (its modules are sharded)")
+            rules = self._rules(module, step)
+            sp = ", sequence_parallel=True" if self.sequence_parallel else ""
+            out.append((f"shard_params({_rules_text(module, rules)}, mesh{sp})",
+                        shard_params(rules, mesh, sequence_parallel=self.sequence_parallel)))
+        if self.pp_size > 1:
+            out.append(self._pipeline(mesh))
+        if mesh.size("dp") > 1:
+            out.append((f"data_parallel(mesh, bucket_mb={self.bucket_mb})",
+                        data_parallel(mesh, bucket_mb=self.bucket_mb)))
+        if self.zero_stage:
+            out.append((f"zero_partition({self.zero_stage}, mesh)",
+                        zero_partition(self.zero_stage, mesh)))
+        if self.offload is not None:
+            path = "" if self.offload_path is None else f", path={str(self.offload_path)!r}"
+            out.append((f"offload({self.offload!r}{path})",
+                        offload_transform(self.offload, path=self.offload_path)))
+        if self.precision != "fp32":
+            kw: dict[str, Any] = {"keep_fp32": self.keep_fp32, "mesh": mesh}
+            if self.precision == "fp16":
+                kw.update(init_scale=self.initial_scale, growth_factor=self.growth_factor,
+                          backoff_factor=self.backoff_factor,
+                          growth_interval=self.growth_interval)
+            out.append((f"amp_cast({self.precision!r}, mesh=mesh)", amp_cast(self.precision,
+                                                                               **kw)))
+        return out
+
+    def _rules(self, module: nn.Module, step: TrainStep) -> list[Rule | LocalAttr]:
+        if self.rules is not None:
+            return list(self.rules)
+        # The vocab-parallel loss replaces the step's loss, which is right only for token-mean
+        # cross-entropy (declared by lm_loss); any other loss gets gathered logits.
+        vpl = bool(getattr(step.loss_fn, "token_cross_entropy", False))
+        return pick_rules(module, vocab_parallel_loss=vpl)
+
+    def _pipeline(self, mesh: DeviceMesh) -> tuple[str, Transform]:
+        module = importlib.import_module(_PIPELINE_MODULE)
+        fn = module.pipeline_split
+        kw = {} if self.microbatches is None else {"microbatches": self.microbatches}
+        text = "" if self.microbatches is None else f", microbatches={self.microbatches}"
+        return f"pipeline_split(mesh{text})", fn(mesh=mesh, **kw)
+
+    def __call__(self, step: TrainStep, state: TrainState) -> Composed:
+        """The composition applied to a fresh ``(step, state)`` (a transform)."""
+        if int(state.step) != 0:
+            raise ValueError(f"{self.name}: takes a fresh state (step 0), got step "
+                             f"{int(state.step)}; move trained states through a checkpoint")
+        mesh = self.build_mesh()
+        if self.max_norm is not None:
+            # Prepended to the optimizer before any transform, so every transform that
+            # re-initialises or wraps the optimizer sees the chain.
+            opt = chain(clip_by_global_norm(self.max_norm), step.optimizer)
+            step = dataclasses.replace(step, optimizer=opt)
+            state = state._replace(opt_state=opt.init(state.params))
+        steps = self.transforms(step, mesh)
+        module = getattr(step.apply_fn, "module", None)
+        sharding = None
+        if self.tp_size > 1:
+            # The same resolution shard_params makes (deterministic): for the plan's numbers.
+            sharding = plan_sharding(module, self._rules(module, step), mesh, "tp")
+        store = None
+        for _, t in steps:
+            step, state = t(step, state)
+            store = getattr(t, "store", store)  # the offload transform's
+        texts = tuple(text for text, _ in steps)
+        clip = 0 if self.max_norm is None else 1
+
+        def make_plan() -> Plan:
+            return describe(step, state, mesh, name=self.name, transforms=texts,
+                            sharding=sharding, sequence_parallel=self.sequence_parallel,
+                            bucket_mb=self.bucket_mb, clip_norms=clip,
+                            batch_shape=self.batch_shape, max_norm=self.max_norm)
+
+        out = Composed(step, state, make_plan, store)
+        if self.plan and mesh.rank() == 0:
+            print(out.plan, flush=True)
+        return out
+
+    def boost(
+        self,
+        model: nn.Module | Callable,
+        loss_fn: Callable,
+        optimizer: GradientTransformation,
+        *,
+        params: Any = None,
+        buffers: Any = None,
+        seed: int = 0,
+        compile: bool = False,
+    ) -> Composed:
+        """``make_train_step`` + ``init_state`` of ``model`` (an ``nn.Module``, or an
+        ``apply_fn`` from ``functionalize`` with its ``params`` and ``buffers``), then this
+        composition: Colossal-AI's ``booster.boost(model, optimizer, criterion)``."""
+        if isinstance(model, nn.Module):
+            if params is not None or buffers is not None:
+                raise ValueError(f"{self.name}: params/buffers come from the module; pass them "
+                                 "only with an apply_fn")
+            apply_fn, params, buffers = functionalize(model)
+        else:
+            if params is None:
+                raise ValueError(f"{self.name}: with an apply_fn, pass params= (and buffers=) "
+                                 "from functionalize")
+            apply_fn = model
+            buffers = {} if buffers is None else buffers
+        if not isinstance(optimizer, GradientTransformation):
+            raise TypeError(f"{self.name}: optimizer must be a funcpar GradientTransformation "
+                            f"(funcpar.optim), got {type(optimizer).__name__}")
+        step = make_train_step(apply_fn, loss_fn, optimizer, compile=compile)
+        return self(step, init_state(params, buffers, optimizer, seed))
+
+
+def _run(preset: Preset, model: Any, loss_fn: Any, optimizer: Any,
+         boost: dict[str, Any]) -> Preset | Composed:
+    if model is None:
+        if loss_fn is not None or optimizer is not None or any(
+                v is not None for k, v in boost.items() if k in ("params", "buffers")):
+            raise ValueError(f"{preset.name}: pass the model with the loss and optimizer, or "
+                             "none of them to get the preset as a transform")
+        return preset
+    if loss_fn is None or optimizer is None:
+        raise ValueError(f"{preset.name}: pass model, loss_fn and optimizer together")
+    return preset.boost(model, loss_fn, optimizer, **boost)
+
+
+def hybrid_parallel(
+    model: nn.Module | Callable | None = None,
+    loss_fn: Callable | None = None,
+    optimizer: GradientTransformation | None = None,
+    *,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    dp_size: int | None = None,
+    zero_stage: int = 0,
+    precision: str = "fp32",
+    microbatches: int | None = None,
+    sequence_parallel: bool = False,
+    rules: Sequence[Rule | LocalAttr] | None = None,
+    mesh: DeviceMesh | None = None,
+    max_norm: float | None = None,
+    offload: str | None = None,
+    offload_path: str | os.PathLike | None = None,
+    keep_fp32: Any = None,
+    bucket_mb: float = 25.0,
+    initial_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    batch_shape: tuple[int, int] | None = None,
+    plan: bool = False,
+    params: Any = None,
+    buffers: Any = None,
+    seed: int = 0,
+    compile: bool = False,
+) -> Preset | Composed:
+    """Colossal-AI's ``HybridParallelPlugin``: ``tp x dp`` (``x pp``) with ZeRO 0-3 over dp.
+
+    ``compose(shard_params(rules, mesh), data_parallel(mesh), zero_partition(zero_stage,
+    mesh), [offload], [amp_cast(precision)])`` over ``DeviceMesh.from_env(dp=-1, tp=tp_size)``
+    (see :class:`Preset` for every argument). With ``model, loss_fn, optimizer``: the composed
+    :class:`Composed` ``(step, state)``; without: the :class:`Preset` (a transform).
+    """
+    preset = Preset(
+        "hybrid_parallel", tp_size, pp_size, dp_size, zero_stage, precision, microbatches,
+        sequence_parallel, rules, mesh, max_norm, offload, offload_path, keep_fp32, bucket_mb,
+        initial_scale, growth_factor, backoff_factor, growth_interval, batch_shape, plan,
+    )
+    return _run(preset, model, loss_fn, optimizer,
+                {"params": params, "buffers": buffers, "seed": seed, "compile": compile})
+
+
+def low_level_zero(
+    model: nn.Module | Callable | None = None,
+    loss_fn: Callable | None = None,
+    optimizer: GradientTransformation | None = None,
+    *,
+    stage: int = 1,
+    precision: str = "fp32",
+    max_norm: float | None = None,
+    cpu_offload: bool = False,
+    mesh: DeviceMesh | None = None,
+    bucket_mb: float = 25.0,
+    initial_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    batch_shape: tuple[int, int] | None = None,
+    plan: bool = False,
+    params: Any = None,
+    buffers: Any = None,
+    seed: int = 0,
+    compile: bool = False,
+) -> Preset | Composed:
+    """Colossal-AI's ``LowLevelZeroPlugin(stage)``: data parallelism over every rank with ZeRO
+    stage 1 (optimizer state partitioned) or 2 (and gradients); ``cpu_offload`` keeps the
+    optimizer state in host memory. ``compose(data_parallel(mesh), zero_partition(stage, mesh),
+    [offload("cpu")], [amp_cast(precision)])``."""
+    if stage not in (1, 2) or not _is_int(stage):
+        raise ValueError(f"low_level_zero: stage must be 1 or 2 (LowLevelZeroPlugin's stages), "
+                         f"got {stage!r}; ZeRO-3 is gemini() or hybrid_parallel(zero_stage=3)")
+    preset = Preset(
+        "low_level_zero", zero_stage=stage, precision=precision, mesh=mesh, max_norm=max_norm,
+        offload="cpu" if cpu_offload else None, bucket_mb=bucket_mb, initial_scale=initial_scale,
+        growth_factor=growth_factor, backoff_factor=backoff_factor,
+        growth_interval=growth_interval, batch_shape=batch_shape, plan=plan,
+    )
+    return _run(preset, model, loss_fn, optimizer,
+                {"params": params, "buffers": buffers, "seed": seed, "compile": compile})
+
+
+def ddp(
+    model: nn.Module | Callable | None = None,
+    loss_fn: Callable | None = None,
+    optimizer: GradientTransformation | None = None,
+    *,
+    bucket_mb: float = 25.0,
+    precision: str = "fp32",
+    max_norm: float | None = None,
+    mesh: DeviceMesh | None = None,
+    initial_scale: float = 2.0**16,
+    batch_shape: tuple[int, int] | None = None,
+    plan: bool = False,
+    params: Any = None,
+    buffers: Any = None,
+    seed: int = 0,
+    compile: bool = False,
+) -> Preset | Composed:
+    """Colossal-AI's ``TorchDDPPlugin`` (torch's DDP): the batch split over every rank,
+    gradients averaged in ``bucket_mb`` buckets overlapped with the backward
+    (``bucket_cap_mb``). ``compose(data_parallel(mesh, bucket_mb=bucket_mb),
+    [amp_cast(precision)])``."""
+    preset = Preset("ddp", precision=precision, mesh=mesh, max_norm=max_norm,
+                    bucket_mb=bucket_mb, initial_scale=initial_scale, batch_shape=batch_shape,
+                    plan=plan)
+    return _run(preset, model, loss_fn, optimizer,
+                {"params": params, "buffers": buffers, "seed": seed, "compile": compile})
+
+
+def gemini(
+    model: nn.Module | Callable | None = None,
+    loss_fn: Callable | None = None,
+    optimizer: GradientTransformation | None = None,
+    *,
+    offload: str | None = "cpu",
+    offload_path: str | os.PathLike | None = None,
+    zero_stage: int = 3,
+    tp_size: int = 1,
+    precision: str = "fp32",
+    max_norm: float | None = None,
+    mesh: DeviceMesh | None = None,
+    initial_scale: float = 2.0**16,
+    batch_shape: tuple[int, int] | None = None,
+    plan: bool = False,
+    params: Any = None,
+    buffers: Any = None,
+    seed: int = 0,
+    compile: bool = False,
+) -> Preset | Composed:
+    """Colossal-AI's ``GeminiPlugin``: ZeRO-3 (parameters, gradients and optimizer state
+    partitioned over dp, each block gathered when it runs) with the optimizer state offloaded
+    to host memory (``offload="cpu"``) or to files under ``offload_path`` (``"nvme"``);
+    ``offload=None`` keeps it on the device. ``compose([shard_params], data_parallel(mesh),
+    zero_partition(3, mesh), offload(target), [amp_cast(precision)])``.
+
+    Gemini's chunk manager moves parameters and optimizer state between device and host by
+    measured memory use; here the placement is static: the whole optimizer state offloaded,
+    parameters partitioned on the device (offloading fp32 master parameters is not done, see
+    docs/OFFLOAD.md).
+    """
+    if zero_stage != 3:
+        raise ValueError(f"gemini is ZeRO-3 by construction (GeminiPlugin partitions "
+                         f"parameters), got zero_stage={zero_stage!r}; for stages 1-2 with "
+                         "offload use low_level_zero(stage, cpu_offload=True) or "
+                         "hybrid_parallel(zero_stage=..., offload=...)")
+    if offload not in (None, *OFFLOAD_TARGETS):
+        raise ValueError(f"gemini: offload must be 'cpu', 'nvme' or None, got {offload!r}")
+    preset = Preset("gemini", tp_size=tp_size, zero_stage=3, precision=precision, mesh=mesh,
+                    max_norm=max_norm, offload=offload, offload_path=offload_path,
+                    initial_scale=initial_scale, batch_shape=batch_shape, plan=plan)
+    return _run(preset, model, loss_fn, optimizer,
+                {"params": params, "buffers": buffers, "seed": seed, "compile": compile})
+
+
+def titan_parallelize(
+    model: nn.Module | Callable | None = None,
+    loss_fn: Callable | None = None,
+    optimizer: GradientTransformation | None = None,
+    *,
+    tp: int = 1,
+    dp_shard: int = -1,
+    dp_replicate: int = 1,
+    pp: int = 1,
+    precision: str = "fp32",
+    max_norm: float | None = None,
+    mesh: DeviceMesh | None = None,
+    batch_shape: tuple[int, int] | None = None,
+    plan: bool = False,
+    params: Any = None,
+    buffers: Any = None,
+    seed: int = 0,
+    compile: bool = False,
+) -> Preset | Composed:
+    """torchtitan's ``parallelize_llama`` steps in its ``ParallelDims`` vocabulary: ``tp``
+    (tensor parallel), ``dp_shard`` (FSDP = ZeRO-3 over dp; -1: what the world leaves) and
+    ``dp_replicate`` (DDP). One data-parallel axis only: ``dp_shard > 1`` with
+    ``dp_replicate > 1`` (HSDP) is refused. ``precision`` is FSDP's ``param_dtype``
+    (``"bf16"`` in torchtitan's default config; float32 gradient reduction either way)."""
+    for name, v in (("tp", tp), ("dp_replicate", dp_replicate), ("pp", pp)):
+        if not _is_int(v) or v < 1:
+            raise ValueError(f"titan_parallelize: {name} must be an int >= 1, got {v!r}")
+    if not _is_int(dp_shard) or (dp_shard < 1 and dp_shard != -1):
+        raise ValueError(f"titan_parallelize: dp_shard must be an int >= 1 or -1, got "
+                         f"{dp_shard!r}")
+    if dp_replicate > 1 and dp_shard not in (1, -1):
+        raise ValueError(f"titan_parallelize: dp_replicate={dp_replicate} with dp_shard="
+                         f"{dp_shard} is HSDP (replicas of shards over two axes), which funcpar "
+                         "does not do; use one of them")
+    if dp_replicate > 1:
+        dp, stage = dp_replicate, 0
+    else:
+        dp, stage = (None if dp_shard == -1 else dp_shard), 3
+    preset = Preset("titan_parallelize", tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=stage,
+                    precision=precision, mesh=mesh, max_norm=max_norm, batch_shape=batch_shape,
+                    plan=plan)
+    return _run(preset, model, loss_fn, optimizer,
+                {"params": params, "buffers": buffers, "seed": seed, "compile": compile})

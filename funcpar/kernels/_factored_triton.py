@@ -14,7 +14,7 @@ reference are the summation order and, on GPUs, contracted multiply-adds.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, no_type_check
 
 import torch
 import triton
@@ -89,6 +89,7 @@ def _factors_args(f: F.Factors) -> tuple[Tensor, Tensor, Tensor]:
 
 
 @triton.jit
+@no_type_check  # the jaxtyping import hook must leave the kernels' source as written
 def _tile(pid_c, pid_r, n, m, n_rb, BR: tl.constexpr, BC: tl.constexpr):
     b = pid_r // n_rb
     rb = pid_r % n_rb
@@ -102,12 +103,14 @@ def _tile(pid_c, pid_r, n, m, n_rb, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+@no_type_check
 def _rsqrt(x):
     # 1 / sqrt(x), both correctly rounded: torch's CPU rsqrt.
     return tl.math.div_rn(1.0, tl.math.sqrt_rn(x))
 
 
 @triton.jit
+@no_type_check
 def _scalar(arg, IS_PTR: tl.constexpr):
     if IS_PTR:
         return tl.load(arg)
@@ -116,6 +119,7 @@ def _scalar(arg, IS_PTR: tl.constexpr):
 
 
 @triton.jit
+@no_type_check
 def _factored_inv(row_ptr, col_ptr, mean_ptr, b, rows, cols, rmask, cmask, n, m):
     # rsqrt(R / mean(R)) (x) rsqrt(C): the reference's order of operations.
     r = tl.load(row_ptr + b.to(tl.int64) * n + rows, mask=rmask, other=1.0)
@@ -127,6 +131,7 @@ def _factored_inv(row_ptr, col_ptr, mean_ptr, b, rows, cols, rmask, cmask, n, m)
 
 
 @triton.jit
+@no_type_check
 def _store_row_col(x, b, rb, pid_c, rows, cols, rmask, cmask, rowp_ptr, colp_ptr, n, m, n_rb,
                    n_cb):
     # Per-tile partial sums: rows -> (B, n, n_cb)[., ., pid_c]; columns -> (B, n_rb, m)[., rb, .]
@@ -141,6 +146,7 @@ def _store_row_col(x, b, rb, pid_c, rows, cols, rmask, cmask, rowp_ptr, colp_ptr
 
 
 @triton.jit
+@no_type_check
 def _sq_sums_kernel(g_ptr, rowp_ptr, colp_ptr, eps, n, m, n_rb, n_cb,
                     BR: tl.constexpr, BC: tl.constexpr):
     pid_c = tl.program_id(0)
@@ -153,6 +159,7 @@ def _sq_sums_kernel(g_ptr, rowp_ptr, colp_ptr, eps, n, m, n_rb, n_cb,
 
 
 @triton.jit
+@no_type_check
 def _norm_kernel(g_ptr, row_ptr, col_ptr, mean_ptr, v_ptr, v_out_ptr, part_ptr,
                  d, omd, eps, n, m, n_rb, n_cb,
                  FACTORED: tl.constexpr, D_PTR: tl.constexpr, OMD_PTR: tl.constexpr,
@@ -174,6 +181,7 @@ def _norm_kernel(g_ptr, row_ptr, col_ptr, mean_ptr, v_ptr, v_out_ptr, part_ptr,
 
 
 @triton.jit
+@no_type_check
 def _came_res_kernel(g_ptr, row_ptr, col_ptr, mean_ptr, m_ptr, m_out_ptr, rowp_ptr, colp_ptr,
                      clip, d1, omd1, eps2, n, m, n_rb, n_cb,
                      CLIP_PTR: tl.constexpr, D1_PTR: tl.constexpr, OMD1_PTR: tl.constexpr,
@@ -194,6 +202,7 @@ def _came_res_kernel(g_ptr, row_ptr, col_ptr, mean_ptr, m_ptr, m_out_ptr, rowp_p
 
 
 @triton.jit
+@no_type_check
 def _apply_kernel(x_ptr, p_ptr, out_ptr, m_ptr, m_out_ptr, row_ptr, col_ptr, mean_ptr, v_ptr,
                   clip, pre, post, dc, d1, omd1, n, m, n_rb,
                   KIND: tl.constexpr, HAS_CLIP: tl.constexpr, CLIP_PTR: tl.constexpr,
@@ -233,7 +242,8 @@ def _apply_kernel(x_ptr, p_ptr, out_ptr, m_ptr, m_out_ptr, row_ptr, col_ptr, mea
         if OUT == 1:
             tl.store(out_ptr + off, q - p, mask=mask)
         else:
-            tl.store(out_ptr + off, q.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + off, q.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                     mask=mask)
 
 
 # --------------------------------------------------------------------------------------------

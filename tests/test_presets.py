@@ -14,8 +14,6 @@ state actually holds.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -132,6 +130,12 @@ def _two_ranks(tmp):
                       batch_shape=BATCH)
     out["check:gemini"] = _checks(composed)
     out["equal:gemini"] = (manual, _run(*composed))
+    composed = hybrid_parallel(_model(), lm_loss, _adamw(), pp_size=2, microbatches=2,
+                               max_norm=0.5)
+    out["pp:text"] = str(composed.plan)
+    held = sum(x.numel() * x.element_size() for x in tree_leaves(composed.state.params))
+    out["pp:memory"] = (composed.plan.memory.params, held)
+    out["equal:pp2"] = (train(1, 1, "adamw", pp=2, microbatches=2), _run(*composed))
     for name, composed in [
         ("gemini_nvme", gemini(_model(), lm_loss, _adamw(), offload="nvme", offload_path=tmp,
                                batch_shape=BATCH)),
@@ -155,14 +159,14 @@ def two(tmp_path_factory):
 
 
 def _equal(results, key):
-    (want_losses, want), (got_losses, got) = results[0][key]
-    assert got_losses == want_losses, key
-    assert set(got) == set(want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), (key, k)
-    # Every rank ends with the same whole parameters.
-    for r in results[1:]:
-        assert all(torch.equal(r[key][1][1][k], got[k]) for k in got), key
+    """On every rank: the same losses and the same (whole over tp and dp) parameters; under a
+    pipeline each rank holds its stages' leaves."""
+    for rank, r in enumerate(results):
+        (want_losses, want), (got_losses, got) = r[key]
+        assert got_losses == want_losses, (key, rank)
+        assert set(got) == set(want), (key, rank)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (key, rank, k)
 
 
 @pytest.mark.parametrize("key", ["equal:hybrid"])
@@ -170,7 +174,8 @@ def test_hybrid_equals_manual(four, key):
     _equal(four, key)
 
 
-@pytest.mark.parametrize("key", ["equal:low_level_zero2", "equal:ddp", "equal:gemini"])
+@pytest.mark.parametrize("key", ["equal:low_level_zero2", "equal:ddp", "equal:gemini",
+                                 "equal:pp2"])
 def test_two_rank_presets_equal_manual(two, key):
     _equal(two, key)
 
@@ -287,6 +292,11 @@ def test_plan_per_token_without_batch_shape():
     (lambda: hybrid_parallel(tp_size=0), r"tp_size must be an int >= 1, got 0"),
     (lambda: hybrid_parallel(dp_size=0), r"dp_size must be an int >= 1"),
     (lambda: hybrid_parallel(microbatches=4), r"microbatches=4 are pipeline micro-batches"),
+    (lambda: hybrid_parallel(pp_size=2), r"pp_size=2 needs microbatches="),
+    (lambda: hybrid_parallel(pp_size=2, microbatches=2, pp_style="zbv"),
+     r"unknown pp_style 'zbv'"),
+    (lambda: hybrid_parallel(pp_size=2, microbatches=2, num_model_chunks=2),
+     r"num_model_chunks=2 needs pp_style='interleaved'"),
     (lambda: hybrid_parallel(sequence_parallel=True), r"sequence_parallel .* tp_size > 1"),
     (lambda: hybrid_parallel(offload="disk"), r"offload must be None, 'cpu' or 'nvme'"),
     (lambda: hybrid_parallel(offload="nvme"), r"offload='nvme' needs offload_path"),
@@ -310,12 +320,15 @@ def test_bad_arguments(call, match):
         call()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("funcpar.transforms.pipeline_split") is not None,
-                    reason="pipeline_split exists: pp_size > 1 is supported")
-def test_pipeline_not_available():
-    with pytest.raises(ValueError, match=r"pp_size=2 needs pipeline parallelism .*"
-                                         r"pipeline_split.*not available"):
-        hybrid_parallel(pp_size=2, microbatches=4)
+def test_pipeline_plan(two):
+    """Under pipeline_split the plan gives the layouts and memory of this rank's stages and
+    says that it does not model the communication."""
+    text = two[0]["pp:text"]
+    assert "pipeline_split(mesh, microbatches=2, schedule='1f1b')" in text
+    assert "mesh: pp=2 x dp=1 x tp=1" in text and "not modeled under pipeline_split" in text
+    for r in two:
+        planned, held = r["pp:memory"]
+        assert planned == held
 
 
 @pytest.mark.parametrize("world, kw, match", [

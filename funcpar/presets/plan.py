@@ -38,7 +38,9 @@ data-parallel axis and precision - and derives, without running it:
 
   Not modeled: an optimizer's own reductions beyond clipping (factored statistics of Adafactor
   or CAME, Lamb's trust ratios, GaLore's projections; elementwise optimizers such as SGD and
-  AdamW issue none), and pipeline sends/receives. A model whose column-split siblings do not
+  AdamW issue none), and any step under ``pipeline_split`` (its point-to-point transfers and
+  per-stage collectives depend on the schedule: :meth:`Plan.expected_comm` refuses, and the
+  printed plan says so; measure with ``comm_report``). A model whose column-split siblings do not
   share one input, or that runs a sharded module more than once per step, issues more.
 * **memory per rank**: parameters as stored, gradients as the optimizer receives them (after the
   reductions; ZeRO-2/3 keep their part), optimizer state (:func:`funcpar.optim.memory.
@@ -220,6 +222,7 @@ class Plan:
         self.clip_norms = clip_norms
         self.batch_shape = batch_shape
         self.max_norm = max_norm
+        self.pipelined = getattr(step, "pipeline", None) is not None
         leaves = [x for _, x in named_leaves(state.params) if torch.is_tensor(x)]
         floating = [x.dtype for x in leaves if x.is_floating_point()]
         self.param_dtype = floating[0] if floating else torch.float32
@@ -283,6 +286,10 @@ class Plan:
         """The collectives of one step (see the module docstring). ``batch_shape``: the global
         ``(batch, seq)`` (default: the one given to the preset); without one, the activation
         traffic of tensor parallelism is given per local token."""
+        if self.pipelined:
+            raise ValueError("the expected communication is not modeled under pipeline_split "
+                             "(point-to-point transfers by schedule); measure a step with "
+                             "funcpar.shard.comm.comm_report")
         batch_shape = batch_shape if batch_shape is not None else self.batch_shape
         rows = _Rows(self.mesh)
         if self.sharding is not None:
@@ -482,8 +489,11 @@ class Plan:
         shape = self.batch_shape
         lines.append("expected communication per step"
                      + (f" (global batch {shape[0]} x {shape[1]}):" if shape else ":"))
-        comm = self.expected_comm()
-        if not comm:
+        comm = [] if self.pipelined else self.expected_comm()
+        if self.pipelined:
+            lines.append("  not modeled under pipeline_split (point-to-point transfers by "
+                         "schedule): measure a step with comm_report")
+        elif not comm:
             lines.append("  none")
         else:
             lines.append(f"  {'op':<15} {'axis':<5} {'count':>6} {'bytes':>14}  what")

@@ -3,9 +3,12 @@
 Each preset is a :class:`Preset` (a frozen set of choices) that composes, in the one valid
 order documented by the transforms,
 
-``[clip] -> shard_params -> [pipeline_split] -> data_parallel -> zero_partition -> offload ->
+``[clip] -> pipeline_split -> shard_params -> data_parallel -> zero_partition -> offload ->
 amp_cast``
 
+* ``pipeline_split(mesh, microbatches=..., schedule=pp_style, virtual_stages=
+  num_model_chunks)`` when ``pp_size > 1`` (first: it cuts the whole model into stages, and
+  the transforms after it apply per stage);
 * ``shard_params(rules, mesh)`` when ``tp_size > 1``; the rules are the model's
   (:func:`pick_rules`) unless given;
 * ``data_parallel(mesh, bucket_mb=...)`` when the ``dp`` axis has more than one rank;
@@ -37,7 +40,6 @@ per rank). ``plan=True`` prints it on rank 0.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -48,6 +50,7 @@ from torch import nn
 from funcpar.offload.store import TensorStore
 from funcpar.optim.base import GradientTransformation, chain
 from funcpar.optim.clip import clip_by_global_norm
+from funcpar.pipeline.schedules import SCHEDULES
 from funcpar.presets.plan import Plan, describe
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import (
@@ -65,6 +68,7 @@ from funcpar.train.step import TrainStep, make_train_step
 from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.offload import offload as offload_transform
+from funcpar.transforms.pipeline_split import pipeline_split
 from funcpar.transforms.shard_params import shard_params
 from funcpar.transforms.zero_partition import zero_partition
 
@@ -83,7 +87,6 @@ __all__ = [
 #: Colossal-AI's precision names; "fp32" means no amp_cast.
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD_TARGETS = ("cpu", "nvme")
-_PIPELINE_MODULE = "funcpar.transforms.pipeline_split"
 
 Transform = Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]
 
@@ -189,8 +192,10 @@ class Preset:
     ``growth_interval``). ``max_norm``: gradient clipping by the global norm. ``offload``:
     optimizer state in host memory ("cpu") or in files under ``offload_path`` ("nvme").
     ``bucket_mb``: data-parallel gradient bucket size. ``rules``: tensor-parallel rules
-    (default :func:`pick_rules`). ``sequence_parallel``: with ``tp_size > 1``. ``microbatches``:
-    pipeline micro-batches (with ``pp_size > 1``). ``batch_shape`` ``(batch, seq)`` of the
+    (default :func:`pick_rules`). ``sequence_parallel``: with ``tp_size > 1``. ``microbatches``
+    (required with ``pp_size > 1``; Colossal-AI's ``num_microbatches``): pipeline micro-batches
+    per step; ``pp_style`` the schedule ("1f1b", "gpipe" or "interleaved" with
+    ``num_model_chunks`` stages per rank). ``batch_shape`` ``(batch, seq)`` of the
     global batch: lets the plan give the activation collectives in bytes. ``plan``: print the
     plan on rank 0 when composing.
     """
@@ -216,10 +221,12 @@ class Preset:
     growth_interval: int = 2000
     batch_shape: tuple[int, int] | None = None
     plan: bool = False
+    pp_style: str = "1f1b"
+    num_model_chunks: int = 1
 
     def __post_init__(self) -> None:
         who = self.name
-        for field in ("tp_size", "pp_size"):
+        for field in ("tp_size", "pp_size", "num_model_chunks"):
             v = getattr(self, field)
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{who}: {field} must be an int >= 1, got {v!r}")
@@ -257,12 +264,16 @@ class Preset:
                 raise ValueError(f"{who}: microbatches={self.microbatches} are pipeline "
                                  "micro-batches: they need pp_size > 1 (for gradient "
                                  "accumulation use funcpar.optim.accumulate)")
-        if self.pp_size > 1 and importlib.util.find_spec(_PIPELINE_MODULE) is None:
-            raise ValueError(
-                f"{who}: pp_size={self.pp_size} needs pipeline parallelism "
-                f"({_PIPELINE_MODULE}), which is not available in this funcpar yet; use "
-                "pp_size=1 (tensor, data parallelism and ZeRO compose without it)"
-            )
+        if self.pp_size > 1 and self.microbatches is None:
+            raise ValueError(f"{who}: pp_size={self.pp_size} needs microbatches= (Colossal-AI's "
+                             "num_microbatches): how many micro-batches the pipeline runs per "
+                             "step")
+        if self.pp_style not in SCHEDULES:
+            raise ValueError(f"{who}: unknown pp_style {self.pp_style!r}; use one of "
+                             f"{SCHEDULES}")
+        if self.num_model_chunks > 1 and self.pp_style != "interleaved":
+            raise ValueError(f"{who}: num_model_chunks={self.num_model_chunks} needs "
+                             f"pp_style='interleaved', got {self.pp_style!r}")
         if self.batch_shape is not None and (
                 len(self.batch_shape) != 2 or not all(_is_int(s) and s > 0
                                                       for s in self.batch_shape)):
@@ -319,6 +330,8 @@ class Preset:
         """The transforms this preset applies (after clipping), in order, each with the
         manual call it stands for."""
         out: list[tuple[str, Transform]] = []
+        if self.pp_size > 1:
+            out.append(self._pipeline(mesh))
         if self.tp_size > 1:
             module = getattr(step.apply_fn, "module", None)
             if module is None:
@@ -328,8 +341,6 @@ class Preset:
             sp = ", sequence_parallel=True" if self.sequence_parallel else ""
             out.append((f"shard_params({_rules_text(module, rules)}, mesh{sp})",
                         shard_params(rules, mesh, sequence_parallel=self.sequence_parallel)))
-        if self.pp_size > 1:
-            out.append(self._pipeline(mesh))
         if mesh.size("dp") > 1:
             out.append((f"data_parallel(mesh, bucket_mb={self.bucket_mb})",
                         data_parallel(mesh, bucket_mb=self.bucket_mb)))
@@ -359,11 +370,13 @@ class Preset:
         return pick_rules(module, vocab_parallel_loss=vpl)
 
     def _pipeline(self, mesh: DeviceMesh) -> tuple[str, Transform]:
-        module = importlib.import_module(_PIPELINE_MODULE)
-        fn = module.pipeline_split
-        kw = {} if self.microbatches is None else {"microbatches": self.microbatches}
-        text = "" if self.microbatches is None else f", microbatches={self.microbatches}"
-        return f"pipeline_split(mesh{text})", fn(mesh=mesh, **kw)
+        chunks = "" if self.num_model_chunks == 1 else \
+            f", virtual_stages={self.num_model_chunks}"
+        text = (f"pipeline_split(mesh, microbatches={self.microbatches}, "
+                f"schedule={self.pp_style!r}{chunks})")
+        return text, pipeline_split(mesh, microbatches=self.microbatches,
+                                    schedule=self.pp_style,
+                                    virtual_stages=self.num_model_chunks)
 
     def __call__(self, step: TrainStep, state: TrainState) -> Composed:
         """The composition applied to a fresh ``(step, state)`` (a transform)."""
@@ -457,6 +470,8 @@ def hybrid_parallel(
     zero_stage: int = 0,
     precision: str = "fp32",
     microbatches: int | None = None,
+    pp_style: str = "1f1b",
+    num_model_chunks: int = 1,
     sequence_parallel: bool = False,
     rules: Sequence[Rule | LocalAttr] | None = None,
     mesh: DeviceMesh | None = None,
@@ -476,10 +491,11 @@ def hybrid_parallel(
     seed: int = 0,
     compile: bool = False,
 ) -> Preset | Composed:
-    """Colossal-AI's ``HybridParallelPlugin``: ``tp x dp`` (``x pp``) with ZeRO 0-3 over dp.
+    """Colossal-AI's ``HybridParallelPlugin``: ``pp x dp x tp`` with ZeRO 0-3 over dp.
 
-    ``compose(shard_params(rules, mesh), data_parallel(mesh), zero_partition(zero_stage,
-    mesh), [offload], [amp_cast(precision)])`` over ``DeviceMesh.from_env(dp=-1, tp=tp_size)``
+    ``compose([pipeline_split(mesh, microbatches=...)], shard_params(rules, mesh),
+    data_parallel(mesh), zero_partition(zero_stage, mesh), [offload], [amp_cast(precision)])``
+    over ``DeviceMesh.from_env([pp=pp_size,] dp=-1, tp=tp_size)``
     (see :class:`Preset` for every argument). With ``model, loss_fn, optimizer``: the composed
     :class:`Composed` ``(step, state)``; without: the :class:`Preset` (a transform).
     """
@@ -487,6 +503,7 @@ def hybrid_parallel(
         "hybrid_parallel", tp_size, pp_size, dp_size, zero_stage, precision, microbatches,
         sequence_parallel, rules, mesh, max_norm, offload, offload_path, keep_fp32, bucket_mb,
         initial_scale, growth_factor, backoff_factor, growth_interval, batch_shape, plan,
+        pp_style, num_model_chunks,
     )
     return _run(preset, model, loss_fn, optimizer,
                 {"params": params, "buffers": buffers, "seed": seed, "compile": compile})
@@ -613,6 +630,8 @@ def titan_parallelize(
     dp_shard: int = -1,
     dp_replicate: int = 1,
     pp: int = 1,
+    microbatches: int | None = None,
+    pp_schedule: str = "1f1b",
     precision: str = "fp32",
     max_norm: float | None = None,
     mesh: DeviceMesh | None = None,
@@ -626,8 +645,10 @@ def titan_parallelize(
     """torchtitan's ``parallelize_llama`` steps in its ``ParallelDims`` vocabulary: ``tp``
     (tensor parallel), ``dp_shard`` (FSDP = ZeRO-3 over dp; -1: what the world leaves) and
     ``dp_replicate`` (DDP). One data-parallel axis only: ``dp_shard > 1`` with
-    ``dp_replicate > 1`` (HSDP) is refused. ``precision`` is FSDP's ``param_dtype``
-    (``"bf16"`` in torchtitan's default config; float32 gradient reduction either way)."""
+    ``dp_replicate > 1`` (HSDP) is refused. ``pp`` with ``microbatches`` and ``pp_schedule``
+    (torchtitan's ``pipeline_parallel_schedule``) cuts the model into stages. ``precision`` is
+    FSDP's ``param_dtype`` (``"bf16"`` in torchtitan's default config; float32 gradient
+    reduction either way)."""
     for name, v in (("tp", tp), ("dp_replicate", dp_replicate), ("pp", pp)):
         if not _is_int(v) or v < 1:
             raise ValueError(f"titan_parallelize: {name} must be an int >= 1, got {v!r}")
@@ -644,6 +665,6 @@ def titan_parallelize(
         dp, stage = (None if dp_shard == -1 else dp_shard), 3
     preset = Preset("titan_parallelize", tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=stage,
                     precision=precision, mesh=mesh, max_norm=max_norm, batch_shape=batch_shape,
-                    plan=plan)
+                    plan=plan, microbatches=microbatches, pp_style=pp_schedule)
     return _run(preset, model, loss_fn, optimizer,
                 {"params": params, "buffers": buffers, "seed": seed, "compile": compile})

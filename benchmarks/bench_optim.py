@@ -21,12 +21,17 @@ reached (bytes / device copy bandwidth measured in the same run); optimizer-stat
 total and per parameter; and, on each peer's row, ``peer ms / funcpar ms`` for the funcpar
 optimizer of its group (of the medians, and of the fastest steps): > 1 means funcpar is
 faster, < 1 that it is slower (reported as such).
-The funcpar step timed is ``update`` + ``apply_updates`` (what a train step runs); the peers'
-is ``optimizer.step()``. Peers not installed are skipped with a note. Usage::
+The funcpar step timed is :func:`funcpar.optim.update_params` (what TrainStep runs: the fused
+``apply`` where an optimizer has one, else ``update`` + ``apply_updates``) in the kernel mode
+``auto`` (funcpar.kernels: the Triton kernels on CUDA, the plain-torch references elsewhere);
+``--reference`` adds a row per funcpar optimizer timed with the references (mode
+``reference``), whose last column is then ``reference ms / kernels ms``. The peers' step is
+``optimizer.step()``. Peers not installed (bitsandbytes, say) are skipped with a note. Usage::
 
     python benchmarks/bench_optim.py --preset cpu --threads 1   # CPU (the default), ~3 min
-    python benchmarks/bench_optim.py --preset h100 --device cuda
+    python benchmarks/bench_optim.py --preset h100 --device cuda --reference   # the issue's table
     python benchmarks/bench_optim.py --only lamb,galore_adamw
+    python benchmarks/bench_optim.py --preset tiny --steps 1 --reps 1   # smoke run, seconds
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 import funcpar.optim as fo
+from funcpar.kernels import kernel_mode
 from funcpar.optim.memory import state_bytes
 
 PRESETS = {
@@ -60,6 +66,7 @@ BYTES_PER_PARAM = {
     "adafactor_torch": 16,
     "came": 24,  # g twice, p r/w, m r/w
     "lamb": 28,
+    "adamw8bit": 16,  # p r/w, g r, two 8-bit moments r/w (block scales negligible)
     "galore_adamw": 16,  # g read twice (projection; 1-D leaves' Adam), p r/w
     "galore_adafactor": 16,
     "galore_adamw8bit": 16,
@@ -86,6 +93,7 @@ def decoder_shapes(vocab: int, dim: int, ffn: int, blocks: int) -> dict[str, tup
 class Entry:
     who: str  # "funcpar ..." or the peer's name
     build: Callable[[], object]  # funcpar: () -> GradientTransformation; peer: list -> Optimizer
+    mode: str = "auto"  # funcpar's kernel mode (funcpar.kernels.kernel_mode)
 
     @property
     def ours(self) -> bool:
@@ -116,7 +124,8 @@ def _galore_peer(cls_name: str, rank: int, **kwargs) -> Callable[[list], torch.o
 
 
 def groups(rank: int) -> dict[str, list[Entry]]:
-    """Per algorithm: the funcpar optimizer first, then the peers that compute the same."""
+    """The peer list. Per algorithm: a funcpar optimizer, then the peers that compute the same
+    (their rows are compared with the funcpar row above them)."""
     hf_af = dict(lr=LR, relative_step=False, scale_parameter=False)
     return {
         "sgd": [Entry("funcpar", lambda: fo.sgd(lr=LR, momentum=0.9)),
@@ -140,6 +149,15 @@ def groups(rank: int) -> dict[str, list[Entry]]:
                  Entry("funcpar (pytorch_optimizer)",
                        lambda: fo.lamb(lr=LR, variant="pytorch_optimizer")),
                  Entry("pytorch-optimizer Lamb", _peer("pytorch_optimizer", "Lamb", lr=LR))],
+        # AdamW with blockwise 8-bit moments: GaLore's 8-bit AdamW with nothing projected.
+        "adamw8bit": [Entry("funcpar (8-bit states)",
+                            lambda: fo.galore_adamw(lr=LR, rank=rank, eight_bit=True,
+                                                    adam_variant="bnb", eps=1e-8,
+                                                    weight_decay=0.0,
+                                                    galore_mask=lambda name, p: False)),
+                      Entry("bitsandbytes AdamW8bit",
+                            _peer("bitsandbytes.optim", "AdamW8bit", lr=LR, eps=1e-8,
+                                  weight_decay=0.0))],
         "galore_adamw": [Entry("funcpar", lambda: fo.galore_adamw(lr=LR, rank=rank)),
                          Entry("galore-torch GaLoreAdamW",
                                _galore_peer("GaLoreAdamW", rank, lr=LR))],
@@ -211,8 +229,9 @@ class Runner:
 
     def step(self) -> None:
         if self.entry.ours:
-            updates, self.state = self.opt.update(self.grads, self.state, self.params)
-            self.params = fo.apply_updates(self.params, updates)
+            with kernel_mode(self.entry.mode):
+                self.params, self.state = fo.update_params(self.opt, self.grads, self.state,
+                                                           self.params)
         else:
             for p, g in zip(self.live, self.peer_grads):
                 p.grad = g
@@ -269,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated algorithm names")
+    ap.add_argument("--reference", action="store_true",
+                    help="also time each funcpar optimizer with the plain-torch references "
+                         "(kernel mode 'reference'; on CPU 'auto' is the reference already)")
     ap.add_argument("--threads", type=int, default=0,
                     help="CPU threads for torch (0: torch's default). On a CPU shared with other "
                          "work, 1 avoids the multi-ms waits of a parallel region for a "
@@ -287,12 +309,24 @@ def main(argv: list[str] | None = None) -> None:
     grads = {k: torch.randn(s, generator=gen).to(args.device) for k, s in shapes.items()}
     n = sum(p.numel() for p in params.values())
     bw = copy_bandwidth(args.device, n)
+    dev_name = (torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+                else "cpu")
     print(f"preset {args.preset}: {n / 1e6:.2f} M fp32 params in {len(shapes)} leaves, GaLore "
-          f"rank {rank}; device {args.device}, {torch.get_num_threads()} threads; copy "
+          f"rank {rank}; device {args.device} ({dev_name}), {torch.get_num_threads()} threads; "
+          f"funcpar kernels: {'Triton' if args.device.startswith('cuda') else 'references'} "
+          f"(mode auto); copy "
           f"bandwidth {bw / 1e9:.1f} GB/s; torch {torch.__version__}; median of "
           f"{args.reps} x {args.steps} steps after {args.warmup} warm-up")
 
     all_groups = groups(rank)
+    if args.reference:
+        for name, entries in all_groups.items():
+            with_ref = []
+            for e in entries:
+                with_ref.append(e)
+                if e.ours:
+                    with_ref.append(Entry(f"{e.who} [reference]", e.build, mode="reference"))
+            all_groups[name] = with_ref
     only = set(filter(None, args.only.split(",")))
     unknown = only - set(all_groups)
     if unknown:
@@ -314,7 +348,11 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"| {name} | {e.who} | - | - | - | - | - | - | {note} |")
                     continue
                 ratio = ""
-                if e.ours:
+                if e.ours and e.mode == "reference":
+                    if mine is not None:
+                        ratio = (f"reference / kernels {ms / mine[1]:.2f}; "
+                                 f"min {ms_min / mine[2]:.2f}")
+                elif e.ours:
                     mine = (e.who, ms, ms_min)
                 elif mine is not None:
                     r, r_min = ms / mine[1], ms_min / mine[2]

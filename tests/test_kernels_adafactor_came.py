@@ -300,7 +300,7 @@ def test_triton_interpreter_cases():
 @pytest.mark.slow
 @pytest.mark.skipif(INTERP, reason="already inside the interpreter subprocess")
 def test_triton_interpreter_tp2():
-    """Kernels inside tp2 ranks (about a minute in the interpreter on a shared 2-core VM)."""
+    """Kernels inside tp2 ranks (1-3 minutes in the interpreter on a shared 2-core VM)."""
     _interpreter_subprocess("slow", least=2)
 
 
@@ -494,3 +494,23 @@ def test_interp_tp2_triton_matches_one_process(optim):
         assert reference.loss_rel(rank_losses, losses) < 1e-5
         assert reference.max_rel(rank_params, params) < 1e-4
         assert not any(math.isnan(x) for x in rank_losses)
+
+
+def test_bench_optim_smoke(capsys, monkeypatch):
+    """benchmarks/bench_optim.py runs on CPU (tiny preset, one step): funcpar's row, its
+    reference row and the peer's, with numbers and the ratio."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_optim.py"
+    spec = importlib.util.spec_from_file_location("bench_optim", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_optim", bench)  # its dataclass looks itself up
+    spec.loader.exec_module(bench)
+    bench.main(["--preset", "tiny", "--only", "came", "--steps", "1", "--reps", "1",
+                "--warmup", "1", "--reference", "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| came |")]
+    assert [r.split("|")[2].strip() for r in rows] == [
+        "funcpar", "funcpar [reference]", "came-pytorch CAME"], out
+    assert all(re.search(r"\| \d+\.\d+ \|", r) for r in rows), out
+    assert "reference / kernels" in rows[1] and "funcpar" in rows[2].split("|")[-2], out

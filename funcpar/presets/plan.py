@@ -508,8 +508,9 @@ class Plan:
                     more = f" + {tok:,} per local token" if tok else ""
                     lines.append(f"  total over {axis}: {sum(r.count for r in sel)} "
                                  f"collectives, {fixed:,} bytes{more}")
-        lines.append("  not modeled: the optimizer's own reductions beyond clipping (none for "
-                     "elementwise optimizers such as sgd and adamw)")
+        lines.append("  not modeled: reductions inside the optimizer passed in (its own "
+                     "clip_by_global_norm, factored statistics; none for sgd, adamw); "
+                     "max_norm's clip is counted")
         m = self.memory
         lines.append("memory on this rank (max over ranks):")
         lines.append(f"  params          {_human(m.params):>12} ({_human(m.params_max)})")

@@ -500,10 +500,13 @@ def hybrid_parallel(
     :class:`Composed` ``(step, state)``; without: the :class:`Preset` (a transform).
     """
     preset = Preset(
-        "hybrid_parallel", tp_size, pp_size, dp_size, zero_stage, precision, microbatches,
-        sequence_parallel, rules, mesh, max_norm, offload, offload_path, keep_fp32, bucket_mb,
-        initial_scale, growth_factor, backoff_factor, growth_interval, batch_shape, plan,
-        pp_style, num_model_chunks,
+        "hybrid_parallel", tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
+        zero_stage=zero_stage, precision=precision, microbatches=microbatches,
+        sequence_parallel=sequence_parallel, rules=rules, mesh=mesh, max_norm=max_norm,
+        offload=offload, offload_path=offload_path, keep_fp32=keep_fp32, bucket_mb=bucket_mb,
+        initial_scale=initial_scale, growth_factor=growth_factor,
+        backoff_factor=backoff_factor, growth_interval=growth_interval,
+        batch_shape=batch_shape, plan=plan, pp_style=pp_style, num_model_chunks=num_model_chunks,
     )
     return _run(preset, model, loss_fn, optimizer,
                 {"params": params, "buffers": buffers, "seed": seed, "compile": compile})

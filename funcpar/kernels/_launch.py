@@ -48,6 +48,7 @@ __all__ = [
     "segment_sums",
     "tile_table",
     "tl_dtype",
+    "to_device",
 ]
 
 #: Elements per program. 1024 fp32 elements are 8 per thread at 4 warps: two 16-byte vector
@@ -115,7 +116,7 @@ def new_output(shape: Sequence[int] | torch.Size, dtype: torch.dtype,
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
+def to_device(t: Tensor, device: torch.device) -> Tensor:
     # A pageable host buffer is staged by the driver before cudaMemcpyAsync returns, so the
     # non-blocking copy is safe and waits for nothing queued on the stream.
     return t if t.device == device else t.to(device, non_blocking=True)
@@ -123,7 +124,7 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
 
 def leaf_table(rows: Sequence[Sequence[int]], device: torch.device) -> Tensor:
     """``rows`` (numel, flags, addresses...) as an int64 tensor on ``device``."""
-    return _to_device(torch.tensor(rows, dtype=torch.int64), device)
+    return to_device(torch.tensor(rows, dtype=torch.int64), device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -157,8 +158,8 @@ def device_scalars(values: Sequence[Tensor | float], device: torch.device) -> Te
              else torch.tensor(float(v), dtype=torch.float64) for v in values]
     on = {p.device for p in parts}
     if len(on) > 1:  # scheduled values on the device next to constants on the host
-        parts = [_to_device(p, device) for p in parts]
-    return _to_device(torch.stack(parts).to(torch.float32), device)
+        parts = [to_device(p, device) for p in parts]
+    return to_device(torch.stack(parts).to(torch.float32), device)
 
 
 def _build_segment():

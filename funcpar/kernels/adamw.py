@@ -48,6 +48,9 @@ def adamw_leaf(
     """The reference for one leaf: ``(u, m', v', vmax')`` exactly as torch.optim.AdamW."""
     if maximize:
         g = -g
+    # Low-precision gradients with float32 states: the arithmetic in the states' precision (a
+    # no-op when the dtypes agree, as they do for states made by zeros_like(params)).
+    g = g.to(torch.promote_types(g.dtype, m.dtype))
     m = torch.lerp(m, g, 1 - s.beta1)
     v = v * s.beta2 + (1 - s.beta2) * g * g
     if amsgrad:

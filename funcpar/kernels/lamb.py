@@ -33,10 +33,9 @@ from funcpar.kernels.dispatch import use_kernels
 __all__ = [
     "LambScalars",
     "lamb_direction",
-    "lamb_moments",
+    "lamb_kernels_apply",
     "lamb_moments_reference",
     "lamb_moments_triton",
-    "lamb_update",
     "lamb_update_reference",
     "lamb_update_triton",
 ]
@@ -317,29 +316,11 @@ def lamb_update_triton(
     return outs
 
 
-def _kernel_ok(tensors: Sequence[Tensor]) -> bool:
+def lamb_kernels_apply(*tensors: Tensor | None) -> bool:
+    """Whether a Lamb step over ``tensors`` runs the kernels: :func:`funcpar.kernels.use_kernels`
+    says so, every tensor has a kernel dtype and all are on one device. (Lamb's reference is
+    :func:`lamb_direction` a leaf at a time with the norms in between, in
+    :func:`funcpar.optim.lamb`; :func:`lamb_moments_reference` and :func:`lamb_update_reference`
+    are the two passes in plain torch, what the kernels are tested against.)"""
     return (all(torch.is_tensor(t) for t in tensors) and _launch.kernel_dtype_ok(*tensors)
             and len({t.device for t in tensors}) <= 1 and use_kernels(*tensors))
-
-
-def lamb_moments(
-    grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves, decay: Sequence[bool],
-    s: LambScalars,
-) -> tuple[list[Tensor], list[Tensor], Tensor]:
-    """Pass 1: the kernel when :func:`funcpar.kernels.use_kernels` says so (kernel dtypes, one
-    device), else the reference."""
-    if _kernel_ok([*grads, *params, *exp_avg, *exp_avg_sq]):
-        return lamb_moments_triton(grads, params, exp_avg, exp_avg_sq, decay, s)
-    return lamb_moments_reference(grads, params, exp_avg, exp_avg_sq, decay, s)
-
-
-def lamb_update(
-    params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves, decay: Sequence[bool], coef: Tensor,
-    s: LambScalars, *, write_params: bool = False,
-) -> list[Tensor]:
-    """Pass 2: the kernel or the reference, as :func:`lamb_moments` chooses."""
-    if _kernel_ok([*params, *exp_avg, *exp_avg_sq]):
-        return lamb_update_triton(params, exp_avg, exp_avg_sq, decay, coef, s,
-                                  write_params=write_params)
-    return lamb_update_reference(params, exp_avg, exp_avg_sq, decay, coef, s,
-                                 write_params=write_params)

@@ -246,8 +246,9 @@ def quantize_triton(
     codes = _launch.new_output(x.shape, torch.uint8, x.device)
     absmax = _launch.new_output((nb,), torch.float32, x.device)
     if nb:
-        _kernels()[0][(grid,)](x, codes, absmax, code.to(x.device, torch.float32).contiguous(),
-                               x.numel(), nb, block_size, ROWS=rows, TILE=tile)
+        code = _launch.to_device(code.float().contiguous(), x.device)
+        _kernels()[0][(grid,)](x, codes, absmax, code, x.numel(), nb, block_size, ROWS=rows,
+                               TILE=tile)
     return codes, absmax
 
 
@@ -263,7 +264,7 @@ def dequantize_triton(
     out = _launch.new_output(codes.shape, dtype, codes.device)
     if nb:
         _kernels()[1][(grid,)](codes, absmax.contiguous(),
-                               code.to(codes.device, torch.float32).contiguous(), out,
+                               _launch.to_device(code.float().contiguous(), codes.device), out,
                                codes.numel(), nb, block_size, OUT=_launch.tl_dtype(dtype),
                                ROWS=rows, TILE=tile)
     return out
@@ -286,8 +287,8 @@ def adam8bit_triton(
             [s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2, s.eps, s.bc2_sqrt], device)
         _kernels()[2][(grid,)](
             g, m[0].contiguous(), m[1].contiguous(), v[0].contiguous(), v[1].contiguous(),
-            code_m.to(device, torch.float32).contiguous(),
-            code_v.to(device, torch.float32).contiguous(), direction, mc, ma, vc, va, scal,
+            _launch.to_device(code_m.float().contiguous(), device),
+            _launch.to_device(code_v.float().contiguous(), device), direction, mc, ma, vc, va, scal,
             g.numel(), nb, block_size, HF=s.variant == "hf", ROWS=rows, TILE=tile)
     return direction, (mc, ma), (vc, va)
 

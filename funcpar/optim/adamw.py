@@ -7,12 +7,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from funcpar.kernels.adamw import AdamWScalars, adamw_step
 from funcpar.optim import validate
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
 from funcpar.optim.schedules import ScalarOrSchedule
-from funcpar.state.tree import Tree, tree_map
+from funcpar.state.tree import Tree, tree_map, tree_unflatten
 
 __all__ = ["AdamWState", "adamw"]
 
@@ -37,37 +38,28 @@ def _adamw(lr, weight_decay, eps, *, betas, amsgrad, maximize, weight_decay_mask
             tree_map(lambda p: torch.zeros_like(p) if amsgrad else None, params),
         )
 
-    def update(grads, state: AdamWState, params=None, *, layouts=None):
+    def step(grads, state: AdamWState, params, write_params: bool):
         check_grads(params, grads)
         decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
         t = count.to(torch.float64)
-        step_size = lr / (1 - beta1**t)
-        bc2_sqrt = (1 - beta2**t).sqrt()
+        scalars = AdamWScalars(step_size=lr / (1 - beta1**t), bc2_sqrt=(1 - beta2**t).sqrt(),
+                               eps=eps, lr_wd=lr * weight_decay, beta1=beta1, beta2=beta2)
+        spec, g, (p, m, v, vmax, dec) = leaf_columns(
+            grads, params, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq, decay)
+        # The multi-tensor kernel on CUDA, the per-leaf reference elsewhere (funcpar.kernels).
+        out, m, v, vmax = adamw_step(g, p, m, v, vmax, dec, scalars, amsgrad=amsgrad,
+                                     maximize=maximize, write_params=write_params)
+        new = [tree_unflatten(spec, x) for x in (out, m, v, vmax)]
+        return new[0], AdamWState(count, *new[1:])
 
-        def leaf(g, p, m, v, vmax, use_decay):
-            if maximize:
-                g = -g
-            m = torch.lerp(m, g, 1 - beta1)
-            v = v * beta2 + (1 - beta2) * g * g
-            if amsgrad:
-                vmax = torch.maximum(vmax, v)
-            # Hyperparameters in the leaf's dtype: a 0-d float64 scalar would otherwise promote
-            # a 0-d float32 leaf to float64.
-            dt = g.dtype
-            denom = ((vmax if amsgrad else v).sqrt() / bc2_sqrt.to(dt)) + eps.to(dt)
-            u = -step_size.to(dt) * (m / denom)
-            if use_decay:
-                u = u - (lr * weight_decay).to(dt) * p
-            return u, m, v, vmax
+    def update(grads, state: AdamWState, params=None, *, layouts=None):
+        return step(grads, state, params, write_params=False)
 
-        u, m, v, vmax = map_leaves(
-            leaf, grads, params, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq, decay,
-            n_out=4,
-        )
-        return u, AdamWState(count, m, v, vmax)
+    def apply(grads, state: AdamWState, params, *, layouts=None):
+        return step(grads, state, params, write_params=True)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, apply)
 
 
 def adamw(

@@ -94,7 +94,25 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return grads, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    if not transforms or transforms[-1].apply is None:
+        return GradientTransformation(init, update)
+    *first, last = transforms
+
+    def apply(grads, state, params, *, layouts=None):
+        # The earlier transforms' updates, then the last one's fused step on the parameters:
+        # the same result as update + apply_updates (the last transform's contract).
+        if len(state) != len(transforms):
+            raise ValueError(
+                f"chain state has {len(state)} entries for {len(transforms)} transformations"
+            )
+        new_states = []
+        for t, s in zip(first, state[:-1]):
+            grads, s = t.update(grads, s, params, layouts=layouts)
+            new_states.append(s)
+        params, s = last.apply(grads, state[-1], params, layouts=layouts)
+        return params, (*new_states, s)
+
+    return GradientTransformation(init, update, apply)
 
 
 def apply_updates(params: Tree, updates: Tree) -> Tree:
@@ -161,15 +179,22 @@ def map_leaves(
     statistics, say). ``fn`` returns ``n_out`` values; ``map_leaves`` returns ``n_out`` trees of
     ``grads``' structure (a single tree when ``n_out == 1``).
     """
-    g_leaves, spec = tree_flatten(grads)
-    columns = [leaves_like(grads, o, what=f"argument {i + 1}", against="grads")
-               for i, o in enumerate(others)]
+    spec, g_leaves, columns = leaf_columns(grads, *others)
     outs = [fn(g, *row) for g, *row in zip(g_leaves, *columns)] if columns else [
         fn(g) for g in g_leaves
     ]
     if n_out == 1:
         return tree_unflatten(spec, outs)
     return tuple(tree_unflatten(spec, [o[i] for o in outs]) for i in range(n_out))
+
+
+def leaf_columns(grads: Tree, *others: Tree | None) -> tuple[Any, list[Any], list[list[Any]]]:
+    """``(spec, grad leaves, [leaves of each of others])`` lined up as :func:`map_leaves` lines
+    them up: for optimizers that hand whole lists of leaves to a multi-tensor kernel."""
+    g_leaves, spec = tree_flatten(grads)
+    columns = [leaves_like(grads, o, what=f"argument {i + 1}", against="grads")
+               for i, o in enumerate(others)]
+    return spec, g_leaves, columns
 
 
 def as_tuple(x: float | Sequence[float], n: int, name: str) -> tuple[float, ...]:

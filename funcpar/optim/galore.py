@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from funcpar.kernels.quant8 import Adam8bitScalars, adam8bit_math, adam8bit_step
 from funcpar.optim import validate
 from funcpar.optim.adafactor import adafactor, adafactor_leaf_init, adafactor_leaf_update
 from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
@@ -329,17 +330,26 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
             # A sharded state is quantized in the whole state's blocks (one absmax all-reduce).
             return quantize(new, code, block_size, layout=lay) if isinstance(s, Quantized) else new
 
+        scalars = Adam8bitScalars(beta1=beta1, beta2=beta2, eps=eps, bc2_sqrt=bc2_sqrt,
+                                  variant=adam_variant)
+
         def leaf(g, p, proj, m, v, cfg, use_decay, layout, low_layout):
             low = g
             if cfg is not None:
                 low, proj = _project_in(g, proj, cfg, c, svd_dtype, layout)
-            m_new = torch.add(load(m, code_m, low, low_layout) * beta1, low, alpha=1 - beta1)
-            v_new = torch.addcmul(load(v, code_v, low, low_layout) * beta2, low, low,
-                                  value=1 - beta2)
-            if adam_variant == "hf":
-                direction = m_new / (v_new.sqrt() + eps)
+            if (isinstance(m, Quantized) and isinstance(v, Quantized)
+                    and global_shape(low, low_layout) == tuple(low.shape)):
+                # Whole 8-bit states: dequantize, update, requantize in one pass (a Triton
+                # kernel on CUDA, funcpar.kernels.quant8; the same steps in torch elsewhere).
+                direction, mq, vq = adam8bit_step(low, m, v, code_m, code_v, block_size, scalars)
+                m_st, v_st = Quantized(*mq), Quantized(*vq)
             else:
-                direction = m_new / (v_new.sqrt() / bc2_sqrt + eps)
+                # fp32 states, or 8-bit states quantized in the blocks of a sharded whole.
+                m_new, v_new, direction = adam8bit_math(load(m, code_m, low, low_layout),
+                                                        load(v, code_v, low, low_layout), low,
+                                                        scalars)
+                m_st = store(m, m_new, code_m, low_layout)
+                v_st = store(v, v_new, code_v, low_layout)
             if cfg is not None:
                 direction = project_back(direction, proj, cfg.scale, layout=layout)
             new_p = p - step_size * direction
@@ -351,8 +361,7 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
                 new_p = new_p - (lr * weight_decay) * new_p
             # new - old is exact while the step is under half the weight, so apply_updates
             # rebuilds new_p with the rounding computed here.
-            return (new_p - p, proj, store(m, m_new, code_m, low_layout),
-                    store(v, v_new, code_v, low_layout))
+            return new_p - p, proj, m_st, v_st
 
         u, proj, m, v = map_leaves(
             leaf, grads, params, state.projector, state.exp_avg, state.exp_avg_sq, cfgs, decay,

@@ -56,15 +56,29 @@ def inject_hyperparams(
         hp = current(count)
         return HyperState(count, hp, factory(**static, **hp).init(params))
 
-    def update(grads, state: HyperState, params=None, *, layouts=None):
+    def hyperparams(state: HyperState) -> dict[str, Tensor]:
         # Scheduled values are recomputed from the count; numbers come from the state, where
         # set_hyperparams may have changed them.
         hp = dict(state.hyperparams)
         hp.update({k: _value(v, state.count) for k, v in dynamic.items() if callable(v)})
+        return hp
+
+    def update(grads, state: HyperState, params=None, *, layouts=None):
+        hp = hyperparams(state)
         updates, inner = factory(**static, **hp).update(grads, state.inner, params, layouts=layouts)
         return updates, HyperState(state.count + 1, hp, inner)
 
-    return GradientTransformation(init, update)
+    # Whether the optimizer has a fused apply does not depend on the hyperparameters' values.
+    if factory(**static, **current(torch.zeros((), dtype=torch.int64))).apply is None:
+        return GradientTransformation(init, update)
+
+    def apply(grads, state: HyperState, params, *, layouts=None):
+        hp = hyperparams(state)
+        new_params, inner = factory(**static, **hp).apply(grads, state.inner, params,
+                                                          layouts=layouts)
+        return new_params, HyperState(state.count + 1, hp, inner)
+
+    return GradientTransformation(init, update, apply)
 
 
 def _walk(state: Tree, fn: Callable[[HyperState], HyperState | None]) -> Tree:

@@ -13,13 +13,20 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from funcpar.kernels.lamb import (
+    LambScalars,
+    lamb_direction,
+    lamb_kernels_apply,
+    lamb_moments_triton,
+    lamb_update_triton,
+)
 from funcpar.optim import validate
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
 from funcpar.optim.schedules import ScalarOrSchedule
-from funcpar.shard.reduce import norm
-from funcpar.state.tree import Tree, tree_map
+from funcpar.shard.reduce import norm, sum_partial
+from funcpar.state.tree import Tree, tree_map, tree_unflatten
 
 __all__ = ["LAMB_VARIANTS", "LambState", "lamb"]
 
@@ -49,11 +56,24 @@ class LambState(NamedTuple):
     trust_ratio: Tree
 
 
+def _trust_ratio(w_norm, a_norm, eps, *, max_weight_norm, max_trust_ratio, eps_in_trust_ratio):
+    """``||w|| / ||a||`` with the options (element-wise: one leaf's 0-d norms or many leaves')."""
+    if max_weight_norm is not None:
+        w_norm = w_norm.clamp(max=max_weight_norm)
+    ratio = w_norm / ((a_norm + eps) if eps_in_trust_ratio else a_norm)
+    ratio = torch.where((w_norm > 0) & (a_norm > 0), ratio, torch.ones_like(ratio))
+    if max_trust_ratio is not None:
+        ratio = ratio.clamp(max=max_trust_ratio)
+    return ratio
+
+
 def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, max_weight_norm,
           max_trust_ratio, eps_in_trust_ratio, grad_averaging, adam, maximize, weight_decay_mask):
     beta1, beta2 = betas
     # A Python number, not a tensor: torch.add's alpha fuses the way the references' add_ does.
     m_coef = (1.0 - beta1) if grad_averaging else 1.0
+    ratio_opts = dict(max_weight_norm=max_weight_norm, max_trust_ratio=max_trust_ratio,
+                      eps_in_trust_ratio=eps_in_trust_ratio)
 
     def init(params: Tree) -> LambState:
         check_floating(params, who="lamb")
@@ -64,7 +84,7 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
             tree_map(lambda p: torch.ones((), dtype=p.dtype, device=p.device), params),
         )
 
-    def update(grads, state: LambState, params=None, *, layouts=None):
+    def step(grads, state: LambState, params, layouts, write_params: bool):
         check_grads(params, grads)
         decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
@@ -77,40 +97,67 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
             "step_size": lr * bc2.sqrt() / bc1,
             "step_size_m": lr / bc1,
         }[bias_correction]
+        s = LambScalars(beta1=beta1, beta2=beta2, m_coef=m_coef, bc1=bc1, bc2=bc2, eps=eps,
+                        weight_decay=weight_decay, shrink=1 - lr * weight_decay,
+                        moments=bias_correction == "moments",
+                        in_update=weight_decay_mode == "in_update", maximize=maximize)
+        spec, g, (p, m, v, dec, lay) = leaf_columns(
+            grads, params, state.exp_avg, state.exp_avg_sq, decay, layouts)
+        if lamb_kernels_apply(*g, *p, *m, *v):
+            out, m, v, ratio = fused(g, p, m, v, dec, lay, s, step_size, write_params)
+        else:
+            rows = [leaf(*row, s, step_size) for row in zip(g, p, m, v, dec, lay)]
+            out, m, v, ratio = (list(col) for col in zip(*rows)) if rows else ([],) * 4
+            if write_params:
+                out = [p_j + u.to(p_j.dtype) for p_j, u in zip(p, out)]
+        new = [tree_unflatten(spec, x) for x in (out, m, v, ratio)]
+        return new[0], LambState(count, *new[1:])
 
-        def leaf(g, p, m, v, use_decay, layout):
-            if maximize:
-                g = -g
-            m = torch.add(m * beta1, g, alpha=m_coef)
-            v = torch.addcmul(v * beta2, g, g, value=1 - beta2)
-            if bias_correction == "moments":
-                a = (m / bc1) / ((v / bc2).sqrt() + eps)
-            else:
-                a = m / (v.sqrt() + eps)
-            w = p
-            if use_decay and weight_decay_mode == "in_update":
-                a = a + weight_decay * p
-            elif use_decay:
-                # pytorch_optimizer shrinks the weight first; its norm is the shrunk one's.
-                w = p * (1 - lr * weight_decay)
-            w_norm = norm(w, layout=layout, purpose="lamb weight norm")
-            if max_weight_norm is not None:
-                w_norm = w_norm.clamp(max=max_weight_norm)
-            a_norm = norm(a, layout=layout, purpose="lamb update norm")
-            ratio = w_norm / ((a_norm + eps) if eps_in_trust_ratio else a_norm)
-            ratio = torch.where((w_norm > 0) & (a_norm > 0), ratio, torch.ones_like(ratio))
-            if max_trust_ratio is not None:
-                ratio = ratio.clamp(max=max_trust_ratio)
-            used = torch.ones_like(ratio) if adam else ratio
-            u = (w - p) - (step_size * used) * a
-            return u, m, v, ratio
+    def leaf(g, p, m, v, use_decay, layout, s, step_size):
+        # The reference: a leaf at a time, its norms through its layout.
+        m, v, a, w = lamb_direction(g, p, m, v, use_decay, s)
+        w_norm = norm(w, layout=layout, purpose="lamb weight norm")
+        a_norm = norm(a, layout=layout, purpose="lamb update norm")
+        ratio = _trust_ratio(w_norm, a_norm, eps, **ratio_opts)
+        used = torch.ones_like(ratio) if adam else ratio
+        u = (w - p) - (step_size * used) * a
+        return u, m, v, ratio
 
-        u, m, v, ratio = map_leaves(
-            leaf, grads, params, state.exp_avg, state.exp_avg_sq, decay, layouts, n_out=4
-        )
-        return u, LambState(count, m, v, ratio)
+    def fused(g, p, m, v, dec, lay, s, step_size, write_params):
+        # The kernels (funcpar.kernels.lamb): pass 1 writes the moments and gives each leaf's
+        # local (sum w^2, sum a^2); the layout completes them (one 2-element all-reduce per
+        # sharded leaf, over the axes that split it); pass 2 applies the trust ratio.
+        m, v, sums = lamb_moments_triton(g, p, m, v, dec, s)
+        if any(x is not None for x in lay):
+            rows = list(sums.unbind(0))
+            for j, x in enumerate(lay):
+                if x is not None:
+                    rows[j] = sum_partial(rows[j], tuple(range(p[j].dim())), layout=x,
+                                          purpose="lamb norms")
+            sums = torch.stack(rows)
+        # Each norm rounded to float32 as the reference's float32 norm is; the ratio in
+        # float64 then rounded to the reference's dtype (a float32 quotient computed in
+        # float64 and rounded once is the float32 quotient).
+        norms = sums.sqrt().to(torch.float32).to(torch.float64)
+        ratio = _trust_ratio(norms[:, 0], norms[:, 1], eps, **ratio_opts)
+        dtypes = [torch.float64 if eps_in_trust_ratio else x.dtype for x in p]
+        for dt in set(dtypes):
+            if dt != torch.float64:
+                pick = torch.tensor([d == dt for d in dtypes], device=ratio.device)
+                ratio = torch.where(pick, ratio.to(dt).to(torch.float64), ratio)
+        used = torch.ones_like(ratio) if adam else ratio
+        out = lamb_update_triton(p, m, v, dec, step_size * used, s, write_params=write_params)
+        # One 0-d state per leaf (copies: a state leaf never shares storage with another).
+        ratios = [ratio[j].to(dt, copy=True) for j, dt in enumerate(dtypes)]
+        return out, m, v, ratios
 
-    return GradientTransformation(init, update)
+    def update(grads, state: LambState, params=None, *, layouts=None):
+        return step(grads, state, params, layouts, write_params=False)
+
+    def apply(grads, state: LambState, params, *, layouts=None):
+        return step(grads, state, params, layouts, write_params=True)
+
+    return GradientTransformation(init, update, apply)
 
 
 def lamb(

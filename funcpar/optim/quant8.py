@@ -1,4 +1,5 @@
-"""Blockwise 8-bit quantization of optimizer states, in plain torch (the kernels' reference).
+"""Blockwise 8-bit quantization of optimizer states (the whole-tensor work in
+:mod:`funcpar.kernels.quant8`: a Triton kernel on CUDA, its plain-torch reference elsewhere).
 
 Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization" (arXiv 2110.02861): a
 tensor is cut into blocks of ``block_size`` consecutive elements (row-major order); each block
@@ -49,10 +50,10 @@ import math
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-from jaxtyping import Float, Float32, UInt8
+from jaxtyping import Float, Float32
 from torch import Tensor
 
+from funcpar.kernels.quant8 import dequantize_blocks, nearest_code, quantize_blocks
 from funcpar.shard.layout import Layout, Shard, shard_tensor
 from funcpar.shard.reduce import Reducible, global_shape
 
@@ -149,28 +150,6 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
-def nearest_code(
-    scaled: Float32[Tensor, "*shape"], code: Float32[Tensor, " n_codes"]
-) -> UInt8[Tensor, "*shape"]:
-    """Index of the code nearest to each ``scaled`` value; a tie goes to the lower index.
-
-    The left neighbour by binary search, then a float32 comparison of the two distances (the
-    order of operations of bitsandbytes' CPU quantizer, so exact ties resolve alike).
-    """
-    last = code.numel() - 1
-    left = (torch.searchsorted(code, scaled.contiguous(), right=True) - 1).clamp(0, last - 1)
-    lo, hi = code[left], code[left + 1]
-    go_right = (hi - scaled).abs() < (scaled - lo).abs()
-    return (left + go_right.to(left.dtype)).to(torch.uint8)
-
-
-def _blocks(x: Tensor, block_size: int) -> tuple[Tensor, int]:
-    flat = x.reshape(-1).to(torch.float32)
-    n = flat.numel()
-    pad = num_blocks(n, block_size) * block_size - n
-    return F.pad(flat, (0, pad)).view(-1, block_size), n
-
-
 def _global_blocks(x: Tensor, layout: Reducible, block_size: int) -> tuple[Tensor, int]:
     """For each element of the shard ``x`` (row-major, flat) the index of its block in the
     whole tensor, and the whole tensor's number of blocks."""
@@ -214,7 +193,7 @@ def quantize(
     """
     _check_block_size(block_size)
     if code.device != x.device:
-        code = code.to(x.device)
+        code = code.to(x.device, non_blocking=True)
     if global_shape(x, layout) != tuple(x.shape):
         block, nb = _global_blocks(x, layout, block_size)
         mags = x.reshape(-1).to(torch.float32).abs()
@@ -226,13 +205,8 @@ def quantize(
         scaled = torch.where(mine > 0, x.reshape(-1).to(torch.float32) / safe,
                              torch.zeros_like(mags))
         return Quantized(nearest_code(scaled, code).reshape(x.shape), absmax)
-    blocks, n = _blocks(x, block_size)
-    absmax = blocks.abs().amax(dim=1)
-    # |x| <= absmax makes the IEEE quotient lie in [-1, 1]; an all-zero block maps to 0.
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    scaled = torch.where(absmax[:, None] > 0, blocks / safe[:, None], torch.zeros_like(blocks))
-    codes = nearest_code(scaled, code).reshape(-1)[:n].reshape(x.shape)
-    return Quantized(codes, absmax)
+    # The whole tensor: the Triton kernel on CUDA, the plain-torch reference elsewhere.
+    return Quantized(*quantize_blocks(x, code, block_size))
 
 
 def dequantize(
@@ -252,7 +226,7 @@ def dequantize(
     codes, absmax = q
     n = codes.numel()
     if code.device != codes.device:
-        code = code.to(codes.device)
+        code = code.to(codes.device, non_blocking=True)
     if global_shape(codes, layout) != tuple(codes.shape):
         block, nb = _global_blocks(codes, layout, block_size)
         if absmax.numel() != nb:
@@ -267,9 +241,7 @@ def dequantize(
             f"absmax has {absmax.numel()} blocks but {n} codes in blocks of {block_size} need "
             f"{num_blocks(n, block_size)}: wrong block_size?"
         )
-    values, _ = _blocks(code[codes.reshape(-1).long()], block_size)
-    out = (values * absmax[:, None]).reshape(-1)[:n]
-    return out.reshape(codes.shape).to(dtype)
+    return dequantize_blocks(codes, absmax, code, block_size, dtype)
 
 
 def quantized_zeros(

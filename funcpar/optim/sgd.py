@@ -7,12 +7,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from funcpar.kernels.sgd import SGDScalars, sgd_step
 from funcpar.optim import validate
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
 from funcpar.optim.schedules import ScalarOrSchedule
-from funcpar.state.tree import Tree, tree_map
+from funcpar.state.tree import Tree, tree_map, tree_unflatten
 
 __all__ = ["SGDState", "sgd"]
 
@@ -29,28 +30,24 @@ def _sgd(lr, momentum, weight_decay, *, dampening, nesterov, maximize, weight_de
         bufs = tree_map(lambda p: torch.zeros_like(p) if momentum else None, params)
         return SGDState(torch.zeros((), dtype=torch.int64), bufs)
 
-    def update(grads, state: SGDState, params=None, *, layouts=None):
+    def step(grads, state: SGDState, params, write_params: bool):
         check_grads(params, grads)
         decay = resolve_mask(weight_decay_mask, params)
-        first = state.count == 0
+        scalars = SGDScalars(lr=lr, weight_decay=weight_decay, first=state.count == 0,
+                             momentum=momentum, dampening=dampening)
+        spec, g, (p, bufs, dec) = leaf_columns(grads, params, state.momentum_buffer, decay)
+        # The multi-tensor kernel on CUDA, the per-leaf reference elsewhere (funcpar.kernels).
+        out, bufs = sgd_step(g, p, bufs, dec, scalars, nesterov=nesterov, maximize=maximize,
+                             write_params=write_params)
+        return tree_unflatten(spec, out), SGDState(state.count + 1, tree_unflatten(spec, bufs))
 
-        def leaf(g, p, buf, use_decay):
-            # Hyperparameters in the leaf's dtype (a 0-d float64 would promote 0-d leaves).
-            lr_, wd = lr.to(g.dtype), weight_decay.to(g.dtype)
-            d = -g if maximize else g
-            if use_decay:
-                d = d + wd * p
-            if not momentum:
-                return -lr_ * d, None
-            # torch.optim.SGD starts the buffer at the first gradient, undamped.
-            buf = torch.where(first, d, momentum * buf + (1 - dampening) * d)
-            d = d + momentum * buf if nesterov else buf
-            return -lr_ * d, buf
+    def update(grads, state: SGDState, params=None, *, layouts=None):
+        return step(grads, state, params, write_params=False)
 
-        updates, bufs = map_leaves(leaf, grads, params, state.momentum_buffer, decay, n_out=2)
-        return updates, SGDState(state.count + 1, bufs)
+    def apply(grads, state: SGDState, params, *, layouts=None):
+        return step(grads, state, params, write_params=True)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, apply)
 
 
 def sgd(

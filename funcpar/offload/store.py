@@ -102,20 +102,25 @@ class TensorStore:
     """The interface of a store (see the module docstring).
 
     ``put(key, tensor, tag)`` may return before the data is durable (write-behind); the tensor
-    is copied before it returns, so the caller may reuse it. ``prefetch(key)`` starts reading a
-    key (a hint: it may decline when no buffer is free). ``get(key, tag)`` returns a new CPU
-    tensor with the stored contents; ``tag`` (when given) must equal the ``tag`` stored with it.
-    ``flush()`` waits for every write and raises the first error.
+    must then stay unmodified until ``wait([key])`` or ``flush()``. ``prefetch(key, out=)``
+    starts reading a key (a hint: it may decline when no buffer is free). ``get(key, tag,
+    out=)`` returns a new CPU tensor with the stored contents, or fills ``out`` (a contiguous
+    CPU tensor of the stored shape and dtype) and returns it; ``tag`` (when given) must equal
+    the ``tag`` stored with it. ``flush()`` waits for every write and raises the first error.
     """
 
     def put(self, key: str, tensor: Tensor, tag: int = 0) -> None:
         raise NotImplementedError
 
-    def prefetch(self, key: str) -> bool:
+    def prefetch(self, key: str, out: Tensor | None = None) -> bool:
         return False
 
-    def get(self, key: str, tag: int | None = None) -> Tensor:
+    def get(self, key: str, tag: int | None = None, out: Tensor | None = None) -> Tensor:
         raise NotImplementedError
+
+    def wait(self, keys: Sequence[str]) -> None:
+        """Wait for the writes of ``keys``: after it the store no longer reads the tensors
+        given to their ``put``."""
 
     def delete(self, key: str) -> None:
         raise NotImplementedError
@@ -156,14 +161,17 @@ class CpuStore(TensorStore):
         host.copy_(tensor.detach())
         self._data[key] = (host, int(tag))
 
-    def get(self, key: str, tag: int | None = None) -> Tensor:
+    def get(self, key: str, tag: int | None = None, out: Tensor | None = None) -> Tensor:
         if key not in self._data:
             raise StoreError(f"tensor {key!r} is not in the CPU store", key)
         t, stored = self._data[key]
         if tag is not None and stored != tag:
             raise StoreError(f"tensor {key!r} in the CPU store has tag {stored}, expected {tag} "
                              "(a state older than the store's last two versions?)", key)
-        return t.clone()
+        if out is None:
+            return t.clone()
+        _check_out(out, {"shape": list(t.shape), "dtype": str(t.dtype)}, key, "the CPU store")
+        return out.copy_(t)
 
     def delete(self, key: str) -> None:
         self._data.pop(key, None)

@@ -456,15 +456,27 @@ def test_master_params_refused_without_amp(tmp_path):
 
 
 def _dp2_zero3(path):
-    ref = _train("adamw", dp=2, zero=3, steps=6)
-    off = _train("adamw", "nvme", path, dp=2, zero=3, steps=6)
-    return (ref[0], ref[1]), (off[0], off[1])
+    ref = _train("adafactor", dp=2, zero=3, steps=4)
+    whole = _train("adafactor", "nvme", os.path.join(path, "whole"), dp=2, zero=3, steps=4)
+    # Chunked: offload inside zero_partition, which hands it this rank's parts.
+    chunked = _train("adafactor", "nvme", os.path.join(path, "chunked"), dp=2, zero=3, steps=4,
+                     offload_first=True, chunk_bytes=8 << 10)
+    with pytest.raises(ValueError, match="apply offload\\(chunk_bytes=...\\) before"):
+        _train("adafactor", "nvme", os.path.join(path, "bad"), dp=2, zero=3, steps=1,
+               chunk_bytes=8 << 10)
+    return [(r[0], r[1]) for r in (ref, whole, chunked)], chunked[3].stats.chunks
 
 
 def test_zero3_nvme_offload_dp2_bit_identical(tmp_path):
     """ZeRO-3 (params partitioned, gathered per block) with each rank's optimizer state parts
-    on NVMe - Colossal-AI's Gemini arrangement - gives the in-memory ZeRO-3 run's bits."""
-    results = run_ranks(_dp2_zero3, 2, str(tmp_path), backend=None, timeout=180)
-    for rank, ((losses, params), (losses2, params2)) in enumerate(results):
-        assert losses2 == losses, rank
-        _same_params(params, params2)
+    on NVMe - Colossal-AI's Gemini arrangement - gives the in-memory ZeRO-3 run's bits, the
+    update over the whole tree and chunk by chunk (Adafactor: its factored statistics of a
+    partitioned leaf need collectives, which every rank issues in the same leaf order
+    whatever its chunk boundaries)."""
+    results = run_ranks(_dp2_zero3, 2, str(tmp_path), backend=None, timeout=240)
+    for rank, (((losses, params), *offloaded_runs), chunks) in enumerate(results):
+        assert chunks >= 4, rank
+        for losses2, params2 in offloaded_runs:
+            assert losses2 == losses, rank
+            _same_params(params, params2)
+

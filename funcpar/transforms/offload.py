@@ -719,6 +719,10 @@ def offload(
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
         if isinstance(state.opt_state, OffloadedState):
             raise ValueError("the optimizer state is already offloaded: apply offload once")
+        if chunk_bytes is not None and step.partition is not None:
+            raise ValueError("with zero_partition, apply offload(chunk_bytes=...) before it: "
+                             "zero_partition's optimizer wraps the whole tree of this rank's "
+                             "parts, and offload then chunks the optimizer it wraps")
         plan = _master_plan(step, state) if with_masters else None
         opt = offloaded(step.optimizer, store, prefix=prefix, min_numel=min_numel,
                         chunk_bytes=chunk_bytes, max_resident=max_resident,

@@ -140,7 +140,9 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
         # float64 and rounded once is the float32 quotient).
         norms = sums.sqrt().to(torch.float32).to(torch.float64)
         ratio = _trust_ratio(norms[:, 0], norms[:, 1], eps, **ratio_opts)
-        dtypes = [torch.float64 if eps_in_trust_ratio else x.dtype for x in p]
+        # The reference's ratio dtype: float64 where a 0-d float64 hyperparameter met a 0-d
+        # tensor (eps in the trust ratio, or a 0-d leaf's a), else the leaf's.
+        dtypes = [torch.float64 if eps_in_trust_ratio or x.dim() == 0 else x.dtype for x in p]
         for dt in set(dtypes):
             if dt != torch.float64:
                 pick = torch.tensor([d == dt for d in dtypes], device=ratio.device)

@@ -241,8 +241,11 @@ def _cast_apply(apply_fn: Callable, dtype: torch.dtype, keep: list[bool],
             handles.append(m.register_forward_pre_hook(up, with_kwargs=True, prepend=True))
             handles.append(m.register_forward_hook(down, with_kwargs=True, prepend=True))
         try:
-            return apply_fn(tree_unflatten(spec, cast), buffers, *_cast(args, dtype),
-                            **_cast(kwargs, dtype))
+            # A flat dict is rebuilt by hand: under torch.compile, dynamo's optree polyfill
+            # cannot unflatten the spec (optree orders dict leaves by sorted key).
+            flat = type(params) is dict and all(torch.is_tensor(v) for v in params.values())
+            new = dict(zip(sorted(params), cast)) if flat else tree_unflatten(spec, cast)
+            return apply_fn(new, buffers, *_cast(args, dtype), **_cast(kwargs, dtype))
         finally:
             for h in handles:
                 h.remove()

@@ -321,9 +321,10 @@ def dequantize_blocks(
 def adam8bit_step(
     g: Tensor, m: Q, v: Q, code_m: Tensor, code_v: Tensor, block_size: int, s: Adam8bitScalars,
 ) -> tuple[Tensor, Q, Q]:
-    """The fused kernel for a float32 gradient when :func:`funcpar.kernels.use_kernels` says
-    so, else the reference."""
-    if (g.dtype == torch.float32 and code_v.numel() == 256
+    """The fused kernel for a float32 gradient of at least one dimension when
+    :func:`funcpar.kernels.use_kernels` says so, else the reference."""
+    # (A 0-d state meets the 0-d float64 eps in torch's float64: the reference keeps it.)
+    if (g.dtype == torch.float32 and g.dim() > 0 and code_v.numel() == 256
             and _ok(code_m, block_size, g, m[0], m[1], v[0], v[1])):
         return adam8bit_triton(g, m, v, code_m, code_v, block_size, s)
     return adam8bit_reference(g, m, v, code_m, code_v, block_size, s)

@@ -251,6 +251,7 @@ def _cast_apply(apply_fn: Callable, dtype: torch.dtype, keep: list[bool],
                 h.remove()
 
     apply.module = getattr(apply_fn, "module", None)
+    apply.keep_fp32 = keep  # per flat leaf; offload's master params read it
     apply.precision = {v: k for k, v in PRECISIONS.items()}[dtype]  # see TrainStep.__post_init__
     return apply
 

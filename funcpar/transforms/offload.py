@@ -773,8 +773,6 @@ def _master_plan(step: TrainStep, state: TrainState) -> tuple[torch.dtype, list[
 def _amp_keep(apply_fn: Callable) -> list[bool] | None:
     """amp_cast's per-leaf keep_fp32 mask from its apply function."""
     keep = getattr(apply_fn, "keep_fp32", None)
-    if keep is None and getattr(apply_fn, "precision", None) is not None:
-        keep = inspect.getclosurevars(inspect.unwrap(apply_fn)).nonlocals.get("keep")
     return None if keep is None else [bool(k) for k in keep]
 
 

@@ -163,9 +163,16 @@ def device_scalars(values: Sequence[Tensor | float], device: torch.device) -> Te
 
 
 def _build_segment():
-    global tl, triton
+    global tl, triton, add_combine
     import triton
     import triton.language as tl
+
+    @triton.jit
+    @no_type_check
+    def add_combine(a, b):
+        # Our own combine function, not tl.sum's: Triton's standard library is decorated when
+        # Triton is imported, so under TRITON_INTERPRET=1 set later it would not be interpreted.
+        return a + b
 
     @triton.jit
     @no_type_check
@@ -176,12 +183,12 @@ def _build_segment():
         lo = tl.load(first + leaf)
         hi = tl.load(first + leaf + 1)
         for c in tl.static_range(N_COLS):
-            acc = tl.zeros([BLOCK], dtype=tl.float64)
+            acc = tl.full([BLOCK], 0, tl.float64)
             for start in range(lo, hi, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
                 acc += tl.load(partials + offs.to(tl.int64) * N_COLS + c, mask=offs < hi,
                                other=0.0).to(tl.float64)
-            tl.store(out + leaf * N_COLS + c, tl.sum(acc, axis=0))
+            tl.store(out + leaf * N_COLS + c, tl.reduce(acc, 0, add_combine))
 
     return segment_sum_kernel
 

@@ -122,9 +122,16 @@ def lamb_update_reference(
 
 
 def _build():
-    global tl, triton, lamb_direction_jit
+    global tl, triton, lamb_direction_jit, add_combine
     import triton
     import triton.language as tl
+
+    @triton.jit
+    @no_type_check
+    def add_combine(a, b):
+        # Not tl.sum: Triton's standard library is decorated when Triton is imported, so with
+        # TRITON_INTERPRET=1 set later it would not run in the interpreter.
+        return a + b
 
     @triton.jit
     @no_type_check
@@ -178,8 +185,8 @@ def _build():
         a, w = lamb_direction_jit(p, m.to(tl.float32), v.to(tl.float32), dflag, scal,
                                   MOMENTS, IN_UPDATE)
         # Masked lanes load zeros: a = 0 / (0 + eps) = 0 and w = 0 add nothing.
-        tl.store(partials + 2 * pid, tl.sum(w * w, axis=0))
-        tl.store(partials + 2 * pid + 1, tl.sum(a * a, axis=0))
+        tl.store(partials + 2 * pid, tl.reduce(w * w, 0, add_combine))
+        tl.store(partials + 2 * pid + 1, tl.reduce(a * a, 0, add_combine))
 
     @triton.jit
     @no_type_check

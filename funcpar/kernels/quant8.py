@@ -134,9 +134,16 @@ def adam8bit_reference(
 
 
 def _build():
-    global tl, triton, nearest_code_jit, block_offsets_jit
+    global tl, triton, nearest_code_jit, block_offsets_jit, max_combine
     import triton
     import triton.language as tl
+
+    @triton.jit
+    @no_type_check
+    def max_combine(a, b):
+        # Not tl.max: Triton's standard library is decorated when Triton is imported, so with
+        # TRITON_INTERPRET=1 set later it would not run in the interpreter.
+        return tl.maximum(a, b)
 
     @triton.jit
     @no_type_check
@@ -152,7 +159,7 @@ def _build():
     def nearest_code_jit(s, code):
         # count = #{k : code[k] <= s} capped at 255 by binary lifting over the sorted map, then
         # the left neighbour clamped to [0, 254] and the nearer of it and the next code.
-        cnt = tl.zeros(s.shape, dtype=tl.int32)
+        cnt = tl.full(s.shape, 0, tl.int32)  # tl.full: a builtin (tl.zeros is library)
         for i in tl.static_range(8):
             cand = cnt + (128 >> i)
             cnt = tl.where(tl.load(code + cand - 1) <= s, cand, cnt)
@@ -168,7 +175,7 @@ def _build():
                         TILE: tl.constexpr):
         rows, offs, mask = block_offsets_jit(n, n_blocks, block_size, ROWS, TILE)
         xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
-        am = tl.max(tl.abs(xv), axis=1)
+        am = tl.reduce(tl.abs(xv), 1, max_combine)
         tl.store(absmax + rows, am, mask=rows < n_blocks)
         safe = tl.where(am > 0, am, 1.0)
         scaled = tl.where(am[:, None] > 0, tl.div_rn(xv, safe[:, None]), 0.0)
@@ -210,11 +217,11 @@ def _build():
         # Padding lanes decoded code[0] * absmax: zero them so they cannot raise a block's max.
         m = tl.where(mask, m, 0.0)
         v = tl.where(mask, v, 0.0)
-        am = tl.max(tl.abs(m), axis=1)
+        am = tl.reduce(tl.abs(m), 1, max_combine)
         tl.store(ma_out + rows, am, mask=rmask)
         scaled = tl.where(am[:, None] > 0, tl.div_rn(m, tl.where(am > 0, am, 1.0)[:, None]), 0.0)
         tl.store(mc_out + offs, nearest_code_jit(scaled, code_m), mask=mask)
-        av = tl.max(tl.abs(v), axis=1)
+        av = tl.reduce(tl.abs(v), 1, max_combine)
         tl.store(va_out + rows, av, mask=rmask)
         scaled = tl.where(av[:, None] > 0, tl.div_rn(v, tl.where(av > 0, av, 1.0)[:, None]), 0.0)
         tl.store(vc_out + offs, nearest_code_jit(scaled, code_v), mask=mask)

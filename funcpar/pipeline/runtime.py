@@ -82,10 +82,22 @@ class Pipeline:
     def _tag(self, kind: int, sender_stage: int, mb: int) -> int:
         return (kind * self.plan.n_stages + sender_stage) * self.m + mb
 
-    def global_norm(self, norm: Tensor) -> Tensor:
-        """The norm over every stage's leaves from this rank's (a sum of squares over pp)."""
-        sq = comm.all_reduce(norm.square(), self.mesh, self.axis, purpose="pp grad norm")
-        return sq.sqrt()
+    def sum_of_squares(self, grads: dict[str, Tensor], layouts: Tree | None,
+                       purpose: str = "pp grad norm") -> Tensor:
+        """The squared global norm of the whole model's gradients, from this rank's: the
+        layout-aware sum of squares of the leaves this rank owns (a leaf held by several
+        ranks counts on the first only), summed over pp."""
+        from funcpar.optim.clip import global_norm
+
+        skip = {n for n, rs in self.plan.shared().items() if rs[0] != self.rank}
+        mine = {n: g for n, g in grads.items() if n not in skip}
+        lays = None if layouts is None else {n: layouts[n] for n in mine}
+        local = global_norm(mine, lays).square()
+        return comm.all_reduce(local, self.mesh, self.axis, purpose=purpose)
+
+    def global_norm(self, grads: dict[str, Tensor], layouts: Tree | None) -> Tensor:
+        """The norm of the whole model's gradients (every stage's leaves, each once)."""
+        return self.sum_of_squares(grads, layouts).sqrt()
 
     # ------------------------------------------------------------------------------ the step
     def loss_and_grads(self, step: Any, params: Tree, buffers: Tree, batch: Any,
@@ -271,6 +283,26 @@ class Pipeline:
                 total = g if total is None else total + g
             grads[name] = total
         return grads
+
+
+    def same_as_first_holder(self, updates: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``updates`` with each leaf held by several ranks replaced, on all but the first
+        holder, by the first holder's: the holders' optimizers see the same gradient but may
+        round the clip's norm differently in the last bit, and tied copies must stay equal."""
+        for name, holders in self.plan.shared().items():
+            if self.rank not in holders:
+                continue
+            mine = updates[name].contiguous()
+            if self.rank == holders[0]:
+                ops = [comm.P2POp("send", mine, r, 1, f"{name}: tied update")
+                       for r in holders[1:]]
+                for w in comm.batch_p2p(ops, self.mesh, self.axis):
+                    w.wait()
+            else:
+                ops = [comm.P2POp("recv", torch.empty_like(mine), holders[0], 1,
+                                  f"{name}: tied update")]
+                updates[name] = comm.batch_p2p(ops, self.mesh, self.axis)[0].wait()
+        return updates
 
 
 def _checked_loss(loss: Any) -> Tensor:

@@ -19,6 +19,7 @@ is held by both; their gradients are summed between them after the backward.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -171,7 +172,8 @@ def plan_stages(module: nn.Module, staged: StagedModel, p: int, v: int = 1,
         if len(cuts) != k - 1:
             raise ValueError(f"cuts {cuts} give {len(cuts) + 1} stages but the mesh's pp size "
                              f"({p}) x virtual stages ({v}) is {k}: pass {k - 1} cut points")
-        if any(not 0 < a < b for a, b in zip([0, *cuts], [*cuts, n + 1])) or cuts[-1] >= n:
+        bounds = [0, *cuts, n]
+        if any(a >= b for a, b in itertools.pairwise(bounds)):
             raise ValueError(f"cuts {cuts} must increase strictly within 1..{n - 1} (block "
                              f"indices where stages begin, {n} blocks)")
     else:

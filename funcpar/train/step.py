@@ -148,8 +148,8 @@ class TrainStep:
     buffers, batch, loss_scale)`` replaces the single forward/backward (it runs this rank's
     pipeline stages over micro-batches and returns the loss on every rank and the gradients
     of this rank's leaves; the ``overlap_grads`` reduction then runs after it, without
-    hooks), and whose ``global_norm(norm)`` completes the ``grad_norm`` metric over the other
-    stages' leaves.
+    hooks), and whose ``global_norm(grads, layouts)`` is the ``grad_norm`` metric over every
+    stage's leaves.
 
     ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
     they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
@@ -221,10 +221,11 @@ class TrainStep:
             # Unscaled after the reductions (they are linear) and before the norm, clipping and
             # the optimizer, which must all see the true gradients.
             grads, finite = scaler.unscale(grads, extras)
-        gnorm = global_norm(grads, self.layouts if self.grad_layouts is None
-                            else self.grad_layouts)
+        lays = self.layouts if self.grad_layouts is None else self.grad_layouts
         if self.pipeline is not None:
-            gnorm = self.pipeline.global_norm(gnorm)
+            gnorm = self.pipeline.global_norm(grads, lays)
+        else:
+            gnorm = global_norm(grads, lays)
         if finite is not None and not bool(finite):
             # Skipped: every rank got the same ``finite``, so they all skip, and none runs the
             # optimizer's collectives alone.

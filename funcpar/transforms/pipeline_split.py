@@ -50,7 +50,6 @@ from funcpar.optim.clip import global_norm
 from funcpar.pipeline.runtime import Pipeline
 from funcpar.pipeline.schedules import SCHEDULES, build_schedule
 from funcpar.pipeline.stages import StagedModel, plan_stages, stage_apply, staged_model_for
-from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_leaves
@@ -122,8 +121,8 @@ def pipeline_split(
         rank = mesh.rank(axis)
         actions = build_schedule(schedule, p, microbatches, virtual_stages)[rank]
         params = {n: state.params[n] for n in plan.names_of(rank)}
-        optimizer = step.optimizer if p == 1 else _norm_over_stages(step.optimizer, mesh, axis)
         pipeline = Pipeline(mesh, axis, plan, schedule, microbatches, actions)
+        optimizer = step.optimizer if p == 1 else _norm_over_stages(step.optimizer, pipeline)
         new_step = dataclasses.replace(step, apply_fn=stage_apply(module, staged, plan),
                                        optimizer=optimizer, pipeline=pipeline)
         return new_step, state._replace(params=params, opt_state=optimizer.init(params))
@@ -142,22 +141,23 @@ def _with(tree: Any, value: Any) -> dict:
     return {**tree, PP_NORM_CARRIER: value}
 
 
-def _norm_over_stages(inner: GradientTransformation, mesh: DeviceMesh,
-                      axis: str) -> GradientTransformation:
+def _norm_over_stages(inner: GradientTransformation,
+                      pipeline: Pipeline) -> GradientTransformation:
     """``inner`` with the carrier of the other stages' gradient norm (module docstring)."""
 
     def zero_like(tree: Tree) -> torch.Tensor:
-        return torch.zeros(1, dtype=_carrier_dtype(tree), device=mesh.device)
+        return torch.zeros(1, dtype=_carrier_dtype(tree), device=pipeline.mesh.device)
 
     def init(params: Tree) -> Any:
         return inner.init(_with(params, zero_like(params)))
 
     def update(grads: Tree, state: Any, params: Tree | None = None, *,
                layouts: Tree | None = None) -> tuple[Tree, Any]:
-        # Exactly what a global-norm clip computes over this stage's leaves (the same layouts,
-        # so tensor-parallel and ZeRO splits count once), then the sum over the stages.
+        # What a global-norm clip computes over this rank's leaves (the same layouts, so
+        # tensor-parallel and ZeRO splits count once), and the whole model's (a tied leaf held
+        # here and on another stage counted once): the carrier holds the difference.
         local = global_norm(grads, layouts).square()
-        total = comm.all_reduce(local, mesh, axis, purpose="pp grad norm (optimizer)")
+        total = pipeline.sum_of_squares(grads, layouts, "pp grad norm (optimizer)")
         others = (total - local).clamp(min=0).sqrt().reshape(1).to(_carrier_dtype(grads))
         g = _with(grads, others)
         p = None if params is None else _with(params, zero_like(grads))
@@ -165,6 +165,6 @@ def _norm_over_stages(inner: GradientTransformation, mesh: DeviceMesh,
         updates, state = inner.update(g, state, p, layouts=lay)
         updates = dict(updates)
         updates.pop(PP_NORM_CARRIER)
-        return updates, state
+        return pipeline.same_as_first_holder(updates), state
 
     return GradientTransformation(init, update)

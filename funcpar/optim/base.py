@@ -83,33 +83,31 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: Tree) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
-    def update(grads, state, params=None, *, layouts=None):
+    def run(ts, grads, state, params, layouts):
         if len(state) != len(transforms):
             raise ValueError(
                 f"chain state has {len(state)} entries for {len(transforms)} transformations"
             )
         new_states = []
-        for t, s in zip(transforms, state):
+        for t, s in zip(ts, state):
             grads, s = t.update(grads, s, params, layouts=layouts)
             new_states.append(s)
+        return grads, new_states
+
+    def update(grads, state, params=None, *, layouts=None):
+        grads, new_states = run(transforms, grads, state, params, layouts)
         return grads, tuple(new_states)
 
+    # The parts, for transforms that handle a chain's members separately (offload's chunking).
+    update.chain_parts = transforms
     if not transforms or transforms[-1].apply is None:
         return GradientTransformation(init, update)
-    *first, last = transforms
 
     def apply(grads, state, params, *, layouts=None):
         # The earlier transforms' updates, then the last one's fused step on the parameters:
         # the same result as update + apply_updates (the last transform's contract).
-        if len(state) != len(transforms):
-            raise ValueError(
-                f"chain state has {len(state)} entries for {len(transforms)} transformations"
-            )
-        new_states = []
-        for t, s in zip(first, state[:-1]):
-            grads, s = t.update(grads, s, params, layouts=layouts)
-            new_states.append(s)
-        params, s = last.apply(grads, state[-1], params, layouts=layouts)
+        grads, new_states = run(transforms[:-1], grads, state, params, layouts)
+        params, s = transforms[-1].apply(grads, state[-1], params, layouts=layouts)
         return params, (*new_states, s)
 
     return GradientTransformation(init, update, apply)

@@ -586,13 +586,9 @@ def _flat_chain(opt: GradientTransformation,
 
 
 def _chain_parts(opt: GradientTransformation) -> list[GradientTransformation] | None:
-    """The transformations of a :func:`funcpar.optim.chain` (its ``update`` closes over them,
-    under the type checkers' wrappers), or None for any other optimizer."""
-    fn = inspect.unwrap(opt.update)
-    parts = getattr(fn, "chain_parts", None)
-    if parts is None and getattr(fn, "__qualname__", "") == "chain.<locals>.update" and \
-            getattr(fn, "__module__", "") == chain.__module__:
-        parts = inspect.getclosurevars(fn).nonlocals.get("transforms")
+    """The transformations of a :func:`funcpar.optim.chain` (its ``update`` carries them, under
+    the type checkers' wrappers), or None for any other optimizer."""
+    parts = getattr(inspect.unwrap(opt.update), "chain_parts", None)
     return list(parts) if parts is not None else None
 
 

@@ -4,6 +4,7 @@
     python examples/train_lm.py --optim sgd --lr 0.3 --steps 500
     python examples/train_lm.py --corpus my_texts/ --corpus-glob '**/*.md' --device cuda
     torchrun --nproc_per_node 4 examples/train_lm.py --tp 2 --dp 2 --comm-report
+    torchrun --nproc_per_node 2 examples/train_lm.py --pp 2 --microbatches 4 --layers 4
     tensorboard --logdir runs/
 
 The model becomes a pure function (``functionalize``), the optimizer a pure init/update pair
@@ -19,6 +20,11 @@ splits every global batch over ``dp``, composed as transforms of the same step a
 rank reads the same global batches (the transform takes its slice), every rank computes the
 same loss, and only rank 0 prints and writes logs. The losses are those of the one-process run
 up to rounding. ``--comm-report`` prints the collectives rank 0 issued, step by step.
+
+``--pp P`` adds a pipeline axis (mesh ``pp x dp x tp``): ``pipeline_split``, applied first,
+cuts the blocks into ``P x --virtual-stages`` stages (balanced by parameter count) and runs
+``--schedule`` (gpipe, 1f1b or interleaved) over ``--microbatches`` micro-batches of each
+rank's batch; tensor and data parallelism then apply within each stage.
 """
 
 from __future__ import annotations
@@ -46,7 +52,14 @@ from funcpar.state import Tree, functionalize, init_state, latest_checkpoint, lo
 from funcpar.state import save as save_checkpoint
 from funcpar.train.logger import Logger
 from funcpar.train.step import make_train_step
-from funcpar.transforms import amp_cast, compose, data_parallel, shard_params, zero_partition
+from funcpar.transforms import (
+    amp_cast,
+    compose,
+    data_parallel,
+    pipeline_split,
+    shard_params,
+    zero_partition,
+)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -142,7 +155,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      help="continue from a checkpoint directory (or the newest complete one "
                           "under DIR), under this run's layout: params, optimizer state, step, "
                           "RNG and data position; --steps counts from the start of the run")
-    par = p.add_argument_group("parallelism (launch with torchrun; tp x dp = processes)")
+    par = p.add_argument_group("parallelism (launch with torchrun; pp x tp x dp = processes)")
+    par.add_argument("--pp", type=int, default=1,
+                     help="pipeline stages (ranks) along the pp axis; pipeline_split first")
+    par.add_argument("--microbatches", type=int, default=None,
+                     help="micro-batches per step under --pp (default: 2 x pp)")
+    par.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"),
+                     help="pipeline schedule under --pp")
+    par.add_argument("--virtual-stages", type=int, default=None,
+                     help="stages per rank for --schedule interleaved (default 2)")
     par.add_argument("--tp", type=int, default=1,
                      help="tensor-parallel size: heads, MLP width and vocabulary split")
     par.add_argument("--dp", type=int, default=None,
@@ -184,7 +205,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     log.add_argument("--print-every", type=int, default=50,
                      help="a plain log line every N steps when stdout is not a terminal")
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp"):
+    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
+                 "pp"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.threads is not None and args.threads <= 0:
@@ -206,6 +228,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.dp is not None and args.batch_size % args.dp:
         p.error(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp}: "
                 "data parallelism gives every rank an equal slice of each batch")
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp
+    if args.microbatches <= 0 or args.virtual_stages <= 0:
+        p.error("--microbatches and --virtual-stages must be positive")
+    if args.virtual_stages > 1 and args.schedule != "interleaved":
+        p.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved")
+    if args.pp > 1:
+        stages = args.pp * args.virtual_stages
+        if stages > args.layers:
+            p.error(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = {stages} "
+                    f"stages but --layers {args.layers}: every stage needs a block")
+        local = args.batch_size // (args.dp or 1)
+        if local % args.microbatches:
+            p.error(f"each rank's batch ({local} = --batch-size / --dp) does not split into "
+                    f"--microbatches {args.microbatches} equal micro-batches")
+        for flag, on in (("--sequence-parallel", args.sequence_parallel),
+                         ("--compile", args.compile), ("--save", args.save is not None),
+                         ("--save-every", args.save_every), ("--resume", args.resume)):
+            if on:
+                p.error(f"{flag} does not work with --pp > 1 yet")
     return args
 
 
@@ -216,15 +260,17 @@ def build_mesh(args: argparse.Namespace) -> DeviceMesh:
     with DeviceMesh's message: the sizes and the world size) before anything is computed.
     """
     backend = "gloo" if torch.device(args.device).type == "cpu" else None
+    axes = {"pp": args.pp} if args.pp > 1 else {}
     try:
-        mesh = DeviceMesh.from_env(dp=-1 if args.dp is None else args.dp, tp=args.tp,
+        mesh = DeviceMesh.from_env(**axes, dp=-1 if args.dp is None else args.dp, tp=args.tp,
                                    backend=backend)
     except ValueError as err:
         world = os.environ.get("WORLD_SIZE", "1")
         raise SystemExit(
             f"error: --tp {args.tp} --dp {args.dp if args.dp is not None else 'auto'} on "
             f"{world} process(es): {err}. Launch tp x dp processes, e.g. "
-            f"torchrun --nproc_per_node {args.tp * (args.dp or 1)} examples/train_lm.py ..."
+            f"torchrun --nproc_per_node {args.pp * args.tp * (args.dp or 1)} "
+            "examples/train_lm.py ..."
         ) from None
     if args.batch_size % mesh.size("dp"):
         raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by the "
@@ -292,6 +338,10 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     state = init_state(params, buffers, optimizer, seed=args.seed)
     step = make_train_step(apply_fn, lm_loss, optimizer, compile=args.compile)
     transforms = []
+    if args.pp > 1:  # first: the transforms below then apply within each stage
+        transforms.append(pipeline_split(mesh, microbatches=args.microbatches,
+                                         schedule=args.schedule,
+                                         virtual_stages=args.virtual_stages))
     if mesh.size("tp") > 1:
         transforms.append(shard_params(llama_rules(cfg.head_dim), mesh,
                                        sequence_parallel=args.sequence_parallel))
@@ -316,8 +366,10 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
                                                                                 start_step))
         say(f"resumed from {found} at step {start_step}", flush=True)
     n_params = sum(p.numel() for p in params.values())
+    pp = (f"pp {args.pp} ({args.schedule}, {args.microbatches} micro-batches) x "
+          if args.pp > 1 else "")
     where = f"{device}" if mesh.world_size == 1 else (
-        f"{mesh.world_size} x {device.type} (dp {mesh.size('dp')} x tp {mesh.size('tp')})")
+        f"{mesh.world_size} x {device.type} ({pp}dp {mesh.size('dp')} x tp {mesh.size('tp')})")
     say(f"model {n_params / 1e6:.2f}M params | corpus {loader.tokens.numel():,} tokens, "
         f"{loader.batches_per_epoch} batches/epoch | {args.optim} on {where}"
         + (f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""), flush=True)
@@ -366,7 +418,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
                 f"{min(per_step.values()):,} to {max(per_step.values()):,}", flush=True)
 
     # The whole parameters: gathered from the tp (and zero-3) parts (a collective every rank
-    # joins).
+    # joins); under --pp, of this rank's stages only.
     whole = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
     if args.save is not None and rank0:
         os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)

@@ -186,6 +186,43 @@ def test_zero3_and_sequence_parallel_on_four_ranks_match_one_process(tmp_path, d
             assert "zero3 param gather" in res["stdout"] and "zero grad" in res["stdout"]
 
 
+def test_pp2_interleaved_on_two_ranks_matches_one_process(tmp_path, data_cache):
+    """``--pp 2 --schedule interleaved`` (4 stages of one block, 4 micro-batches): the one-process
+    losses on every rank, and between them the ranks hold the whole, trained parameters."""
+    steps = ["--dtype", "float64", "--print-every", "2", "--layers", "4"]
+    one = train_lm.main(_small(tmp_path / "one", data_cache, 6, *steps))
+    ref_losses = [r["loss"] for r in one["history"]]
+    argv = _small(tmp_path / "pp", data_cache, 6, *steps, "--pp", "2", "--schedule",
+                  "interleaved", "--microbatches", "4", "--comm-report")
+    results = run_ranks(_rank_run, 2, argv, backend=None, timeout=120)
+    merged = {}
+    for rank, res in enumerate(results):
+        rel = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref_losses))
+        assert len(res["losses"]) == 6 and rel <= 1e-10, (rank, rel)
+        merged.update(res["params"])
+    assert set(merged) == set(one["params"])
+    for name, ref in one["params"].items():
+        err = float((merged[name] - ref).abs().max() / ref.abs().max())
+        assert err <= 1e-10, (name, err)
+    printed = results[0]["stdout"]
+    assert "pp 2 (interleaved, 4 micro-batches)" in printed
+    assert "send            pp" in printed and "recv            pp" in printed
+
+
+def test_pipeline_flag_errors(capsys):
+    for argv, message in (
+        (["--pp", "2", "--layers", "2", "--schedule", "interleaved"],
+         "--pp 2 x --virtual-stages 2 = 4 stages but --layers 2"),
+        (["--pp", "2", "--batch-size", "6", "--microbatches", "4"],
+         "each rank's batch (6 = --batch-size / --dp) does not split into --microbatches 4"),
+        (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
+        (["--pp", "2", "--compile"], "--compile does not work with --pp > 1 yet"),
+    ):
+        with pytest.raises(SystemExit):
+            train_lm.main(argv)
+        assert message in capsys.readouterr().err, argv
+
+
 def test_parallel_flag_errors(tmp_path, capsys):
     # tp x dp must be the number of processes; DeviceMesh's message reaches the user.
     with pytest.raises(SystemExit, match=r"--tp 2 --dp 2 on 1 process.*product 4.*world size "

@@ -18,12 +18,13 @@ What the step computes is the single-process step on the whole batch:
 * the ``grad_norm`` metric and the norm that ``clip_by_global_norm`` clips by are over *all*
   stages' leaves: the metric is completed by an all-reduce over ``pp``; for the optimizer's
   own norm, the optimizer is wrapped so that its gradient tree carries one extra element
-  ``PP_NORM_CARRIER`` (shape ``(1,)``) holding ``sqrt(sum over other stages of ||g||^2)``,
-  whose update is dropped. Every tree-wide reduction an optimizer makes (only the global norm
-  today) therefore sees the whole model, and every per-leaf one (Adafactor's factored
-  statistics, LAMB's trust ratio) is unchanged, since each leaf lives whole on its stage. The
-  carrier costs a (1,)-shaped slot in the optimizer state; an optimizer whose masks are trees
-  of the parameters' structure (GaLore's ``galore_mask``) does not accept it.
+  ``PP_NORM_CARRIER`` (shape ``(1,)``) holding ``sqrt(T - L)``, ``T`` the whole model's
+  squared gradient norm (a tied leaf counted once) and ``L`` the clip's own sum over this
+  rank's leaves, whose update is dropped. Every tree-wide reduction an optimizer makes (only
+  the global norm today) therefore sees the whole model, and every per-leaf one (Adafactor's
+  factored statistics, LAMB's trust ratio) is unchanged, since each leaf lives whole on its
+  stage. The carrier costs a (1,)-shaped slot in the optimizer state; an optimizer whose
+  masks are trees of the parameters' structure (GaLore's ``galore_mask``) does not accept it.
 
 Composition: apply ``pipeline_split`` **first**, on the freshly built step (whole model, step
 0): it cuts the model, and the transforms after it - :func:`shard_params` (tensor parallel

@@ -1,10 +1,12 @@
 """Transforms of a (step, state) pair: each returns a new pair computing the same training."""
 
+from funcpar.init.lazy import materialize
 from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.compose import compose
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.offload import offload
 from funcpar.transforms.pipeline_split import pipeline_split
+from funcpar.transforms.remat import remat
 from funcpar.transforms.shard_params import logits_of, shard_params
 from funcpar.transforms.zero_partition import zero_partition
 
@@ -13,8 +15,10 @@ __all__ = [
     "compose",
     "data_parallel",
     "logits_of",
+    "materialize",
     "offload",
     "pipeline_split",
+    "remat",
     "shard_params",
     "zero_partition",
 ]

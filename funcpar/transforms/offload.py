@@ -74,7 +74,6 @@ optimizer unchanged; masters: see above.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -588,7 +587,10 @@ def _flat_chain(opt: GradientTransformation,
 def _chain_parts(opt: GradientTransformation) -> list[GradientTransformation] | None:
     """The transformations of a :func:`funcpar.optim.chain` (its ``update`` carries them, under
     the type checkers' wrappers), or None for any other optimizer."""
-    parts = getattr(inspect.unwrap(opt.update), "chain_parts", None)
+    fn, parts = opt.update, None
+    while parts is None and fn is not None:  # on the checker's wrapper or on what it wraps
+        parts = getattr(fn, "chain_parts", None)
+        fn = getattr(fn, "__wrapped__", None)
     return list(parts) if parts is not None else None
 
 

@@ -4,7 +4,8 @@
 (:mod:`funcpar.shard.rules`) and makes the step compute the same function on the shards:
 
 * column-split linears see their input through :func:`~funcpar.shard.tp_ops.enter_region`
-  (once per distinct input tensor, so q/k/v or gate/up share one gradient all-reduce) and
+  (once per run of consecutive calls on one input tensor, so q/k/v or gate/up share one
+  gradient all-reduce) and
   produce their slice of the outputs; attention then runs on the local heads, since the models
   reshape by ``head_dim`` (``view(b, t, -1, head_dim)``);
 * row-split linears sum their partial products with one all-reduce, then add the bias once;
@@ -200,15 +201,16 @@ def _swapped(plan: ShardingPlan, forwards: dict[nn.Module, Callable]) -> Iterato
 @contextlib.contextmanager
 def _installed(plan: ShardingPlan) -> Iterator[None]:
     """The tensor-parallel forwards in place of the matched modules' own, for one call."""
-    entered: dict[int, tuple[Tensor, Tensor]] = {}
+    last: list[tuple[Tensor, Tensor]] = []  # the last input and its region entry
 
     def enter(x: Tensor, who: str) -> Tensor:
-        # One all-reduce of the input gradient per distinct input, shared by q/k/v (gate/up).
-        hit = entered.get(id(x))
-        if hit is None or hit[0] is not x:
-            hit = (x, enter_region(x, plan.mesh, plan.axis, f"{who}: input grad"))
-            entered[id(x)] = hit
-        return hit[1]
+        # One all-reduce of the input gradient per input, shared by the consecutive linears
+        # that read it (q/k/v, gate/up). Only the last input is kept: a cache of every input
+        # would keep each remat recompute's inputs (and their recompute graphs) alive until
+        # the call's end, i.e. through the whole backward.
+        if not last or last[0][0] is not x:
+            last[:] = [(x, enter_region(x, plan.mesh, plan.axis, f"{who}: input grad"))]
+        return last[0][1]
 
     with _swapped(plan, {mp.module: _forward(mp, plan, enter) for mp in plan.modules}):
         yield

@@ -10,7 +10,7 @@
   tracked by a dispatch mode) of a 4-block Llama (dim 64, seq 96, batch 4, float64): no remat
   18.7 MiB, remat every 2nd block 11.5 MiB, all blocks 8.1 MiB; asserted: all blocks < 0.5 x
   none, every-2nd strictly between. Under tp2 x dp2 + ZeRO-3 (batch 8 over dp2), rank 0:
-  12.3 MiB -> 4.7 MiB, asserted < 0.5 x (`-s` prints all of them).
+  11.8 MiB -> 4.5 MiB, asserted < 0.5 x (`-s` prints all of them).
 * ZeRO-3: the recorded block parameters go through the saved-tensor hooks in force (ZeRO-3's
   keep the part, not the gathered whole), checked with a counting hook.
 * Errors: the order issue (remat of a module that shard_params swaps, applied after it), an

@@ -364,3 +364,9 @@ def test_train_from_lazy_tp2xdp2_zero3_matches_one_process():
                   f", params {max_rel(params, ref_params):.1e}")
         assert loss_rel(losses, ref_losses) <= TOL, rank
         assert max_rel(params, ref_params) <= TOL, rank
+
+
+def test_step_on_an_unmaterialized_state_names_the_leaf():
+    step, state = _meta_step()
+    with pytest.raises(ValueError, match=r"TrainStep: 'params\..*' is still on the meta device"):
+        step(state, batches()[0])

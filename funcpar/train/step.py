@@ -238,6 +238,10 @@ class TrainStep:
         self, state: TrainState, batch: tuple[Any, Any]
     ) -> tuple[TrainState, dict[str, Tensor]]:
         device = _device_of(state.params)
+        if device.type == "meta":
+            from funcpar.init.lazy import check_materialized  # the lazy-init layer sits above
+
+            check_materialized(state, "TrainStep")
         devices = [device] if device.type == "cuda" else []
         extras = state.extras
         with torch.random.fork_rng(devices=devices):

@@ -173,16 +173,33 @@ def _partitioned(inner: GradientTransformation, plan: ZeroPlan) -> GradientTrans
     def init(params: Tree) -> Any:
         return inner.init(params if plan.stage == 3 else plan.to_parts(params))
 
-    def update(grads: Tree, state: Any, params: Tree | None = None, *, layouts: Tree = None):
-        del layouts  # the parts' layouts are the plan's
+    def parts(grads: Tree, params: Tree | None) -> tuple[Tree, Tree | None, Tree]:
         g = grads if plan.stage >= 2 else plan.to_parts(grads)
         p = params if params is None or plan.stage == 3 else plan.to_parts(params)
-        updates, state = inner.update(g, state, p, layouts=plan.part_layouts(grads))
+        return g, p, plan.part_layouts(grads)
+
+    def update(grads: Tree, state: Any, params: Tree | None = None, *, layouts: Tree = None):
+        del layouts  # the parts' layouts are the plan's
+        g, p, part_layouts = parts(grads, params)
+        updates, state = inner.update(g, state, p, layouts=part_layouts)
         if plan.stage < 3:
             updates = plan.gather_tree(updates, "zero update gather")
         return updates, state
 
-    return GradientTransformation(init, update)
+    if inner.apply is None:
+        return GradientTransformation(init, update)
+
+    def apply(grads: Tree, state: Any, params: Tree, *, layouts: Tree = None):
+        # The fused step on the parts; stages 1-2 then gather the new parameters (the same
+        # bytes as gathering the updates, and the same values: p + u is elementwise).
+        del layouts
+        g, p, part_layouts = parts(grads, params)
+        new, state = inner.apply(g, state, p, layouts=part_layouts)
+        if plan.stage < 3:
+            new = plan.gather_tree(new, "zero update gather")
+        return new, state
+
+    return GradientTransformation(init, update, apply)
 
 
 def zero_partition(

@@ -191,6 +191,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                    f"unexpected {unexpected}")
             model.save_pretrained(args.save_dir)
             print(f"saved the fine-tuned model to {args.save_dir}", flush=True)
+    if torch.distributed.is_initialized():
+        # Every rank leaves together: a rank tearing down gloo while rank 0 still writes the
+        # model aborts the job ("terminate called without an active exception").
+        torch.distributed.barrier()
     return {"losses": losses, "params": whole}
 
 

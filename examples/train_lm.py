@@ -5,6 +5,7 @@
     python examples/train_lm.py --corpus my_texts/ --corpus-glob '**/*.md' --device cuda
     torchrun --nproc_per_node 4 examples/train_lm.py --tp 2 --dp 2 --comm-report
     torchrun --nproc_per_node 2 examples/train_lm.py --pp 2 --microbatches 4 --layers 4
+    torchrun --nproc_per_node 4 examples/train_lm.py --preset hybrid --tp 2 --zero 2 --plan
     tensorboard --logdir runs/
 
 The model becomes a pure function (``functionalize``), the optimizer a pure init/update pair
@@ -24,7 +25,13 @@ up to rounding. ``--comm-report`` prints the collectives rank 0 issued, step by 
 ``--pp P`` adds a pipeline axis (mesh ``pp x dp x tp``): ``pipeline_split``, applied first,
 cuts the blocks into ``P x --virtual-stages`` stages (balanced by parameter count) and runs
 ``--schedule`` (gpipe, 1f1b or interleaved) over ``--microbatches`` micro-batches of each
-rank's batch; tensor and data parallelism then apply within each stage.
+rank's batch; tensor and data parallelism then apply within each stage. ``--remat K``
+recomputes every K-th block's activations in the backward instead of keeping them.
+
+``--preset {hybrid,zero,ddp,gemini}`` composes through :mod:`funcpar.presets` (Colossal-AI's
+plugin names: ``hybrid_parallel``, ``low_level_zero``, ``ddp``, ``gemini``) instead of listing
+the transforms here; the result is the same step (docs/PRESETS.md). ``--plan`` prints the
+preset's plan: mesh, layouts, expected communication per step, memory per rank.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, text_batches
 from funcpar.models import Llama, LlamaConfig, lm_loss
 from funcpar.optim import chain, clip_by_global_norm, matrices_only, warmup_cosine
 from funcpar.optim.base import GradientTransformation
+from funcpar.presets import Preset, ddp, gemini, hybrid_parallel, low_level_zero
 from funcpar.shard.comm import comm_log, comm_report
 from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
@@ -57,6 +65,7 @@ from funcpar.transforms import (
     compose,
     data_parallel,
     pipeline_split,
+    remat,
     shard_params,
     zero_partition,
 )
@@ -175,6 +184,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     par.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                      help="compute precision (amp_cast): float32 master params and optimizer; "
                           "fp16 with dynamic loss scaling and skipped steps on inf/nan")
+    par.add_argument("--remat", type=int, default=0, metavar="K",
+                     help="activation checkpointing of every K-th transformer block (1: all "
+                          "blocks; 0: off): less activation memory for one more forward")
+    par.add_argument("--preset", default=None, choices=("hybrid", "zero", "ddp", "gemini"),
+                     help="compose with funcpar.presets instead: hybrid = hybrid_parallel(tp_size"
+                          "=--tp, pp_size=--pp, zero_stage=--zero), zero = low_level_zero(stage="
+                          "--zero or 1), ddp = ddp(), gemini = gemini(offload='cpu', tp_size="
+                          "--tp); --precision and --sequence-parallel apply")
+    par.add_argument("--plan", action="store_true",
+                     help="with --preset: print its plan (layouts, expected communication per "
+                          "step, memory per rank) on rank 0")
     par.add_argument("--comm-report", type=int, nargs="?", const=1, default=0, metavar="N",
                      help="print the collectives of the first N steps (default 1), per step")
     opt = p.add_argument_group("optimizer")
@@ -225,6 +245,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "tensor parallelism gives every rank whole heads")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel splits activations over tp: it needs --tp > 1")
+    if args.remat < 0:
+        p.error(f"--remat must be >= 0, got {args.remat}")
+    if args.remat and args.compile:
+        p.error("--remat does not work with --compile yet (remat refuses compile=True)")
+    if args.plan and args.preset is None:
+        p.error("--plan prints a preset's plan: it needs --preset")
+    if args.preset is not None and args.remat:
+        p.error("--remat is not part of the presets: compose it by hand (drop --preset)")
+    if args.preset in ("zero", "ddp", "gemini") and args.pp > 1:
+        p.error(f"--preset {args.preset} has no pipeline: use --preset hybrid with --pp")
+    if args.preset in ("zero", "ddp") and (args.tp > 1 or args.sequence_parallel):
+        p.error(f"--preset {args.preset} is data parallel only: drop --tp/--sequence-parallel "
+                "or use --preset hybrid")
+    if args.preset == "zero" and args.zero == 3:
+        p.error("--preset zero is LowLevelZeroPlugin (stages 1-2): use --preset gemini or "
+                "--preset hybrid --zero 3")
+    if args.preset == "ddp" and args.zero:
+        p.error("--preset ddp has no ZeRO: use --preset zero")
+    if args.preset == "gemini" and args.zero not in (0, 3):
+        p.error("--preset gemini is ZeRO-3: drop --zero or pass --zero 3")
     if args.dp is not None and args.batch_size % args.dp:
         p.error(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp}: "
                 "data parallelism gives every rank an equal slice of each batch")
@@ -282,6 +322,44 @@ def build_mesh(args: argparse.Namespace) -> DeviceMesh:
     return mesh
 
 
+def manual_transforms(args: argparse.Namespace, mesh: DeviceMesh, cfg: LlamaConfig) -> list:
+    """The transforms the flags ask for, in the documented order."""
+    transforms = []
+    if args.pp > 1:  # first: the transforms below then apply within each stage
+        transforms.append(pipeline_split(mesh, microbatches=args.microbatches,
+                                         schedule=args.schedule,
+                                         virtual_stages=args.virtual_stages))
+    if mesh.size("tp") > 1:
+        transforms.append(shard_params(llama_rules(cfg.head_dim), mesh,
+                                       sequence_parallel=args.sequence_parallel))
+    if mesh.size("dp") > 1:
+        transforms.append(data_parallel(mesh))
+    if args.zero:
+        transforms.append(zero_partition(args.zero, mesh))
+    if args.remat:  # whole blocks: no transform swaps their forwards, so any place works
+        transforms.append(remat(every=args.remat))
+    if args.precision != "fp32":  # last: ZeRO-3's parameter gathers then travel in half
+        transforms.append(amp_cast(args.precision, mesh=mesh))
+    return transforms
+
+
+def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
+    """``--preset``: the Colossal-AI-named preset over this run's mesh, as a transform (the
+    optimizer already clips, so no max_norm)."""
+    common = {"precision": args.precision, "mesh": mesh, "plan": args.plan,
+              "batch_shape": (args.batch_size, args.seq_len)}
+    if args.preset == "hybrid":
+        return hybrid_parallel(tp_size=mesh.size("tp"), pp_size=args.pp, zero_stage=args.zero,
+                               microbatches=args.microbatches if args.pp > 1 else None,
+                               pp_style=args.schedule, num_model_chunks=args.virtual_stages,
+                               sequence_parallel=args.sequence_parallel, **common)
+    if args.preset == "zero":
+        return low_level_zero(stage=args.zero or 1, **common)
+    if args.preset == "ddp":
+        return ddp(**common)
+    return gemini(offload="cpu", tp_size=mesh.size("tp"), **common)
+
+
 def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device):
     """The global batches, the same on every rank. Rank 0 tokenizes first and the others then
     read ``datasets``' cache, rather than all ranks tokenizing the same files at once."""
@@ -337,21 +415,10 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     optimizer = build_optimizer(args, params)
     state = init_state(params, buffers, optimizer, seed=args.seed)
     step = make_train_step(apply_fn, lm_loss, optimizer, compile=args.compile)
-    transforms = []
-    if args.pp > 1:  # first: the transforms below then apply within each stage
-        transforms.append(pipeline_split(mesh, microbatches=args.microbatches,
-                                         schedule=args.schedule,
-                                         virtual_stages=args.virtual_stages))
-    if mesh.size("tp") > 1:
-        transforms.append(shard_params(llama_rules(cfg.head_dim), mesh,
-                                       sequence_parallel=args.sequence_parallel))
-    if mesh.size("dp") > 1:
-        transforms.append(data_parallel(mesh))
-    if args.zero:
-        transforms.append(zero_partition(args.zero, mesh))
-    if args.precision != "fp32":  # last: ZeRO-3's parameter gathers then travel in half
-        transforms.append(amp_cast(args.precision, mesh=mesh))
-    step, state = compose(*transforms)(step, state)
+    if args.preset is not None:
+        step, state = build_preset(args, mesh)(step, state)
+    else:
+        step, state = compose(*manual_transforms(args, mesh, cfg))(step, state)
     # Resuming: the state is loaded into this run's layout (resharded from the saved global
     # slices); the loader is deterministic from the seed, so the data position (batches
     # consumed, kept in the checkpoint's metadata) restores the data order.

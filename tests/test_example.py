@@ -248,3 +248,33 @@ def test_default_model_splits_over_tp2_and_tp4():
     for tp in (2, 4):
         train_lm.parse_args(["--tp", str(tp)])  # no usage error
         assert args.heads % tp == 0 and (args.kv_heads or args.heads) % tp == 0
+
+
+def test_remat_and_preset_flags_give_the_plain_run(tmp_path, data_cache, capsys):
+    """``--remat 1`` (every block recomputed) and ``--preset zero --plan`` (low_level_zero on
+    one process: ZeRO-1 over a dp of 1) train to the same losses as the plain run, bit for bit:
+    recomputation and a one-rank partition change no arithmetic."""
+    def losses(*flags):
+        out = train_lm.main(_small(tmp_path, data_cache, 3, "--warmup", "1", *flags))
+        return [r["loss"] for r in out["history"]]
+
+    plain = losses()
+    assert losses("--remat", "1") == plain
+    assert losses("--preset", "zero", "--plan") == plain
+    printed = capsys.readouterr().out
+    assert "expected communication per step" in printed and "memory on this rank" in printed
+
+
+def test_remat_and_preset_flag_errors(capsys):
+    for argv, message in (
+        (["--remat", "1", "--compile"], "--remat does not work with --compile yet"),
+        (["--plan"], "--plan prints a preset's plan: it needs --preset"),
+        (["--preset", "ddp", "--zero", "2"], "--preset ddp has no ZeRO"),
+        (["--preset", "zero", "--zero", "3"], "--preset zero is LowLevelZeroPlugin"),
+        (["--preset", "gemini", "--zero", "2"], "--preset gemini is ZeRO-3"),
+        (["--preset", "ddp", "--tp", "2"], "--preset ddp is data parallel only"),
+        (["--preset", "zero", "--remat", "1"], "--remat is not part of the presets"),
+    ):
+        with pytest.raises(SystemExit):
+            train_lm.main(argv)
+        assert message in capsys.readouterr().err, argv

@@ -36,6 +36,7 @@ from funcpar.pipeline.schedules import COMPUTE, Action
 from funcpar.pipeline.stages import StagePlan
 from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.reduce import tree_split_over
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
 
 __all__ = ["Pipeline", "split_microbatches"]
@@ -82,22 +83,22 @@ class Pipeline:
     def _tag(self, kind: int, sender_stage: int, mb: int) -> int:
         return (kind * self.plan.n_stages + sender_stage) * self.m + mb
 
-    def sum_of_squares(self, grads: dict[str, Tensor], layouts: Tree | None,
-                       purpose: str = "pp grad norm") -> Tensor:
-        """The squared global norm of the whole model's gradients, from this rank's: the
-        layout-aware sum of squares of the leaves this rank owns (a leaf held by several
-        ranks counts on the first only), summed over pp."""
-        from funcpar.optim.clip import global_norm
-
-        skip = {n for n, rs in self.plan.shared().items() if rs[0] != self.rank}
-        mine = {n: g for n, g in grads.items() if n not in skip}
-        lays = None if layouts is None else {n: layouts[n] for n in mine}
-        local = global_norm(mine, lays).square()
-        return comm.all_reduce(local, self.mesh, self.axis, purpose=purpose)
+    def norms_over_stages(self, grads: dict[str, Tensor]) -> Any:
+        """The context (:func:`funcpar.shard.reduce.tree_split_over`) under which tree-wide
+        norms of ``grads`` (this rank's leaves) are the whole model's: summed over ``pp``,
+        each leaf held by several ranks (a tied weight, same gradient on every holder)
+        counted on its first holder only."""
+        elsewhere = [grads[n] for n, rs in self.plan.shared().items()
+                     if self.rank in rs and rs[0] != self.rank and grads.get(n) is not None]
+        return tree_split_over(self.mesh, self.axis, held_elsewhere=elsewhere)
 
     def global_norm(self, grads: dict[str, Tensor], layouts: Tree | None) -> Tensor:
-        """The norm of the whole model's gradients (every stage's leaves, each once)."""
-        return self.sum_of_squares(grads, layouts).sqrt()
+        """The norm of the whole model's gradients (every stage's leaves, each once): the
+        ``grad_norm`` metric, by the same mechanism as the optimizer's clip."""
+        from funcpar.optim.clip import global_norm  # the optimizer layer sits above
+
+        with self.norms_over_stages(grads):
+            return global_norm(grads, layouts)
 
     # ------------------------------------------------------------------------------ the step
     def loss_and_grads(self, step: Any, params: Tree, buffers: Tree, batch: Any,
@@ -284,11 +285,11 @@ class Pipeline:
             grads[name] = total
         return grads
 
-
     def same_as_first_holder(self, updates: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``updates`` with each leaf held by several ranks replaced, on all but the first
-        holder, by the first holder's: the holders' optimizers see the same gradient but may
-        round the clip's norm differently in the last bit, and tied copies must stay equal."""
+        """``updates`` (or new parameters) with each leaf held by several ranks replaced, on
+        all but the first holder, by the first holder's: the holders' optimizers see the same
+        gradient and the same global norm, but an optimizer's own arithmetic need not be
+        bit-reproducible (a kernel, a reduction order), and tied copies must stay equal."""
         for name, holders in self.plan.shared().items():
             if self.rank not in holders:
                 continue

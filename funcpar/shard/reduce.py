@@ -12,13 +12,22 @@ so optimizer code never asks "which parallelism is this?": it asks for a reducti
 A layout may also offer ``axes_for(dims)`` (the mesh axes that split ``dims``):
 :func:`total_sum_of_squares` then sums many leaves with one collective per distinct set of
 axes instead of one per leaf.
+
+A layout describes one leaf. A *tree* can be split too: under pipeline parallelism each rank
+of the ``pp`` axis holds other leaves (its stages'), so a tree-wide quantity (the global
+gradient norm) is a sum over those ranks as well. :func:`tree_split_over` says so for the code
+it encloses: :func:`total_sum_of_squares`, the only tree-wide reduction the optimizers make
+(every other function here reduces one leaf, which lives whole on one stage), then adds one
+all-reduce of its final sum over the named axes. Outside that context nothing changes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -34,6 +43,7 @@ __all__ = [
     "sum_of_squares",
     "sum_partial",
     "total_sum_of_squares",
+    "tree_split_over",
 ]
 
 
@@ -133,10 +143,31 @@ def total_sum_of_squares(
 
     Local sums are accumulated in float32 (float64 for float64 leaves) and grouped by the mesh
     axes that split them, so a tree of sharded leaves costs one all-reduce per distinct set of
-    axes (one per leaf for a layout without ``axes_for``), not one per leaf.
+    axes (one per leaf for a layout without ``axes_for``), not one per leaf. Under
+    :func:`tree_split_over` the result is summed over the tree's split axes as well (one more
+    all-reduce), leaving out the leaves it declares held elsewhere.
     """
     if len(xs) != len(layouts):
         raise ValueError(f"{len(xs)} tensors but {len(layouts)} layouts")
+    split = _TREE_SPLIT.get()
+    missing = 0
+    if split is not None and split.held_elsewhere:
+        # Leaves another rank counts (tied weights) are left out here (module docstring).
+        skip = {id(t) for t in split.held_elsewhere}
+        missing = len(skip - {id(x) for x in xs})
+        kept = [(x, lay) for x, lay in zip(xs, layouts) if id(x) not in skip]
+        xs, layouts = [x for x, _ in kept], [lay for _, lay in kept]
+    total = _local_total(xs, layouts, purpose)
+    if split is None:
+        return total
+    if not xs:  # a rank holding no leaf of the tree still takes part in the all-reduce
+        total = torch.zeros((), dtype=torch.float64, device=split.mesh.device)
+    return _split_total(split, total, missing, purpose)
+
+
+def _local_total(
+    xs: Sequence[Tensor], layouts: Sequence[Reducible | None], purpose: str
+) -> Tensor:
     groups: dict[tuple, tuple[Tensor, Reducible | None, int]] = {}
     for i, (x, lay) in enumerate(zip(xs, layouts)):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -160,6 +191,75 @@ def total_sum_of_squares(
         return torch.zeros(())
     acc = torch.float64 if any(t.dtype == torch.float64 for t in sums) else torch.float32
     return torch.stack([t.to(acc).to(sums[0].device) for t in sums]).sum()
+
+
+class _TreeSplit(NamedTuple):
+    mesh: Any
+    axes: tuple[str, ...]
+    held_elsewhere: tuple[Tensor, ...]
+
+
+_TREE_SPLIT: contextvars.ContextVar[_TreeSplit | None] = contextvars.ContextVar(
+    "funcpar_tree_split", default=None)
+
+
+@contextlib.contextmanager
+def tree_split_over(
+    mesh: Any, axes: str | Sequence[str], *, held_elsewhere: Sequence[Tensor] = ()
+) -> Iterator[None]:
+    """Within this context, the trees given to :func:`total_sum_of_squares` are split over the
+    mesh ``axes`` *by leaf*: each rank along them holds other leaves (pipeline stages), so the
+    whole tree's sum is the sum over those ranks of each rank's own.
+
+    ``total_sum_of_squares(xs, layouts)`` then returns ``sum over ranks r of the axes of
+    S_r``, where ``S_r`` is what it returns outside the context on rank ``r`` (each leaf whole
+    over its own layout's axes) - one more all-reduce of the final 0-d sum (together with a
+    check count, below) per axis, recorded through :mod:`funcpar.shard.comm` with the call's
+    purpose + ``" (tree split over <axes>)"``. Every rank along ``axes`` must make the same
+    sequence of calls (they do: the optimizer and the step run the same code on every stage).
+
+    ``held_elsewhere``: leaves this rank holds that a rank before it along ``axes`` also holds
+    with the same value (a weight tied between the first and the last pipeline stage); they
+    count on that rank only. They are recognised by identity, so each must be among the
+    ``xs`` of every call inside the context (a transformation that replaced the gradients
+    before the norm would hide them); when one is not, every rank raises a ValueError after the
+    all-reduce (which carries the count of missing leaves), rather than count it twice or
+    leave the other ranks waiting.
+    """
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    for a in axes:
+        if not isinstance(a, str) or a not in getattr(mesh, "axis_names", ()):
+            raise ValueError(f"tree_split_over: the mesh has no axis {a!r}; its axes are "
+                             f"{getattr(mesh, 'axis_names', None)}")
+    if _TREE_SPLIT.get() is not None:
+        raise ValueError("tree_split_over is already active: one tree split at a time")
+    token = _TREE_SPLIT.set(_TreeSplit(mesh, axes, tuple(held_elsewhere)))
+    try:
+        yield
+    finally:
+        _TREE_SPLIT.reset(token)
+
+
+def _split_total(split: _TreeSplit, total: Tensor, missing: int, purpose: str) -> Tensor:
+    """``total`` (this rank's share) summed over the split's axes, with the missing count."""
+    from funcpar.shard import comm  # late: reduce.py itself stays free of the mesh layer
+
+    # In float64 whatever the leaves' dtype, so that ranks whose leaves differ in dtype still
+    # exchange buffers of one type; the result comes back in this rank's accumulation dtype.
+    both = torch.stack([total.to(torch.float64), torch.tensor(float(missing),
+                                                              dtype=torch.float64,
+                                                              device=total.device)])
+    tag = f"{purpose} (tree split over {'x'.join(split.axes)})"
+    for axis in split.axes:
+        both = comm.all_reduce(both, split.mesh, axis, purpose=tag)
+    if int(both[1].item()):
+        raise ValueError(
+            f"total_sum_of_squares ({purpose}) under tree_split_over({split.axes}): "
+            f"{int(both[1].item())} leaf/leaves declared held_elsewhere on some rank were not "
+            "among the tensors it was given (it finds them by identity: was the tree replaced "
+            "before the norm, e.g. a transformation before clip_by_global_norm?), so a shared "
+            "leaf could not be counted once")
+    return both[0].to(total.dtype)
 
 
 def norm(x: Tensor, *, layout: Reducible | None = None, purpose: str = "norm") -> Tensor:

@@ -16,15 +16,15 @@ What the step computes is the single-process step on the whole batch:
   over micro-batches in this rank's leaves; a weight tied between the first and last stage
   gets the sum of both stages' gradients on both;
 * the ``grad_norm`` metric and the norm that ``clip_by_global_norm`` clips by are over *all*
-  stages' leaves: the metric is completed by an all-reduce over ``pp``; for the optimizer's
-  own norm, the optimizer is wrapped so that its gradient tree carries one extra element
-  ``PP_NORM_CARRIER`` (shape ``(1,)``) holding ``sqrt(T - L)``, ``T`` the whole model's
-  squared gradient norm (a tied leaf counted once) and ``L`` the clip's own sum over this
-  rank's leaves, whose update is dropped. Every tree-wide reduction an optimizer makes (only
-  the global norm today) therefore sees the whole model, and every per-leaf one (Adafactor's
-  factored statistics, LAMB's trust ratio) is unchanged, since each leaf lives whole on its
-  stage. The carrier costs a (1,)-shaped slot in the optimizer state; an optimizer whose
-  masks are trees of the parameters' structure (GaLore's ``galore_mask``) does not accept it.
+  stages' leaves: the optimizer's ``update``/``apply`` and the metric run under
+  :func:`funcpar.shard.reduce.tree_split_over` (the tree is split over ``pp`` by leaf), so
+  :func:`~funcpar.shard.reduce.total_sum_of_squares` - the one tree-wide reduction the
+  optimizers make - adds one all-reduce of its sum over ``pp``, a tied leaf counted on its
+  first holder only. Every per-leaf reduction (Adafactor's factored statistics, LAMB's trust
+  ratio, GaLore's projections) is unchanged, since each leaf lives whole on its stage. The
+  optimizer sees this rank's leaves with their own names, nothing added, so its state and
+  masks are those of these leaves (a mask given as a predicate over names works as is; see
+  docs/PIPELINE.md for masks given as whole-model trees).
 
 Composition: apply ``pipeline_split`` **first**, on the freshly built step (whole model, step
 0): it cuts the model, and the transforms after it - :func:`shard_params` (tensor parallel
@@ -44,22 +44,16 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from funcpar.optim.base import GradientTransformation
-from funcpar.optim.clip import global_norm
 from funcpar.pipeline.runtime import Pipeline
 from funcpar.pipeline.schedules import SCHEDULES, build_schedule
 from funcpar.pipeline.stages import StagedModel, plan_stages, stage_apply, staged_model_for
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state.train_state import TrainState
-from funcpar.state.tree import Tree, tree_leaves
+from funcpar.state.tree import Tree
 from funcpar.train.step import TrainStep
 
-__all__ = ["PP_NORM_CARRIER", "pipeline_split"]
-
-#: The key of the optimizer's extra gradient element (module docstring).
-PP_NORM_CARRIER = "__pp_grad_norm_of_other_stages__"
+__all__ = ["pipeline_split"]
 
 
 def pipeline_split(
@@ -123,7 +117,7 @@ def pipeline_split(
         actions = build_schedule(schedule, p, microbatches, virtual_stages)[rank]
         params = {n: state.params[n] for n in plan.names_of(rank)}
         pipeline = Pipeline(mesh, axis, plan, schedule, microbatches, actions)
-        optimizer = step.optimizer if p == 1 else _norm_over_stages(step.optimizer, pipeline)
+        optimizer = step.optimizer if p == 1 else _over_stages(step.optimizer, pipeline)
         new_step = dataclasses.replace(step, apply_fn=stage_apply(module, staged, plan),
                                        optimizer=optimizer, pipeline=pipeline)
         return new_step, state._replace(params=params, opt_state=optimizer.init(params))
@@ -131,41 +125,32 @@ def pipeline_split(
     return transform
 
 
-def _carrier_dtype(tree: Tree) -> torch.dtype:
-    leaves = [x for x in tree_leaves(tree) if torch.is_tensor(x)]
-    return torch.float64 if any(x.dtype == torch.float64 for x in leaves) else torch.float32
+def _over_stages(inner: GradientTransformation, pipeline: Pipeline) -> GradientTransformation:
+    """``inner`` on this rank's leaves, its tree-wide norms over every stage's (module
+    docstring), and the leaves held by several ranks (tied weights) given the first holder's
+    update. ``init`` is ``inner``'s; ``apply`` exists when ``inner``'s does, so the fused
+    step the one-process run takes is taken here too."""
 
-
-def _with(tree: Any, value: Any) -> dict:
-    if not isinstance(tree, dict):
-        raise TypeError(f"pipeline_split's optimizer expects dict trees, got {type(tree)}")
-    return {**tree, PP_NORM_CARRIER: value}
-
-
-def _norm_over_stages(inner: GradientTransformation,
-                      pipeline: Pipeline) -> GradientTransformation:
-    """``inner`` with the carrier of the other stages' gradient norm (module docstring)."""
-
-    def zero_like(tree: Tree) -> torch.Tensor:
-        return torch.zeros(1, dtype=_carrier_dtype(tree), device=pipeline.mesh.device)
-
-    def init(params: Tree) -> Any:
-        return inner.init(_with(params, zero_like(params)))
+    def check(grads: Any) -> None:
+        if not isinstance(grads, dict):
+            raise TypeError(f"pipeline_split's optimizer expects dict trees (functionalize's "
+                            f"params), got {type(grads).__name__}")
 
     def update(grads: Tree, state: Any, params: Tree | None = None, *,
                layouts: Tree | None = None) -> tuple[Tree, Any]:
-        # What a global-norm clip computes over this rank's leaves (the same layouts, so
-        # tensor-parallel and ZeRO splits count once), and the whole model's (a tied leaf held
-        # here and on another stage counted once): the carrier holds the difference.
-        local = global_norm(grads, layouts).square()
-        total = pipeline.sum_of_squares(grads, layouts, "pp grad norm (optimizer)")
-        others = (total - local).clamp(min=0).sqrt().reshape(1).to(_carrier_dtype(grads))
-        g = _with(grads, others)
-        p = None if params is None else _with(params, zero_like(grads))
-        lay = None if layouts is None else _with(layouts, None)
-        updates, state = inner.update(g, state, p, layouts=lay)
-        updates = dict(updates)
-        updates.pop(PP_NORM_CARRIER)
-        return pipeline.same_as_first_holder(updates), state
+        check(grads)
+        with pipeline.norms_over_stages(grads):
+            updates, state = inner.update(grads, state, params, layouts=layouts)
+        return pipeline.same_as_first_holder(dict(updates)), state
 
-    return GradientTransformation(init, update)
+    if inner.apply is None:
+        return GradientTransformation(inner.init, update)
+
+    def apply(grads: Tree, state: Any, params: Tree, *,
+              layouts: Tree | None = None) -> tuple[Tree, Any]:
+        check(grads)
+        with pipeline.norms_over_stages(grads):
+            params, state = inner.apply(grads, state, params, layouts=layouts)
+        return pipeline.same_as_first_holder(dict(params)), state
+
+    return GradientTransformation(inner.init, update, apply)

@@ -402,7 +402,7 @@ PP9_CFG = dataclasses.replace(PP_CFG, n_layers=9)
 
 def test_masked_optimizers_and_adafactor_on_pp2():
     _compare_to_reference([
-        # Masks by name over the stage's own leaves (no carrier entry in the tree).
+        # Masks by name over the stage's own leaves (the optimizer's tree is the stage's).
         ("galore_adamw", PP_CFG, 4, "1f1b", "full"),
         ("adamw_decay_mask", PP_CFG, 2, "gpipe", "full"),
         # 9 blocks, where the full-batch run differs from the micro-batched one by 1.3e-10 and
@@ -492,7 +492,7 @@ def test_amp_bf16_composes():
     assert results[0][0] == results[1][0]  # reported on every rank
     # One micro-batch: the first step runs the very bf16 ops of the one-process forward.
     assert results[0][0][0] == ref_losses[0]
-    # Later steps differ by bf16 round-off (the global norm's carrier and the stage boundaries
+    # Later steps differ by bf16 round-off (the global norm's association and the stage boundaries
     # round differently, and a bf16 gradient's rounding flips): less than bf16 training
     # differs from float32 training.
     assert loss_rel(results[0][0], ref_losses) <= loss_rel(fp32_losses, ref_losses)

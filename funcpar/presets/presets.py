@@ -446,17 +446,23 @@ class Preset:
         return self(step, init_state(params, buffers, optimizer, seed))
 
 
-def _run(preset: Preset, model: Any, loss_fn: Any, optimizer: Any,
-         boost: dict[str, Any]) -> Preset | Composed:
+def _preset(name: str, model: Any, loss_fn: Any, optimizer: Any, params: Any, buffers: Any,
+            seed: int, compile: bool, /, **choices: Any) -> Preset | Composed:
+    """Every preset function's body: ``Preset(name, **choices)`` (its checks run first, so a
+    bad choice is reported before a missing model argument), then, with ``model``, the preset
+    boosted onto it (``params``, ``buffers``, ``seed``, ``compile`` go to
+    :meth:`Preset.boost`); without ``model``, the preset itself (a transform)."""
+    preset = Preset(name, **choices)
     if model is None:
-        if loss_fn is not None or optimizer is not None or any(
-                v is not None for k, v in boost.items() if k in ("params", "buffers")):
+        if loss_fn is not None or optimizer is not None or params is not None \
+                or buffers is not None:
             raise ValueError(f"{preset.name}: pass the model with the loss and optimizer, or "
                              "none of them to get the preset as a transform")
         return preset
     if loss_fn is None or optimizer is None:
         raise ValueError(f"{preset.name}: pass model, loss_fn and optimizer together")
-    return preset.boost(model, loss_fn, optimizer, **boost)
+    return preset.boost(model, loss_fn, optimizer, params=params, buffers=buffers, seed=seed,
+                        compile=compile)
 
 
 def hybrid_parallel(
@@ -499,8 +505,9 @@ def hybrid_parallel(
     (see :class:`Preset` for every argument). With ``model, loss_fn, optimizer``: the composed
     :class:`Composed` ``(step, state)``; without: the :class:`Preset` (a transform).
     """
-    preset = Preset(
-        "hybrid_parallel", tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
+    return _preset(
+        "hybrid_parallel", model, loss_fn, optimizer, params, buffers, seed, compile,
+        tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
         zero_stage=zero_stage, precision=precision, microbatches=microbatches,
         sequence_parallel=sequence_parallel, rules=rules, mesh=mesh, max_norm=max_norm,
         offload=offload, offload_path=offload_path, keep_fp32=keep_fp32, bucket_mb=bucket_mb,
@@ -508,8 +515,6 @@ def hybrid_parallel(
         backoff_factor=backoff_factor, growth_interval=growth_interval,
         batch_shape=batch_shape, plan=plan, pp_style=pp_style, num_model_chunks=num_model_chunks,
     )
-    return _run(preset, model, loss_fn, optimizer,
-                {"params": params, "buffers": buffers, "seed": seed, "compile": compile})
 
 
 def low_level_zero(
@@ -541,14 +546,13 @@ def low_level_zero(
     if stage not in (1, 2) or not _is_int(stage):
         raise ValueError(f"low_level_zero: stage must be 1 or 2 (LowLevelZeroPlugin's stages), "
                          f"got {stage!r}; ZeRO-3 is gemini() or hybrid_parallel(zero_stage=3)")
-    preset = Preset(
-        "low_level_zero", zero_stage=stage, precision=precision, mesh=mesh, max_norm=max_norm,
+    return _preset(
+        "low_level_zero", model, loss_fn, optimizer, params, buffers, seed, compile,
+        zero_stage=stage, precision=precision, mesh=mesh, max_norm=max_norm,
         offload="cpu" if cpu_offload else None, bucket_mb=bucket_mb, initial_scale=initial_scale,
         growth_factor=growth_factor, backoff_factor=backoff_factor,
         growth_interval=growth_interval, batch_shape=batch_shape, plan=plan,
     )
-    return _run(preset, model, loss_fn, optimizer,
-                {"params": params, "buffers": buffers, "seed": seed, "compile": compile})
 
 
 def ddp(
@@ -572,11 +576,9 @@ def ddp(
     gradients averaged in ``bucket_mb`` buckets overlapped with the backward
     (``bucket_cap_mb``). ``compose(data_parallel(mesh, bucket_mb=bucket_mb),
     [amp_cast(precision)])``."""
-    preset = Preset("ddp", precision=precision, mesh=mesh, max_norm=max_norm,
-                    bucket_mb=bucket_mb, initial_scale=initial_scale, batch_shape=batch_shape,
-                    plan=plan)
-    return _run(preset, model, loss_fn, optimizer,
-                {"params": params, "buffers": buffers, "seed": seed, "compile": compile})
+    return _preset("ddp", model, loss_fn, optimizer, params, buffers, seed, compile,
+                   precision=precision, mesh=mesh, max_norm=max_norm, bucket_mb=bucket_mb,
+                   initial_scale=initial_scale, batch_shape=batch_shape, plan=plan)
 
 
 def gemini(
@@ -617,11 +619,10 @@ def gemini(
                          "hybrid_parallel(zero_stage=..., offload=...)")
     if offload not in (None, *OFFLOAD_TARGETS):
         raise ValueError(f"gemini: offload must be 'cpu', 'nvme' or None, got {offload!r}")
-    preset = Preset("gemini", tp_size=tp_size, zero_stage=3, precision=precision, mesh=mesh,
-                    max_norm=max_norm, offload=offload, offload_path=offload_path,
-                    initial_scale=initial_scale, batch_shape=batch_shape, plan=plan)
-    return _run(preset, model, loss_fn, optimizer,
-                {"params": params, "buffers": buffers, "seed": seed, "compile": compile})
+    return _preset("gemini", model, loss_fn, optimizer, params, buffers, seed, compile,
+                   tp_size=tp_size, zero_stage=3, precision=precision, mesh=mesh,
+                   max_norm=max_norm, offload=offload, offload_path=offload_path,
+                   initial_scale=initial_scale, batch_shape=batch_shape, plan=plan)
 
 
 def titan_parallelize(
@@ -666,8 +667,7 @@ def titan_parallelize(
         dp, stage = dp_replicate, 0
     else:
         dp, stage = (None if dp_shard == -1 else dp_shard), 3
-    preset = Preset("titan_parallelize", tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=stage,
-                    precision=precision, mesh=mesh, max_norm=max_norm, batch_shape=batch_shape,
-                    plan=plan, microbatches=microbatches, pp_style=pp_schedule)
-    return _run(preset, model, loss_fn, optimizer,
-                {"params": params, "buffers": buffers, "seed": seed, "compile": compile})
+    return _preset("titan_parallelize", model, loss_fn, optimizer, params, buffers, seed, compile,
+                   tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=stage, precision=precision,
+                   mesh=mesh, max_norm=max_norm, batch_shape=batch_shape, plan=plan,
+                   microbatches=microbatches, pp_style=pp_schedule)

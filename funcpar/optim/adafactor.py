@@ -286,6 +286,69 @@ def _adafactor(
     return GradientTransformation(init, update, apply)
 
 
+#: The Adafactor arguments that may be schedules (kept in the state by inject_hyperparams).
+ADAFACTOR_INJECTED = ("lr", "weight_decay", "clip_threshold")
+
+
+def adafactor_hyperparams(
+    lr: Any,
+    eps: Sequence[float],
+    clip_threshold: Any,
+    decay_rate: float,
+    beta1: float | None,
+    weight_decay: Any,
+    scale_parameter: bool,
+    relative_step: bool,
+    warmup_init: bool,
+    min_dim_size_to_factor: int,
+) -> dict[str, Any]:
+    """:func:`adafactor`'s arguments checked (errors name ``adafactor``) and normalised into the
+    keyword arguments of ``inject_hyperparams`` for the Adafactor rule: ``lr`` only when given,
+    numbers as floats, flags as bools. Shared with ``galore_adafactor``, whose inner rule takes
+    the same arguments."""
+    who = "adafactor"
+    if lr is not None and relative_step:
+        raise ValueError(f"{who}: lr cannot be combined with relative_step=True (the step size "
+                         "is then relative); pass relative_step=False to use lr")
+    if lr is None and not relative_step:
+        raise ValueError(f"{who}: lr is required when relative_step=False")
+    if warmup_init and not relative_step:
+        raise ValueError(f"{who}: warmup_init=True requires relative_step=True")
+    if lr is not None:
+        validate.nonnegative(who, "lr", lr)
+    eps1, eps2 = eps_pair(who, eps)
+    validate.positive(who, "eps[0]", eps1)
+    # eps2 > 0: it is the floor of RMS(W) in alpha_t, so eps2 = 0 would freeze a zero-initialised
+    # leaf forever (Hugging Face accepts it silently).
+    validate.positive(who, "eps[1]", eps2)
+    validate.positive(who, "clip_threshold", clip_threshold)
+    if callable(decay_rate) or not (math.isfinite(float(decay_rate)) and decay_rate <= 0):
+        raise ValueError(f"{who}: decay_rate must be a number <= 0 (beta2_t = 1 - t^decay_rate "
+                         f"must lie in [0, 1)), got {decay_rate!r}")
+    if beta1 is not None:
+        if callable(beta1):
+            raise TypeError(f"{who}: beta1 must be a number or None (it decides whether a "
+                            "first moment exists)")
+        validate.in_unit_interval(who, "beta1", beta1)
+    validate.nonnegative(who, "weight_decay", weight_decay)
+    if not isinstance(min_dim_size_to_factor, int) or min_dim_size_to_factor < 0:
+        raise ValueError(f"{who}: min_dim_size_to_factor must be an int >= 0, "
+                         f"got {min_dim_size_to_factor!r}")
+    kwargs: dict[str, Any] = {} if lr is None else {"lr": lr}
+    return dict(
+        **kwargs,
+        weight_decay=weight_decay,
+        clip_threshold=clip_threshold,
+        eps=(float(eps1), float(eps2)),
+        decay_rate=float(decay_rate),
+        beta1=None if beta1 is None else float(beta1),
+        scale_parameter=bool(scale_parameter),
+        relative_step=bool(relative_step),
+        warmup_init=bool(warmup_init),
+        min_dim_size_to_factor=min_dim_size_to_factor,
+    )
+
+
 def adafactor(
     lr: Any = None,
     eps: Sequence[float] = (1e-30, 1e-3),
@@ -344,48 +407,13 @@ def adafactor(
     ``beta1`` are fixed. Per-leaf state names and shapes are Hugging Face's
     (see :class:`AdafactorState`); factored leaves cost O(rows + cols).
     """
-    who = "adafactor"
-    if lr is not None and relative_step:
-        raise ValueError(f"{who}: lr cannot be combined with relative_step=True (the step size "
-                         "is then relative); pass relative_step=False to use lr")
-    if lr is None and not relative_step:
-        raise ValueError(f"{who}: lr is required when relative_step=False")
-    if warmup_init and not relative_step:
-        raise ValueError(f"{who}: warmup_init=True requires relative_step=True")
-    if lr is not None:
-        validate.nonnegative(who, "lr", lr)
-    eps1, eps2 = eps_pair(who, eps)
-    validate.positive(who, "eps[0]", eps1)
-    # eps2 > 0: it is the floor of RMS(W) in alpha_t, so eps2 = 0 would freeze a zero-initialised
-    # leaf forever (Hugging Face accepts it silently).
-    validate.positive(who, "eps[1]", eps2)
-    validate.positive(who, "clip_threshold", clip_threshold)
-    if callable(decay_rate) or not (math.isfinite(float(decay_rate)) and decay_rate <= 0):
-        raise ValueError(f"{who}: decay_rate must be a number <= 0 (beta2_t = 1 - t^decay_rate "
-                         f"must lie in [0, 1)), got {decay_rate!r}")
-    if beta1 is not None:
-        if callable(beta1):
-            raise TypeError(f"{who}: beta1 must be a number or None (it decides whether a "
-                            "first moment exists)")
-        validate.in_unit_interval(who, "beta1", beta1)
-    validate.nonnegative(who, "weight_decay", weight_decay)
-    if not isinstance(min_dim_size_to_factor, int) or min_dim_size_to_factor < 0:
-        raise ValueError(f"{who}: min_dim_size_to_factor must be an int >= 0, "
-                         f"got {min_dim_size_to_factor!r}")
-    kwargs: dict[str, Any] = {} if lr is None else {"lr": lr}
     return inject_hyperparams(
         _adafactor,
-        ("lr", "weight_decay", "clip_threshold"),
-        **kwargs,
-        weight_decay=weight_decay,
-        clip_threshold=clip_threshold,
-        eps=(float(eps1), float(eps2)),
-        decay_rate=float(decay_rate),
-        beta1=None if beta1 is None else float(beta1),
-        scale_parameter=bool(scale_parameter),
-        relative_step=bool(relative_step),
-        warmup_init=bool(warmup_init),
-        min_dim_size_to_factor=min_dim_size_to_factor,
+        ADAFACTOR_INJECTED,
+        **adafactor_hyperparams(
+            lr, eps, clip_threshold, decay_rate, beta1, weight_decay, scale_parameter,
+            relative_step, warmup_init, min_dim_size_to_factor,
+        ),
         weight_decay_mask=weight_decay_mask,
     )
 

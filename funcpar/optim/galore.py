@@ -40,7 +40,12 @@ from torch import Tensor, nn
 
 from funcpar.kernels.quant8 import Adam8bitScalars, adam8bit_math, adam8bit_step
 from funcpar.optim import validate
-from funcpar.optim.adafactor import adafactor, adafactor_leaf_init, adafactor_leaf_update
+from funcpar.optim.adafactor import (
+    ADAFACTOR_INJECTED,
+    adafactor_hyperparams,
+    adafactor_leaf_init,
+    adafactor_leaf_update,
+)
 from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
 from funcpar.optim.factored import decoupled_decay
 from funcpar.optim.hyperparams import inject_hyperparams
@@ -626,27 +631,15 @@ def galore_adafactor(
     ``scale``, ``proj_type``, ``galore_mask``, ``svd_dtype`` as in :func:`galore_adamw`.
     """
     who = "galore_adafactor"
-    # The Adafactor arguments are checked exactly as adafactor() checks them.
-    adafactor(lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
-              weight_decay=weight_decay, scale_parameter=scale_parameter,
-              relative_step=relative_step, warmup_init=warmup_init,
-              min_dim_size_to_factor=min_dim_size_to_factor)
+    # The Adafactor arguments are checked exactly as adafactor() checks them (first).
+    hyper = adafactor_hyperparams(lr, eps, clip_threshold, decay_rate, beta1, weight_decay,
+                                  scale_parameter, relative_step, warmup_init,
+                                  min_dim_size_to_factor)
     default = _check_common(who, rank, update_proj_gap, scale, proj_type, svd_dtype)
-    kwargs: dict[str, Any] = {} if lr is None else {"lr": lr}
-    eps1, eps2 = eps
     return inject_hyperparams(
         _galore_adafactor,
-        ("lr", "weight_decay", "clip_threshold"),
-        **kwargs,
-        weight_decay=weight_decay,
-        clip_threshold=clip_threshold,
-        eps=(float(eps1), float(eps2)),
-        decay_rate=float(decay_rate),
-        beta1=None if beta1 is None else float(beta1),
-        scale_parameter=bool(scale_parameter),
-        relative_step=bool(relative_step),
-        warmup_init=bool(warmup_init),
-        min_dim_size_to_factor=min_dim_size_to_factor,
+        ADAFACTOR_INJECTED,
+        **hyper,
         default=default,
         galore_mask=galore_mask,
         svd_dtype=svd_dtype,

@@ -347,7 +347,7 @@ def _run(optim, cfg, pp=1, microbatches=None, schedule="1f1b", steps=None):
     return losses, norms, state.params
 
 
-def _run_cases(cases):
+def _run_pp2_cases(cases):
     return [_run(optim, cfg, 2, m, schedule) for optim, cfg, m, schedule, _ in cases]
 
 
@@ -381,7 +381,7 @@ def _reference(optim, cfg, accumulate):
 def _compare_to_reference(cases):
     refs = [_reference(optim, cfg, m if ref == "accumulated" else None)
             for optim, cfg, m, _, ref in cases]
-    results = run_ranks(_run_cases, 2, cases, backend=None, timeout=900)
+    results = run_ranks(_run_pp2_cases, 2, cases, backend=None, timeout=900)
     for i, (optim, _cfg, m, schedule, ref) in enumerate(cases):
         ref_losses, ref_norms, ref_params = refs[i]
         # Against the accumulated run only the norm's association could differ, and it is the

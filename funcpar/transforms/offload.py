@@ -721,6 +721,10 @@ def offload(
             raise ValueError("with zero_partition, apply offload(chunk_bytes=...) before it: "
                              "zero_partition's optimizer wraps the whole tree of this rank's "
                              "parts, and offload then chunks the optimizer it wraps")
+        if chunk_bytes is not None and getattr(step, "pipeline", None) is not None:
+            raise ValueError("offload(chunk_bytes=...) after pipeline_split is not supported: "
+                             "pipeline_split's optimizer wrapper hides the chain's clip, which "
+                             "would then see one chunk at a time; use chunk_bytes=None")
         plan = _master_plan(step, state) if with_masters else None
         opt = offloaded(step.optimizer, store, prefix=prefix, min_numel=min_numel,
                         chunk_bytes=chunk_bytes, max_resident=max_resident,

@@ -265,3 +265,18 @@ def test_state_is_a_tree_of_tensors():
     opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(lr=fo.cosine(1e-3, 10), amsgrad=True))
     leaves = tree_leaves(opt.init(_params()))
     assert leaves and all(torch.is_tensor(x) for x in leaves)
+
+
+def test_dict_mask_for_a_larger_model_applies_to_the_subset():
+    """A pipeline stage holds some of the model's leaves; a flat dict mask built for the whole
+    model applies to them (restrict_to), and a mask missing one of them is still an error."""
+    params = {"w": torch.ones(2, 2, dtype=torch.float64), "b": torch.ones(2, dtype=torch.float64)}
+    whole = {"w": True, "b": False, "other.w": True}
+    opt = fo.adamw(lr=0.1, weight_decay=0.5, weight_decay_mask=whole)
+    grads = {k: torch.zeros_like(v) for k, v in params.items()}
+    u, _ = opt.update(grads, opt.init(params), params)
+    assert torch.equal(u["w"], torch.full((2, 2), -0.05, dtype=torch.float64))  # decayed
+    assert torch.equal(u["b"], torch.zeros(2, dtype=torch.float64))  # masked out
+    bad = fo.adamw(lr=0.1, weight_decay_mask={"w": True, "other": False})
+    with pytest.raises(ValueError):
+        bad.update(grads, bad.init(params), params)

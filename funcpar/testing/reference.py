@@ -92,8 +92,10 @@ LAYOUTS = {
 
 
 #: The example model with 8 blocks, for pipelines (up to pp4 x 2 virtual stages; uneven
-#: stages by explicit cuts). With 9 blocks Adafactor amplifies the round-off of summing the
-#: gradient in parts (micro-batches or dp4 alike) to 3.6e-9 over 10 steps; with 8, 3.1e-11.
+#: stages by explicit cuts). Adafactor amplifies any last-bit difference along its trajectory
+#: (a one-ulp change of the first clip coefficient grows to 1.4e-9 over 10 steps with 9
+#: blocks), so summing the gradient in parts (micro-batches or dp4 alike) ends 3.6e-9 from one
+#: process there; with 8 blocks, 3.1e-11 (docs/PIPELINE.md, "Adafactor and the last bit").
 PP_CFG = dataclasses.replace(CFG, n_layers=8)
 
 

@@ -19,6 +19,10 @@ Hyperparameters arrive as 0-d float64 tensors (schedules, :mod:`funcpar.optim.hy
 when it multiplies a float32 tensor by them) and moves them with ``non_blocking=True``, so a
 step never waits for the host to read a value back from the device.
 
+The host side of a launch is the same for every kernel: :func:`group_by` splits the leaves
+into launch groups, a :class:`LeafGroup` collects a group's rows (skipping empty leaves) and
+launches the kernel over its tiles, and :func:`kernels_apply` is the dispatch test.
+
 Triton is imported lazily: :func:`lazy_kernels` builds a module's kernels on first use (once
 per interpreter/compiled mode), so ``import funcpar`` works without Triton.
 """
@@ -28,19 +32,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, no_type_check
 
 import torch
 from torch import Tensor
 
+from funcpar.kernels.dispatch import use_kernels
+
 __all__ = [
     "BLOCK",
     "KERNEL_DTYPES",
     "NUM_WARPS",
+    "LeafGroup",
+    "combine_fn",
     "device_scalars",
+    "group_by",
     "interpreting",
     "kernel_dtype_ok",
+    "kernels_apply",
     "lazy_kernels",
     "leaf_table",
     "new_output",
@@ -96,6 +106,15 @@ def kernel_dtype_ok(*tensors: Tensor | None) -> bool:
     return all(t is None or t.dtype in KERNEL_DTYPES for t in tensors)
 
 
+def kernels_apply(*tensors: Any, same_device: bool = False) -> bool:
+    """Whether a step over ``tensors`` runs the kernels: every one is a tensor of a kernel dtype
+    (``same_device``: and all are on one device), and :func:`funcpar.kernels.use_kernels` says
+    so (asked last: in ``triton`` mode it raises where the kernels cannot run)."""
+    return (all(torch.is_tensor(t) for t in tensors) and kernel_dtype_ok(*tensors)
+            and (not same_device or len({t.device for t in tensors}) <= 1)
+            and use_kernels(*tensors))
+
+
 @contextlib.contextmanager
 def poisoned_outputs() -> Iterator[None]:
     """Tests: kernel outputs start as NaN (255 for uint8) instead of uninitialised memory, so an
@@ -147,6 +166,66 @@ def tile_table(numels: Sequence[int], block: int, device: torch.device) -> tuple
     return _tile_table(tuple(int(n) for n in numels), int(block), str(device))
 
 
+def group_by(n: int, key: Callable[[int], Hashable]) -> dict[Any, list[int]]:
+    """The leaf indices ``0..n-1`` grouped by ``key(i)`` (a device and dtypes: the leaves that
+    share one launch), groups and members in index order."""
+    groups: dict[Any, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(key(i), []).append(i)
+    return groups
+
+
+class LeafGroup:
+    """The leaves of one launch on ``device``, cut into tiles of ``block`` elements.
+
+    :meth:`add` appends a leaf's row of the leaf table, ``[numel, flag, addresses...]``, and
+    keeps its tensors alive until the launch (the table holds raw addresses). :meth:`launch`
+    runs ``kernel[(n_tiles,)](table, tiles, *args, NCOL=<row length>, BLOCK=block, **meta)``
+    with :data:`NUM_WARPS` warps.
+    """
+
+    def __init__(self, device: torch.device, block: int) -> None:
+        self.device = device
+        self.block = block
+        self.rows: list[list[int]] = []
+        self.numels: list[int] = []
+        #: The indices of the leaves added (the empty ones are not).
+        self.live: list[int] = []
+        self._keep: list[tuple[Tensor | None, ...]] = []
+        self._tiles: tuple[Tensor, Tensor] | None = None
+
+    def add(self, i: int, flag: Any, *tensors: Tensor | None) -> None:
+        """Leaf ``i`` with its flag (say, weight decay applies) and the contiguous tensors whose
+        addresses make its row, the parameter first (its ``numel`` is the leaf's); ``None`` is
+        an unused slot (address 0). An empty leaf is skipped: its outputs have no elements."""
+        numel = tensors[0].numel()
+        if numel == 0:
+            return
+        self._keep.append(tensors)
+        self.live.append(i)
+        self.numels.append(numel)
+        self.rows.append([numel, int(bool(flag)),
+                          *(0 if t is None else t.data_ptr() for t in tensors)])
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def tiles(self) -> tuple[Tensor, Tensor]:
+        """``(tiles, first)`` of :func:`tile_table` for the leaves added."""
+        if self._tiles is None:
+            self._tiles = tile_table(self.numels, self.block, self.device)
+        return self._tiles
+
+    def launch(self, kernel: Any, *args: Any, **meta: Any) -> None:
+        """One launch over every tile of the leaves added; their tensors are released after
+        it (the caching allocator reuses the memory only after the launch on the stream)."""
+        table = leaf_table(self.rows, self.device)
+        tiles, _first = self.tiles()
+        kernel[(tiles.shape[0],)](table, tiles, *args, NCOL=len(self.rows[0]), BLOCK=self.block,
+                                  **meta, num_warps=NUM_WARPS)
+        self._keep.clear()
+
+
 def device_scalars(values: Sequence[Tensor | float], device: torch.device) -> Tensor:
     """The hyperparameters ``values`` as one float32 vector on ``device``, without a host sync.
 
@@ -162,10 +241,8 @@ def device_scalars(values: Sequence[Tensor | float], device: torch.device) -> Te
     return to_device(torch.stack(parts).to(torch.float32), device)
 
 
-def _build_segment():
-    global tl, triton, add_combine
+def _build_combine():
     import triton
-    import triton.language as tl
 
     @triton.jit
     @no_type_check
@@ -173,6 +250,22 @@ def _build_segment():
         # Our own combine function, not tl.sum's: Triton's standard library is decorated when
         # Triton is imported, so under TRITON_INTERPRET=1 set later it would not be interpreted.
         return a + b
+
+    return add_combine
+
+
+#: ``combine_fn()``: the ``a + b`` combine function for ``tl.reduce`` in the current mode. A
+#: kernel module binds it to its global ``add_combine`` before defining the kernels that use it
+#: (a kernel finds the functions it calls among its module's globals).
+combine_fn = lazy_kernels(_build_combine)
+
+
+def _build_segment():
+    global tl, triton, add_combine
+    import triton
+    import triton.language as tl
+
+    add_combine = combine_fn()
 
     @triton.jit
     @no_type_check

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _launch
-from funcpar.kernels.dispatch import use_kernels
 
 __all__ = ["AdamWScalars", "adamw_leaf", "adamw_reference", "adamw_step", "adamw_triton"]
 
@@ -181,18 +180,15 @@ def adamw_triton(
     ms: list = [None] * n
     vs: list = [None] * n
     vmaxs: list = [None] * n
-    groups: dict[tuple, list[int]] = {}
-    for i in range(n):
-        t = (grads[i], params[i], exp_avg[i], exp_avg_sq[i])
-        key = (grads[i].device, *(x.dtype for x in t),
-               max_exp_avg_sq[i].dtype if amsgrad else None)
-        groups.setdefault(key, []).append(i)
+    groups = _launch.group_by(n, lambda i: (
+        grads[i].device, grads[i].dtype, params[i].dtype, exp_avg[i].dtype, exp_avg_sq[i].dtype,
+        max_exp_avg_sq[i].dtype if amsgrad else None))
     lerp_small = abs(1 - s.beta1) < 0.5
     for (device, gd, pd, md, vd, vmd), idx in groups.items():
         mo, vo = _promote(md, gd), _promote(vd, gd)
         vmo = _promote(vmd, vo) if amsgrad else vo
         ud = _promote(gd, mo, vmo, pd)
-        rows, numels, keep = [], [], []
+        group = _launch.LeafGroup(device, block)
         for i in idx:
             g, p = grads[i].contiguous(), params[i].contiguous()
             m, v = exp_avg[i].contiguous(), exp_avg_sq[i].contiguous()
@@ -204,30 +200,19 @@ def adamw_triton(
             # Without amsgrad the (unused) state passes through, as in the reference.
             vmaxs[i] = (_launch.new_output(shape, vmo, device) if amsgrad
                         else max_exp_avg_sq[i])
-            if p.numel() == 0:
-                continue
-            # The contiguous copies must outlive the launch (the table holds raw addresses).
-            keep.append((g, p, m, v, vm))
-            numels.append(p.numel())
-            rows.append([p.numel(), int(bool(decay[i])), p.data_ptr(), g.data_ptr(),
-                         m.data_ptr(), v.data_ptr(), vm.data_ptr() if amsgrad else 0,
-                         outs[i].data_ptr(), ms[i].data_ptr(), vs[i].data_ptr(),
-                         vmaxs[i].data_ptr() if amsgrad else 0])
-        if not rows:
+            # Leaf row: numel, decay flag, p, g, m, v, vmax, out, m', v', vmax'.
+            group.add(i, decay[i], p, g, m, v, vm, outs[i], ms[i], vs[i],
+                      vmaxs[i] if amsgrad else None)
+        if not group:
             continue
-        table = _launch.leaf_table(rows, device)
-        tiles, _first = _launch.tile_table(numels, block, device)
         scal = _launch.device_scalars(
             [s.step_size, s.bc2_sqrt, s.eps, s.lr_wd, 1 - s.beta1, s.beta2, 1 - s.beta2], device)
         T = _launch.tl_dtype
-        _kernel()[(tiles.shape[0],)](
-            table, tiles, scal, NCOL=11, BLOCK=block, P=T(pd), G=T(gd), M=T(md), V=T(vd),
-            VM=T(vmd if amsgrad else vd), MO=T(mo), VO=T(vo), VMO=T(vmo), U=T(ud),
-            AMSGRAD=amsgrad, MAXIMIZE=maximize, LERP_SMALL=lerp_small,
-            WRITE_PARAMS=write_params, num_warps=_launch.NUM_WARPS)
-        del keep
+        group.launch(_kernel(), scal, P=T(pd), G=T(gd), M=T(md), V=T(vd),
+                     VM=T(vmd if amsgrad else vd), MO=T(mo), VO=T(vo), VMO=T(vmo), U=T(ud),
+                     AMSGRAD=amsgrad, MAXIMIZE=maximize, LERP_SMALL=lerp_small,
+                     WRITE_PARAMS=write_params)
     return outs, ms, vs, vmaxs
-
 
 
 def adamw_step(
@@ -238,9 +223,6 @@ def adamw_step(
     """The kernel when :func:`funcpar.kernels.use_kernels` says so and every tensor has a
     kernel dtype, else the reference (float64 and complex leaves, CPU tensors by default)."""
     tensors = [*grads, *params, *exp_avg, *exp_avg_sq, *(max_exp_avg_sq if amsgrad else ())]
-    if (all(torch.is_tensor(t) for t in tensors) and _launch.kernel_dtype_ok(*tensors)
-            and use_kernels(*tensors)):
-        return adamw_triton(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s,
-                            amsgrad=amsgrad, maximize=maximize, write_params=write_params)
-    return adamw_reference(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s,
-                           amsgrad=amsgrad, maximize=maximize, write_params=write_params)
+    impl = adamw_triton if _launch.kernels_apply(*tensors) else adamw_reference
+    return impl(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s, amsgrad=amsgrad,
+                maximize=maximize, write_params=write_params)

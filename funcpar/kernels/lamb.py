@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _launch
-from funcpar.kernels.dispatch import use_kernels
 
 __all__ = [
     "LambScalars",
@@ -64,6 +63,14 @@ def lamb_direction(
     # A Python number alpha: torch.add fuses it the way the references' add_ does.
     m = torch.add(m * s.beta1, g, alpha=s.m_coef)
     v = torch.addcmul(v * s.beta2, g, g, value=1 - s.beta2)
+    a, w = _direction_of(p, m, v, use_decay, s)
+    return m, v, a, w
+
+
+def _direction_of(p: Tensor, m: Tensor, v: Tensor, use_decay: bool,
+                  s: LambScalars) -> tuple[Tensor, Tensor]:
+    """``(a, w)`` from the new moments ``m, v``: both passes' reference (the kernels'
+    ``lamb_direction_jit``)."""
     if s.moments:
         a = (m / s.bc1) / ((v / s.bc2).sqrt() + s.eps)
     else:
@@ -74,7 +81,7 @@ def lamb_direction(
     elif use_decay:
         # pytorch_optimizer shrinks the weight first; its norm is the shrunk one's.
         w = p * s.shrink
-    return m, v, a, w
+    return a, w
 
 
 Leaves = Sequence[Tensor]
@@ -105,17 +112,7 @@ def lamb_update_reference(
     ``[n_leaves]``; its float32 rounding multiplies a float32 ``a``), or ``p + u``."""
     outs = []
     for j, (p, m, v, dec) in enumerate(zip(params, exp_avg, exp_avg_sq, decay, strict=True)):
-        # The direction from the new moments: lamb_direction with g = 0 and betas 1 is
-        # (m, v) unchanged; write it out instead to keep the order of operations.
-        if s.moments:
-            a = (m / s.bc1) / ((v / s.bc2).sqrt() + s.eps)
-        else:
-            a = m / (v.sqrt() + s.eps)
-        w = p
-        if dec and s.in_update:
-            a = a + s.weight_decay * p
-        elif dec:
-            w = p * s.shrink
+        a, w = _direction_of(p, m, v, dec, s)
         u = (w - p) - coef[j] * a
         outs.append(p + u.to(p.dtype) if write_params else u)
     return outs
@@ -126,12 +123,8 @@ def _build():
     import triton
     import triton.language as tl
 
-    @triton.jit
-    @no_type_check
-    def add_combine(a, b):
-        # Not tl.sum: Triton's standard library is decorated when Triton is imported, so with
-        # TRITON_INTERPRET=1 set later it would not run in the interpreter.
-        return a + b
+    # Not tl.sum: see _launch.combine_fn.
+    add_combine = _launch.combine_fn()
 
     @triton.jit
     @no_type_check
@@ -245,37 +238,27 @@ def lamb_moments_triton(
     vs: list = [None] * n
     device = grads[0].device if n else torch.device("cpu")
     sums = torch.zeros((n, 2), dtype=torch.float64, device=device)
-    groups: dict[tuple, list[int]] = {}
-    for i in range(n):
-        key = (grads[i].dtype, params[i].dtype, exp_avg[i].dtype, exp_avg_sq[i].dtype)
-        groups.setdefault(key, []).append(i)
+    groups = _launch.group_by(n, lambda i: (grads[i].dtype, params[i].dtype, exp_avg[i].dtype,
+                                            exp_avg_sq[i].dtype))
     for (gd, pd, md, vd), idx in groups.items():
         mo, vo = torch.promote_types(md, gd), torch.promote_types(vd, gd)
-        rows, numels, live, keep = [], [], [], []
+        group = _launch.LeafGroup(device, block)
         for i in idx:
             g, p = grads[i].contiguous(), params[i].contiguous()
             m, v = exp_avg[i].contiguous(), exp_avg_sq[i].contiguous()
             ms[i] = _launch.new_output(p.shape, mo, device)
             vs[i] = _launch.new_output(p.shape, vo, device)
-            if p.numel() == 0:
-                continue
-            keep.append((g, p, m, v))  # the table holds raw addresses: keep them alive
-            live.append(i)
-            numels.append(p.numel())
-            rows.append([p.numel(), int(bool(decay[i])), p.data_ptr(), g.data_ptr(),
-                         m.data_ptr(), v.data_ptr(), ms[i].data_ptr(), vs[i].data_ptr()])
-        if not rows:
+            # Leaf row: numel, decay flag, p, g, m, v, m out, v out.
+            group.add(i, decay[i], p, g, m, v, ms[i], vs[i])
+        if not group:
             continue
-        table = _launch.leaf_table(rows, device)
-        tiles, first = _launch.tile_table(numels, block, device)
+        tiles, first = group.tiles()
         partials = _launch.new_output((tiles.shape[0], 2), torch.float32, device)
         T = _launch.tl_dtype
-        _kernels()[0][(tiles.shape[0],)](
-            table, tiles, _scalars(s, device), partials, NCOL=8, BLOCK=block, P=T(pd), G=T(gd),
-            M=T(md), V=T(vd), MO=T(mo), VO=T(vo), MOMENTS=s.moments, IN_UPDATE=s.in_update,
-            MAXIMIZE=s.maximize, num_warps=_launch.NUM_WARPS)
-        sums[torch.tensor(live, device=device)] = _launch.segment_sums(partials, first)
-        del keep
+        group.launch(_kernels()[0], _scalars(s, device), partials, P=T(pd), G=T(gd), M=T(md),
+                     V=T(vd), MO=T(mo), VO=T(vo), MOMENTS=s.moments, IN_UPDATE=s.in_update,
+                     MAXIMIZE=s.maximize)
+        sums[torch.tensor(group.live, device=device)] = _launch.segment_sums(partials, first)
     return ms, vs, sums
 
 
@@ -290,36 +273,26 @@ def lamb_update_triton(
     outs: list = [None] * n
     device = params[0].device if n else torch.device("cpu")
     coef32 = coef.to(device=device, dtype=torch.float32)
-    groups: dict[tuple, list[int]] = {}
-    for i in range(n):
-        key = (params[i].dtype, exp_avg[i].dtype, exp_avg_sq[i].dtype, params[i].dim() == 0)
-        groups.setdefault(key, []).append(i)
+    groups = _launch.group_by(n, lambda i: (params[i].dtype, exp_avg[i].dtype,
+                                            exp_avg_sq[i].dtype, params[i].dim() == 0))
     for (pd, md, vd, scalar), idx in groups.items():
         ud = torch.promote_types(torch.promote_types(pd, md), vd)
         if scalar:  # the reference's float64 coef times a 0-d leaf's a promotes to float64
             ud = torch.promote_types(ud, torch.float64)
-        rows, numels, live, keep = [], [], [], []
+        group = _launch.LeafGroup(device, block)
         for i in idx:
             p, m, v = params[i].contiguous(), exp_avg[i].contiguous(), exp_avg_sq[i].contiguous()
             outs[i] = _launch.new_output(p.shape, pd if write_params else ud, device)
-            if p.numel() == 0:
-                continue
-            keep.append((p, m, v))
-            live.append(i)
-            numels.append(p.numel())
-            rows.append([p.numel(), int(bool(decay[i])), p.data_ptr(), m.data_ptr(),
-                         v.data_ptr(), outs[i].data_ptr()])
-        if not rows:
+            # Leaf row: numel, decay flag, p, m', v', out.
+            group.add(i, decay[i], p, m, v, outs[i])
+        if not group:
             continue
-        table = _launch.leaf_table(rows, device)
-        tiles, _first = _launch.tile_table(numels, block, device)
+        live = group.live
         group_coef = coef32 if len(live) == n else coef32[torch.tensor(live, device=device)]
         T = _launch.tl_dtype
-        _kernels()[1][(tiles.shape[0],)](
-            table, tiles, _scalars(s, device), group_coef.contiguous(), NCOL=6, BLOCK=block,
-            P=T(pd), M=T(md), V=T(vd), U=T(ud), MOMENTS=s.moments, IN_UPDATE=s.in_update,
-            WRITE_PARAMS=write_params, num_warps=_launch.NUM_WARPS)
-        del keep
+        group.launch(_kernels()[1], _scalars(s, device), group_coef.contiguous(), P=T(pd),
+                     M=T(md), V=T(vd), U=T(ud), MOMENTS=s.moments, IN_UPDATE=s.in_update,
+                     WRITE_PARAMS=write_params)
     return outs
 
 
@@ -329,5 +302,4 @@ def lamb_kernels_apply(*tensors: Tensor | None) -> bool:
     :func:`lamb_direction` a leaf at a time with the norms in between, in
     :func:`funcpar.optim.lamb`; :func:`lamb_moments_reference` and :func:`lamb_update_reference`
     are the two passes in plain torch, what the kernels are tested against.)"""
-    return (all(torch.is_tensor(t) for t in tensors) and _launch.kernel_dtype_ok(*tensors)
-            and len({t.device for t in tensors}) <= 1 and use_kernels(*tensors))
+    return _launch.kernels_apply(*tensors, same_device=True)

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _launch
-from funcpar.kernels.dispatch import use_kernels
 
 __all__ = ["SGDScalars", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
 
@@ -136,40 +135,28 @@ def sgd_triton(
     n = len(grads)
     outs: list = [None] * n
     new_bufs: list = [None] * n
-    groups: dict[tuple, list[int]] = {}
-    for i in range(n):
-        key = (grads[i].device, grads[i].dtype, params[i].dtype,
-               bufs[i].dtype if momentum else None)
-        groups.setdefault(key, []).append(i)
+    groups = _launch.group_by(n, lambda i: (grads[i].device, grads[i].dtype, params[i].dtype,
+                                            bufs[i].dtype if momentum else None))
     for (device, gd, pd, bd), idx in groups.items():
         bo = torch.promote_types(bd, gd) if momentum else gd
         ud = torch.promote_types(torch.promote_types(gd, pd), bo)
-        rows, numels, keep = [], [], []
+        group = _launch.LeafGroup(device, block)
         for i in idx:
             g, p = grads[i].contiguous(), params[i].contiguous()
             b = bufs[i].contiguous() if momentum else None
             outs[i] = _launch.new_output(p.shape, pd if write_params else ud, device)
             new_bufs[i] = _launch.new_output(p.shape, bo, device) if momentum else None
-            if p.numel() == 0:
-                continue
-            keep.append((g, p, b))  # the table holds raw addresses: keep them alive
-            numels.append(p.numel())
-            rows.append([p.numel(), int(bool(decay[i])), p.data_ptr(), g.data_ptr(),
-                         b.data_ptr() if momentum else 0, outs[i].data_ptr(),
-                         new_bufs[i].data_ptr() if momentum else 0])
-        if not rows:
+            # Leaf row: numel, decay flag, p, g, b (in), out, b (out).
+            group.add(i, decay[i], p, g, b, outs[i], new_bufs[i])
+        if not group:
             continue
-        table = _launch.leaf_table(rows, device)
-        tiles, _first = _launch.tile_table(numels, block, device)
         first = s.first if torch.is_tensor(s.first) else torch.tensor(bool(s.first))
         scal = _launch.device_scalars(
             [s.lr, s.weight_decay, s.momentum, 1 - s.dampening, first], device)
         T = _launch.tl_dtype
-        _kernel()[(tiles.shape[0],)](
-            table, tiles, scal, NCOL=7, BLOCK=block, P=T(pd), G=T(gd), B=T(bd or gd), BO=T(bo),
-            U=T(ud), MOMENTUM=momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
-            WRITE_PARAMS=write_params, num_warps=_launch.NUM_WARPS)
-        del keep
+        group.launch(_kernel(), scal, P=T(pd), G=T(gd), B=T(bd or gd), BO=T(bo), U=T(ud),
+                     MOMENTUM=momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
+                     WRITE_PARAMS=write_params)
     return outs, new_bufs
 
 
@@ -180,9 +167,6 @@ def sgd_step(
     """The kernel when :func:`funcpar.kernels.use_kernels` says so and every tensor has a
     kernel dtype, else the reference."""
     tensors = [*grads, *params, *(bufs if s.momentum else ())]
-    if (all(torch.is_tensor(t) for t in tensors) and _launch.kernel_dtype_ok(*tensors)
-            and use_kernels(*tensors)):
-        return sgd_triton(grads, params, bufs, decay, s, nesterov=nesterov, maximize=maximize,
-                          write_params=write_params)
-    return sgd_reference(grads, params, bufs, decay, s, nesterov=nesterov, maximize=maximize,
-                         write_params=write_params)
+    impl = sgd_triton if _launch.kernels_apply(*tensors) else sgd_reference
+    return impl(grads, params, bufs, decay, s, nesterov=nesterov, maximize=maximize,
+                write_params=write_params)

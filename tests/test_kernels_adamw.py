@@ -14,30 +14,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import max_rel_err as _max_rel_err
+from _kernel_helpers import (
+    check_outputs,
+    counting_launches,
+    grads_like,
+    leaves_of,
+    max_rel_err,
+    needs_triton,
+    train,
+)
 
 import funcpar.optim as fo
 from funcpar.kernels import _launch, kernel_mode, triton_available
 from funcpar.kernels import adamw as kadamw
 from funcpar.kernels.adamw import AdamWScalars, adamw_reference, adamw_triton
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton is not installed: the "
-                                  "kernels cannot run (the references are tested regardless)")
 TOL32 = 1e-6
 # bf16 outputs: the reference rounds to bf16 after every operation (and its scalars to bf16),
 # the kernel computes in float32 and rounds once; a few bf16 ulps (2**-8 = 3.9e-3 each) apart.
 TOL16 = 3e-2
 # Odd sizes, 0-d, 1-D, 3-D, empty, a leaf over many tiles (block 64 below), many tiny leaves.
 SHAPES = [(3, 5, 7), (1,), (), (130,), (2, 97), (0,), (4, 1, 3)] + [(k,) for k in range(1, 30)]
-
-
-def max_rel_err(a, b):
-    return _max_rel_err(a, b) if b.numel() else 0.0
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _leaves(dtype, *, positive=False, seed=0):
@@ -51,16 +48,6 @@ def _scalars(t=3, lr=1e-2, wd=0.1):
     return AdamWScalars(torch.tensor(lr, dtype=torch.float64) / (1 - 0.9**t64),
                         (1 - 0.999**t64).sqrt(), torch.tensor(1e-8, dtype=torch.float64),
                         torch.tensor(lr * wd, dtype=torch.float64), 0.9, 0.999)
-
-
-def _check(kernel_out, ref_out, tol):
-    for k, r in zip(kernel_out, ref_out, strict=True):
-        if r is None:
-            assert k is None
-            continue
-        assert k.shape == r.shape and k.dtype == r.dtype, (k.shape, r.shape, k.dtype, r.dtype)
-        assert not k.isnan().any(), "an output element was not written (poisoned with NaN)"
-        assert max_rel_err(k.float(), r.float()) <= tol, max_rel_err(k.float(), r.float())
 
 
 @needs_triton
@@ -82,7 +69,7 @@ def test_kernel_matches_reference(interpret, amsgrad, maximize, write_params, dt
         out = adamw_triton(g, p, m, v, vmax, decay, _scalars(), block=64, **kw)
     ref = adamw_reference(g, p, m, v, vmax, decay, _scalars(), **kw)
     for k, r in zip(out, ref, strict=True):
-        _check(k, r, TOL32 if pd == sd == torch.float32 else TOL16)
+        check_outputs(k, r, TOL32 if pd == sd == torch.float32 else TOL16)
 
 
 @needs_triton
@@ -115,22 +102,8 @@ def _params(dtype=torch.float32):
             "t": torch.randn(2, 3, 5, generator=gen, dtype=dtype)}
 
 
-def _grads(step, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(100 + step)
-    return {k: torch.randn(v.shape, generator=gen, dtype=dtype) for k, v in _params().items()}
-
-
 def _train(opt, steps, *, fused=True, dtype=torch.float32):
-    params = _params(dtype)
-    state = opt.init(params)
-    for i in range(steps):
-        grads = _grads(i, dtype)
-        if fused:
-            params, state = fo.update_params(opt, grads, state, params)
-        else:
-            updates, state = opt.update(grads, state, params)
-            params = fo.apply_updates(params, updates)
-    return params, state
+    return train(opt, _params(dtype), steps, fused=fused)
 
 
 OPTIMIZERS = {
@@ -142,12 +115,6 @@ OPTIMIZERS = {
 }
 
 
-def _leaves_of(tree):
-    from funcpar.state.tree import tree_leaves
-
-    return [x for x in tree_leaves(tree) if torch.is_tensor(x)]
-
-
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_apply_equals_update_in_reference_mode(name):
     """The fused path (``apply``, through chain and inject_hyperparams) and update +
@@ -157,7 +124,7 @@ def test_apply_equals_update_in_reference_mode(name):
     with kernel_mode("reference"):
         a = _train(opt, 3, fused=True)
         b = _train(opt, 3, fused=False)
-    for x, y in zip(_leaves_of(a), _leaves_of(b), strict=True):
+    for x, y in zip(leaves_of(a), leaves_of(b), strict=True):
         assert torch.equal(x, y)
 
 
@@ -169,7 +136,7 @@ def test_reference_is_torch_adamw():
     theirs_p = [x.clone().requires_grad_() for x in params.values()]
     theirs = torch.optim.AdamW(theirs_p, lr=1e-2, weight_decay=0.1, amsgrad=True, foreach=False)
     for i in range(5):
-        grads = _grads(i, torch.float64)
+        grads = grads_like(params, i)
         params, state = fo.update_params(ours, grads, state, params)
         for p, g in zip(theirs_p, grads.values()):
             p.grad = g.clone()
@@ -182,20 +149,17 @@ def test_reference_is_torch_adamw():
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_optimizer_under_triton_matches_reference(interpret, monkeypatch, name):
     opt = OPTIMIZERS[name]()
-    tables = []
-    real = _launch.tile_table
-    monkeypatch.setattr(_launch, "tile_table", lambda *a: tables.append(a) or real(*a))
-    with kernel_mode("triton"):
+    with counting_launches() as tables, kernel_mode("triton"):
         fused = _train(opt, 4, fused=True)
         unfused = _train(opt, 4, fused=False)
     assert tables, "the kernels did not run"
     with kernel_mode("reference"):
         ref = _train(opt, 4)
     # Both kernel paths compute u with the same operations, and p + u as apply_updates does.
-    for x, y in zip(_leaves_of(fused), _leaves_of(unfused), strict=True):
+    for x, y in zip(leaves_of(fused), leaves_of(unfused), strict=True):
         assert torch.equal(x, y)
     # Four steps: the per-step differences (<= 1e-6, module docstring) compound a little.
-    for x, y in zip(_leaves_of(fused), _leaves_of(ref), strict=True):
+    for x, y in zip(leaves_of(fused), leaves_of(ref), strict=True):
         assert x.dtype == y.dtype and x.shape == y.shape
         if x.is_floating_point():
             assert max_rel_err(x, y) <= 4 * TOL32, max_rel_err(x, y)

@@ -14,10 +14,17 @@ import os
 
 import pytest
 import torch
-from conftest import max_rel_err as _max_rel_err
+from _kernel_helpers import (
+    check_outputs,
+    counting_launches,
+    leaves_of,
+    max_rel_err,
+    needs_triton,
+    train,
+)
 
 import funcpar.optim as fo
-from funcpar.kernels import _launch, kernel_mode, triton_available
+from funcpar.kernels import _launch, kernel_mode
 from funcpar.kernels.lamb import (
     LambScalars,
     lamb_moments_reference,
@@ -27,23 +34,11 @@ from funcpar.kernels.lamb import (
 )
 from funcpar.kernels.sgd import SGDScalars, sgd_reference, sgd_triton
 from funcpar.optim.lamb import LAMB_VARIANTS
-from funcpar.state.tree import tree_leaves
 from funcpar.testing import run_ranks
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton is not installed: the "
-                                  "kernels cannot run (the references are tested regardless)")
 TOL32 = 1e-6
 SHAPES = [(3, 5, 7), (1,), (), (130,), (2, 97), (0,)] + [(k,) for k in range(1, 20)]
 DECAY = [i % 3 != 1 for i in range(len(SHAPES))]
-
-
-def max_rel_err(a, b):
-    return _max_rel_err(a, b) if b.numel() else 0.0
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _leaves(seed, positive=False):
@@ -51,14 +46,9 @@ def _leaves(seed, positive=False):
     return [(lambda x: x.abs() if positive else x)(torch.randn(s, generator=g)) for s in SHAPES]
 
 
-def _check(kernel_out, ref_out, tol=TOL32):
-    for k, r in zip(kernel_out, ref_out, strict=True):
-        if r is None:
-            assert k is None
-            continue
-        assert k.shape == r.shape and k.dtype == r.dtype, (k.shape, r.shape, k.dtype, r.dtype)
-        assert not k.isnan().any(), "an output element was not written (poisoned with NaN)"
-        assert max_rel_err(k, r) <= tol, max_rel_err(k, r)
+def _check(kernel_out, ref_out):
+    # Every output here is float32 (check_outputs' float() changes nothing).
+    check_outputs(kernel_out, ref_out, TOL32)
 
 
 @needs_triton
@@ -123,17 +113,7 @@ def _params():
 
 
 def _train(opt, steps, *, fused=True):
-    params = _params()
-    state = opt.init(params)
-    for i in range(steps):
-        gen = torch.Generator().manual_seed(100 + i)
-        grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
-        if fused:
-            params, state = fo.update_params(opt, grads, state, params)
-        else:
-            updates, state = opt.update(grads, state, params)
-            params = fo.apply_updates(params, updates)
-    return params, state
+    return train(opt, _params(), steps, fused=fused)
 
 
 OPTIMIZERS = {
@@ -149,35 +129,28 @@ OPTIMIZERS = {
 }
 
 
-def _leaves_of(tree):
-    return [x for x in tree_leaves(tree) if torch.is_tensor(x)]
-
-
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_apply_equals_update_in_reference_mode(name):
     opt = OPTIMIZERS[name]()
     assert opt.apply is not None
     with kernel_mode("reference"):
         a, b = _train(opt, 3), _train(opt, 3, fused=False)
-    for x, y in zip(_leaves_of(a), _leaves_of(b), strict=True):
+    for x, y in zip(leaves_of(a), leaves_of(b), strict=True):
         assert torch.equal(x, y)
 
 
 @needs_triton
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_optimizer_under_triton_matches_reference(interpret, monkeypatch, name):
+def test_optimizer_under_triton_matches_reference(interpret, name):
     opt = OPTIMIZERS[name]()
-    tables = []
-    real = _launch.tile_table
-    monkeypatch.setattr(_launch, "tile_table", lambda *a: tables.append(a) or real(*a))
-    with kernel_mode("triton"):
+    with counting_launches() as tables, kernel_mode("triton"):
         fused, unfused = _train(opt, 3), _train(opt, 3, fused=False)
     assert tables, "the kernels did not run"
     with kernel_mode("reference"):
         ref = _train(opt, 3)
-    for x, y in zip(_leaves_of(fused), _leaves_of(unfused), strict=True):
+    for x, y in zip(leaves_of(fused), leaves_of(unfused), strict=True):
         assert torch.equal(x, y)  # the same kernel operations either way
-    for x, y in zip(_leaves_of(fused), _leaves_of(ref), strict=True):
+    for x, y in zip(leaves_of(fused), leaves_of(ref), strict=True):
         # Every state leaf with the reference's dtype (Lamb's trust ratios included).
         assert x.dtype == y.dtype and x.shape == y.shape, (x.dtype, y.dtype)
         if x.is_floating_point():
@@ -191,14 +164,9 @@ def lamb_tp2_under_triton():
     from funcpar.testing.reference import train
 
     os.environ["TRITON_INTERPRET"] = "1"
-    tables = []
-    real = _launch.tile_table
-    _launch.tile_table = lambda *a: tables.append(a) or real(*a)
-    try:
-        with kernel_mode("triton"):
-            return train(2, 1, "lamb", torch.float32), len(tables)
-    finally:
-        _launch.tile_table = real
+    with counting_launches() as tables, kernel_mode("triton"):
+        result = train(2, 1, "lamb", torch.float32)
+    return result, len(tables)
 
 
 @needs_triton

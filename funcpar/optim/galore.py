@@ -49,7 +49,7 @@ from funcpar.optim.adafactor import (
 from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
 from funcpar.optim.factored import decoupled_decay
 from funcpar.optim.hyperparams import inject_hyperparams
-from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.masks import Mask, resolve_mask, restrict_to
 from funcpar.optim.projector import (
     PROJ_TYPES,
     Projector,
@@ -139,7 +139,8 @@ def resolve_galore(who: str, galore_mask: GaLoreMask, params: Tree, default: GaL
     elif callable(galore_mask):
         raw = [galore_mask(name, p) for name, p in named]
     else:
-        raw = leaves_like(params, galore_mask, what="galore_mask", against="params")
+        raw = leaves_like(params, restrict_to(galore_mask, params), what="galore_mask",
+                          against="params")
     out: list[GaLoreConfig | None] = []
     for (name, p), r, shape in zip(named, raw, shapes):
         if r is None or r is False or p is None:

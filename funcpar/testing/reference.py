@@ -37,12 +37,12 @@ def _clip(opt):
     return fo.chain(fo.clip_by_global_norm(0.5), opt)
 
 
-def _galore():
+def _galore(params):
     # Rank 4, a refresh every 3 steps (steps 0, 3, 6, 9), from the whole model as a user builds
     # it before sharding. The SVD runs in float64: in float32, the last-bit differences of a
     # gradient summed in another order change the projector by ~1e-6 (measured: tp vs one
     # process 1.8e-6 on the params), which is float32's exactness, not the layout's.
-    return fo.galore_param_groups(Llama(CFG), rank=4, update_proj_gap=3)
+    return fo.galore_param_groups(params, rank=4, update_proj_gap=3)
 
 
 # float32 runs of AdamW use lr 1e-3 and eps 1e-5. Adam divides by sqrt(v) + eps, so entries
@@ -65,15 +65,15 @@ OPTIMIZERS = {
     "came": lambda p: _clip(fo.came(lr=1e-3, weight_decay=0.1)),
     "lamb": lambda p: _clip(fo.lamb(lr=1e-2, weight_decay=0.1)),
     "galore_adamw": lambda p: _clip(fo.galore_adamw(lr=1e-2, weight_decay=0.1,
-                                                    galore_mask=_galore(),
+                                                    galore_mask=_galore(p),
                                                     svd_dtype=torch.float64)),
     # Blocks of 24 and a threshold of 100 so that the low-rank states are quantized in blocks
     # that straddle the shard boundaries.
     "galore_adamw8bit": lambda p: _clip(fo.galore_adamw(
-        lr=1e-2, galore_mask=_galore(), eight_bit=True, block_size=24, min_8bit_size=100,
+        lr=1e-2, galore_mask=_galore(p), eight_bit=True, block_size=24, min_8bit_size=100,
         adam_variant="bnb", eps=1e-8, svd_dtype=torch.float64)),
     "galore_adafactor": lambda p: _clip(fo.galore_adafactor(
-        lr=0.5, relative_step=False, beta1=0.9, weight_decay=0.1, galore_mask=_galore(),
+        lr=0.5, relative_step=False, beta1=0.9, weight_decay=0.1, galore_mask=_galore(p),
         svd_dtype=torch.float64)),
 }
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _kernel_helpers import needs_triton
 
 import funcpar.optim as fo
-from funcpar.kernels import _launch, kernel_mode, triton_available
+from funcpar.kernels import _launch, kernel_mode
 from funcpar.kernels.quant8 import (
     Adam8bitScalars,
     adam8bit_reference,
@@ -29,16 +30,9 @@ from funcpar.kernels.quant8 import (
 from funcpar.optim.quant8 import dynamic_map
 from funcpar.state.tree import tree_leaves
 
-needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton is not installed: the "
-                                  "kernels cannot run (the references are tested regardless)")
 # Odd sizes, 3-D, 0-d, empty; block sizes that are and are not powers of two; 1 or 2 blocks
 # per program.
 CASES = [((3, 5, 7), 16), ((1000,), 256), ((), 64), ((2, 33), 100), ((0,), 8), ((4, 1, 9), 7)]
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _x(shape, seed, *, zero_block=0):

@@ -18,7 +18,9 @@ round, so the drift of a shared disk falls on both sides alike):
   else zlib's CRC-32), the header, the rename, the new tensors' memory.
 
 The table gives the median throughputs and the median of the per-round ratios store / disk
-(target >= 80 %).
+(target >= 80 %). Row ``read/fresh`` compares the store's reads into new tensors with the disk
+read into new memory of the file's size (fresh pages the kernel must fault in and zero, as
+new tensors are), the like-for-like baseline of that path.
 
     python benchmarks/bench_offload.py [--dir /tmp] [--size 512] [--tensor 32] [--rounds 7]
 """
@@ -75,16 +77,23 @@ class DiskBench:
             _evict(self.path)
         return mbs
 
-    def read(self) -> float:
-        view = memoryview(self.buf)
+    def read(self, fresh: bool = False) -> float:
+        """Into the one reused buffer, or (``fresh``) into new memory of the file's size, as a
+        read into new tensors lands: the kernel then faults in and zeroes every page."""
         t0 = time.perf_counter()
+        dest = mmap.mmap(-1, self.size) if fresh else None
+        view = memoryview(dest if fresh else self.buf)
         fd = os.open(self.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         try:
             for off in range(0, self.size, self.chunk):
-                os.preadv(fd, [view], off)
+                os.preadv(fd, [view[off:off + self.chunk] if fresh else view], off)
         finally:
             os.close(fd)
-        return self.size / MB / (time.perf_counter() - t0)
+        mbs = self.size / MB / (time.perf_counter() - t0)
+        view.release()
+        if dest is not None:
+            dest.close()
+        return mbs
 
     def close(self) -> None:
         os.unlink(self.path)
@@ -168,7 +177,8 @@ def main() -> None:
     disk = DiskBench(args.dir, size, chunk, direct)
     bench = StoreBench(args.dir, size, tensor, args.workers, args.inflight, not args.no_direct,
                        args.request * MB, args.checksum)
-    rows: dict[str, list[tuple[float, float]]] = {"write": [], "read": [], "read into": []}
+    rows: dict[str, list[tuple[float, float]]] = {"write": [], "read": [], "read into": [],
+                                                  "read/fresh": []}
     load = os.getloadavg()[0]
     for r in range(args.rounds):
         # Interleaved, the order flipped every other round, so that the disk's drift (a
@@ -176,13 +186,14 @@ def main() -> None:
         # pairs measurements taken a second apart.
         if r % 2 == 0:
             dw, sw = disk.write(), bench.write()
-            dr, sr, si = disk.read(), bench.read(False), bench.read(True)
+            dr, df, sr, si = disk.read(), disk.read(True), bench.read(False), bench.read(True)
         else:
             sw, dw = bench.write(), disk.write()
-            sr, si, dr = bench.read(False), bench.read(True), disk.read()
+            sr, si, df, dr = bench.read(False), bench.read(True), disk.read(True), disk.read()
         rows["write"].append((dw, sw))
         rows["read"].append((dr, sr))
         rows["read into"].append((dr, si))
+        rows["read/fresh"].append((df, sr))
     load = max(load, os.getloadavg()[0])
     mode = bench.close()
     disk.close()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -484,3 +486,16 @@ def test_zero3_nvme_offload_dp2_bit_identical(tmp_path):
             assert losses2 == losses, rank
             _same_params(params, params2)
 
+
+
+def test_bench_offload_smoke(tmp_path):
+    """benchmarks/bench_offload.py runs (tiny sizes) and prints every row of its table."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks", "bench_offload.py")
+    out = subprocess.run([sys.executable, script, "--dir", str(tmp_path), "--size", "16",
+                          "--tensor", "8", "--chunk", "8", "--request", "8", "--rounds", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split()[0] for line in out.stdout.splitlines()[2:]]
+    assert rows == ["write", "read", "read", "read/fresh"], out.stdout
+    assert os.listdir(tmp_path) == []  # the files are gone

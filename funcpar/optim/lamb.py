@@ -25,7 +25,7 @@ from funcpar.optim.base import GradientTransformation, check_floating, check_gra
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
 from funcpar.optim.schedules import ScalarOrSchedule
-from funcpar.shard.reduce import norm, sum_partial
+from funcpar.shard.reduce import sum_partials
 from funcpar.state.tree import Tree, tree_map, tree_unflatten
 
 __all__ = ["LAMB_VARIANTS", "LambState", "lamb"]
@@ -67,6 +67,11 @@ def _trust_ratio(w_norm, a_norm, eps, *, max_weight_norm, max_trust_ratio, eps_i
     return ratio
 
 
+def _sum_sq(x: Tensor) -> Tensor:
+    """``sum(x**2)`` as funcpar.shard.reduce.sum_of_squares computes it locally."""
+    return torch.linalg.vector_norm(x).square() if x.numel() else x.new_zeros(())
+
+
 def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, max_weight_norm,
           max_trust_ratio, eps_in_trust_ratio, grad_averaging, adam, maximize, weight_decay_mask):
     beta1, beta2 = betas
@@ -106,35 +111,48 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
         if lamb_kernels_apply(*g, *p, *m, *v):
             out, m, v, ratio = fused(g, p, m, v, dec, lay, s, step_size, write_params)
         else:
-            rows = [leaf(*row, s, step_size) for row in zip(g, p, m, v, dec, lay)]
-            out, m, v, ratio = (list(col) for col in zip(*rows)) if rows else ([],) * 4
+            out, m, v, ratio = reference(g, p, m, v, dec, lay, s, step_size)
             if write_params:
                 out = [p_j + u.to(p_j.dtype) for p_j, u in zip(p, out)]
         new = [tree_unflatten(spec, x) for x in (out, m, v, ratio)]
         return new[0], LambState(count, *new[1:])
 
-    def leaf(g, p, m, v, use_decay, layout, s, step_size):
-        # The reference: a leaf at a time, its norms through its layout.
-        m, v, a, w = lamb_direction(g, p, m, v, use_decay, s)
-        w_norm = norm(w, layout=layout, purpose="lamb weight norm")
-        a_norm = norm(a, layout=layout, purpose="lamb update norm")
-        ratio = _trust_ratio(w_norm, a_norm, eps, **ratio_opts)
-        used = torch.ones_like(ratio) if adam else ratio
-        u = (w - p) - (step_size * used) * a
-        return u, m, v, ratio
+    def reference(g, p, m, v, dec, lay, s, step_size):
+        # The reference: each leaf's direction, then every sharded leaf's two local sums of
+        # squares completed in one batched all-reduce per mesh axis (sum_partials), then each
+        # leaf's trust ratio and update. A whole leaf (no layout) takes torch's norm directly,
+        # as funcpar.shard.reduce.norm does; a laid-out one its sum of squares, summed, rooted.
+        dirs = [lamb_direction(*row, s) for row in zip(g, p, m, v, dec)]
+        partials, lays, whys = [], [], []
+        for (_, _, a, w), layout in zip(dirs, lay):
+            if layout is not None:
+                partials += [_sum_sq(w), _sum_sq(a)]
+                lays += [layout, layout]
+                whys += ["lamb weight norm", "lamb update norm"]
+        sums = iter(sum_partials(partials, lays, [None] * len(lays), purpose=whys))
+        out, ms, vs, ratios = [], [], [], []
+        for (m_j, v_j, a, w), p_j, layout in zip(dirs, p, lay):
+            if layout is None:
+                w_norm, a_norm = torch.linalg.vector_norm(w), torch.linalg.vector_norm(a)
+            else:
+                w_norm, a_norm = next(sums).sqrt(), next(sums).sqrt()
+            ratio = _trust_ratio(w_norm, a_norm, eps, **ratio_opts)
+            used = torch.ones_like(ratio) if adam else ratio
+            out.append((w - p_j) - (step_size * used) * a)
+            ms.append(m_j)
+            vs.append(v_j)
+            ratios.append(ratio)
+        return out, ms, vs, ratios
 
     def fused(g, p, m, v, dec, lay, s, step_size, write_params):
         # The kernels (funcpar.kernels.lamb): pass 1 writes the moments and gives each leaf's
-        # local (sum w^2, sum a^2); the layout completes them (one 2-element all-reduce per
-        # sharded leaf, over the axes that split it); pass 2 applies the trust ratio.
+        # local (sum w^2, sum a^2); sum_partials completes them (one all-reduce per mesh axis
+        # carrying the pairs of the leaves it splits); pass 2 applies the trust ratio.
         m, v, sums = lamb_moments_triton(g, p, m, v, dec, s)
         if any(x is not None for x in lay):
-            rows = list(sums.unbind(0))
-            for j, x in enumerate(lay):
-                if x is not None:
-                    rows[j] = sum_partial(rows[j], tuple(range(p[j].dim())), layout=x,
-                                          purpose="lamb norms")
-            sums = torch.stack(rows)
+            # All sharded leaves' pairs in one all-reduce per mesh axis.
+            sums = torch.stack(sum_partials(list(sums.unbind(0)), lay, [None] * len(lay),
+                                            purpose="lamb norms"))
         # Each norm rounded to float32 as the reference's float32 norm is; the ratio in
         # float64 then rounded to the reference's dtype (a float32 quotient computed in
         # float64 and rounded once is the float32 quotient).
@@ -204,9 +222,11 @@ def lamb(
       and ``tau`` is computed from the uncorrected ``a``, so the correction does not cancel in
       ``tau * a`` as it does (up to eps, without decay) with ``"moments"``.
 
-    Both norms are :func:`funcpar.shard.reduce.norm` with the leaf's layout (one scalar
-    all-reduce each over the axes that split the leaf). ``lr``, ``weight_decay`` and ``eps``
-    may be schedules. The decay applies where ``weight_decay_mask`` allows.
+    Under a layout both norms are completed from local sums of squares by
+    :func:`funcpar.shard.reduce.sum_partials`: all leaves' weight and update sums together,
+    one all-reduce per mesh axis that splits some leaf (not one per leaf, norm and axis).
+    ``lr``, ``weight_decay`` and ``eps`` may be schedules. The decay applies where
+    ``weight_decay_mask`` allows.
 
     Which options reproduce which reference exactly (tested step by step):
 

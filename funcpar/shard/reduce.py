@@ -11,7 +11,8 @@ on this process) each function is the plain torch op. A layout is any object wit
 so optimizer code never asks "which parallelism is this?": it asks for a reduction over dims.
 A layout may also offer ``axes_for(dims)`` (the mesh axes that split ``dims``):
 :func:`total_sum_of_squares` then sums many leaves with one collective per distinct set of
-axes instead of one per leaf.
+axes instead of one per leaf, and :func:`sum_partials` (given also the layout's ``mesh``)
+completes many leaves' partial sums with one collective per mesh axis.
 
 A layout describes one leaf. A *tree* can be split too: under pipeline parallelism each rank
 of the ``pp`` axis holds other leaves (its stages'), so a tree-wide quantity (the global
@@ -26,22 +27,27 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "Partial",
     "Reducible",
     "global_shape",
+    "local_sum_of_squares",
     "norm",
     "reduce_max",
     "reduce_mean",
     "reduce_sum",
     "rms",
+    "run_phased",
     "sum_of_squares",
     "sum_partial",
+    "sum_partials",
+    "together",
     "total_sum_of_squares",
     "tree_split_over",
 ]
@@ -291,3 +297,146 @@ def sum_partial(
     """
     d = tuple(sorted({dims} if isinstance(dims, int) else set(dims)))
     return _finish(x, d, layout, "sum", purpose)
+
+
+def sum_partials(
+    partials: Sequence[Tensor],
+    layouts: Sequence[Reducible | None],
+    dims: Sequence[int | Sequence[int] | None],
+    *,
+    op: str = "sum",
+    purpose: str | Sequence[str] = "batched partial sums",
+) -> list[Tensor]:
+    """:func:`sum_partial` of many leaves at once: one all-reduce per mesh axis, not per leaf.
+
+    ``partials[i]`` is what this rank reduced over its local part of ``dims[i]`` of the leaf
+    that ``layouts[i]`` describes (any shape; ``dims[i] = None``: all of the leaf's dims).
+    Returns, for each ``i``, ``partials[i]`` combined with ``op`` (``"sum"`` or ``"max"``)
+    over exactly the mesh axes that split ``dims[i]`` - the value
+    ``sum_partial(partials[i], dims[i], layout=layouts[i])`` has, element for element (an
+    all-reduce combines each entry of a buffer independently; with more than two ranks along
+    an axis the backend may add in another order, i.e. round differently in the last bit).
+    A partial that needs no reduction (no layout, no dims, no axis splits them) is returned
+    as it is. ``purpose``: one for all, or one per partial; a batched message is recorded with
+    the distinct purposes of the partials it carries joined by ``" + "``.
+
+    Why: the optimizers' per-leaf scalars (Lamb's norms, Adafactor's RMS) cost one tiny
+    message per leaf and axis; here the partials of all leaves that need a given axis travel
+    as one flat buffer (per mesh, dtype and device), in mesh axis order - the order in which
+    :meth:`Layout.all_reduce` would reduce each of them. Layouts without ``axes_for`` and
+    ``mesh`` fall back to their own ``all_reduce``, one leaf at a time. Every rank along an
+    axis must make the same call (the optimizers do: the same code over the same layouts).
+    """
+    from funcpar.shard import comm  # late: as in _split_total
+
+    purposes = [purpose] * len(partials) if isinstance(purpose, str) else list(purpose)
+    if not len(partials) == len(layouts) == len(dims) == len(purposes):
+        raise ValueError(f"sum_partials: {len(partials)} partials, {len(layouts)} layouts, "
+                         f"{len(dims)} dims and {len(purposes)} purposes: one of each per leaf")
+    if op not in ("sum", "max"):
+        raise ValueError(f"sum_partials ({purposes[:1]}): op must be 'sum' or 'max', got {op!r}")
+    out = list(partials)
+    # (id(mesh), dtype, device) -> (mesh, [(leaf index, its axes)])
+    groups: dict[tuple, tuple[Any, list[tuple[int, tuple[str, ...]]]]] = {}
+    for i, (x, lay, d) in enumerate(zip(partials, layouts, dims)):
+        if lay is None:
+            continue
+        nd = len(lay.global_shape)
+        if d is None:
+            d = tuple(range(nd))
+        elif isinstance(d, int):
+            d = (d,)
+        d = tuple(sorted({k % nd for k in d})) if nd else ()
+        if not d:
+            continue
+        mesh = getattr(lay, "mesh", None)
+        if mesh is None or not hasattr(lay, "axes_for"):
+            out[i] = lay.all_reduce(x, d, op, purposes[i])
+            continue
+        axes = tuple(lay.axes_for(d))
+        if axes:
+            key = (id(mesh), x.dtype, x.device)
+            groups.setdefault(key, (mesh, []))[1].append((i, axes))
+    for mesh, members in groups.values():
+        for axis in mesh.axis_names:
+            picked = [i for i, axes in members if axis in axes]
+            if not picked:
+                continue
+            flat = torch.cat([out[i].reshape(-1) for i in picked])
+            why = " + ".join(dict.fromkeys(purposes[i] for i in picked))
+            flat = comm.all_reduce(flat, mesh, axis, op=op, purpose=why)
+            for i, piece in zip(picked, flat.split([out[i].numel() for i in picked])):
+                out[i] = piece.view(out[i].shape)
+    return out
+
+
+def local_sum_of_squares(x: Tensor) -> Tensor:
+    """``sum(x**2)`` of this shard as :func:`sum_of_squares` forms it before its all-reduce
+    (the square of torch's norm; 0 for an empty shard), to complete with :func:`sum_partials`."""
+    return torch.linalg.vector_norm(x).square() if x.numel() else x.new_zeros(())
+
+
+class Partial(NamedTuple):
+    """One reduction a phased step asks for: :func:`sum_partials`' arguments for one leaf."""
+
+    x: Tensor
+    layout: Reducible | None
+    dims: int | Sequence[int] | None  # None: all of the leaf's dims
+    purpose: str
+
+
+#: A per-leaf step written as phases: a generator that yields the :class:`Partial` s it needs
+#: completed (a list per phase), is sent back the completed tensors in the same order, and
+#: returns its result.
+Phased = Generator[list[Partial], list[Tensor], Any]
+
+
+def together(*steps: Phased) -> Phased:
+    """Phased steps run side by side as one phased step: each phase yields the requests of
+    every step still running (in the order of ``steps``) and hands each its own results; returns
+    the tuple of the steps' results. Steps may have different numbers of phases."""
+    results: list[Any] = [None] * len(steps)
+    pending: dict[int, list[Partial]] = {}
+    for i, st in enumerate(steps):
+        try:
+            pending[i] = list(next(st))
+        except StopIteration as stop:
+            results[i] = stop.value
+    while pending:
+        order = list(pending)
+        back = yield [r for i in order for r in pending[i]]
+        if len(back) != sum(len(pending[i]) for i in order):
+            raise ValueError(f"together: {len(back)} results for "
+                             f"{sum(len(pending[i]) for i in order)} requests")
+        pos, nxt = 0, {}
+        for i in order:
+            k = len(pending[i])
+            try:
+                nxt[i] = list(steps[i].send(list(back[pos:pos + k])))
+            except StopIteration as stop:
+                results[i] = stop.value
+            pos += k
+        pending = nxt
+    return tuple(results)
+
+
+def run_phased(steps: Sequence[Phased]) -> list[Any]:
+    """Run per-leaf phased steps in lockstep; returns their results in order.
+
+    Each phase, the :class:`Partial` s that all the steps ask for are completed by one
+    :func:`sum_partials` call: one all-reduce per mesh axis per phase for the whole tree,
+    where completing each leaf's reductions as it goes costs one per leaf and axis. This is
+    how an optimizer keeps its per-leaf code (written once for every layout) and still
+    batches its scalar and factor reductions across leaves. Every rank along an axis must run
+    the same steps (the same code over the same layouts): each then asks for the same
+    reductions in the same phase.
+    """
+    driver = together(*steps)
+    try:
+        asked = next(driver)
+        while True:
+            done = sum_partials([r.x for r in asked], [r.layout for r in asked],
+                                [r.dims for r in asked], purpose=[r.purpose for r in asked])
+            asked = driver.send(done)
+    except StopIteration as stop:
+        return list(stop.value)

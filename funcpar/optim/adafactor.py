@@ -22,23 +22,38 @@ from torch import Tensor
 
 from funcpar.kernels import factored as kernels
 from funcpar.optim import validate
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.base import (
+    GradientTransformation,
+    check_floating,
+    check_grads,
+    leaf_columns,
+    map_leaves,
+)
 from funcpar.optim.factored import (
     SECOND_MOMENT,
     MomentNames,
-    clip_divisor,
+    clip_divisor_phases,
     compute_dtype,
     eps_pair,
     init_moment,
     is_factored,
     mean_over_rows,
     row_col_mean_squares,
-    second_moment,
+    second_moment_phases,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
-from funcpar.shard.reduce import Reducible, global_shape, norm, rms
-from funcpar.state.tree import Tree, tree_map
+from funcpar.shard.reduce import (
+    Partial,
+    Reducible,
+    global_shape,
+    local_sum_of_squares,
+    norm,
+    rms,
+    run_phased,
+    together,
+)
+from funcpar.state.tree import Tree, tree_map, tree_unflatten
 
 __all__ = [
     "AdafactorLeafUpdate",
@@ -126,10 +141,31 @@ def adafactor_step_size(
     if not scale_parameter:
         return rho
     p_rms = rms(param, layout=param_layout, purpose="param rms")
+    return _scaled_step(p_rms, rho, eps2)
+
+
+def _scaled_step(p_rms: Tensor, rho: Tensor, eps2: float) -> Tensor:
     # Hugging Face multiplies in the parameter's dtype when RMS(param) wins the max and in
     # float64 when eps2 does; the float32 rounding is kept so float32 runs match it closely.
     scaled = (p_rms * rho.to(p_rms.dtype)).to(torch.float64)
     return torch.where(p_rms > eps2, scaled, eps2 * rho)
+
+
+def _step_size_phases(step, param, *, lr, eps2, scale_parameter, relative_step, warmup_init,
+                      param_layout):
+    """:func:`adafactor_step_size` as a phased step (funcpar.shard.reduce.run_phased): one
+    phase completing ``sum(param^2)`` for a sharded parameter with ``scale_parameter``."""
+    if not scale_parameter or param_layout is None:
+        return adafactor_step_size(step, param, lr=lr, eps2=eps2,
+                                   scale_parameter=scale_parameter,
+                                   relative_step=relative_step, warmup_init=warmup_init,
+                                   param_layout=param_layout)
+    rho = adafactor_step_size(step, param, lr=lr, eps2=eps2, scale_parameter=False,
+                              relative_step=relative_step, warmup_init=warmup_init)
+    # rms()'s arithmetic: the completed sum of squares, rooted, over sqrt(global numel).
+    (sq,) = yield [Partial(local_sum_of_squares(param), param_layout, None, "param rms")]
+    p_rms = sq.sqrt() / math.sqrt(math.prod(global_shape(param, param_layout)))
+    return _scaled_step(p_rms, rho, eps2)
 
 
 class AdafactorLeafUpdate(NamedTuple):
@@ -182,10 +218,11 @@ def adafactor_leaf_update(
     ``u <- u / max(1, RMS(u) / clip_threshold)``; ``u <- alpha_t u``
     (:func:`adafactor_step_size`); with ``beta1``: ``m <- beta1 m + (1 - beta1) u``, ``u = m``.
     """
-    out = _leaf_step(grad, param, state, step, lr=lr, eps=eps, clip_threshold=clip_threshold,
-                     decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
-                     relative_step=relative_step, warmup_init=warmup_init, layout=layout,
-                     param_layout=param_layout)
+    out = run_phased([_leaf_step(
+        grad, param, state, step, lr=lr, eps=eps, clip_threshold=clip_threshold,
+        decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
+        relative_step=relative_step, warmup_init=warmup_init, layout=layout,
+        param_layout=param_layout)])[0]
     return AdafactorLeafUpdate(*out)
 
 
@@ -194,28 +231,26 @@ def _leaf_step(grad, param, state, step, *, lr, eps, clip_threshold, decay_rate,
                target=None, weight_decay=None, out="direction"):
     """The Hugging Face step as passes over the leaf: statistics, the update's norm, the update.
 
+    A phased step (funcpar.shard.reduce.run_phased), so that the optimizer completes all
+    leaves' reductions together: phase 1 the parameter's sum of squares (``scale_parameter``)
+    with the row and column sums, phase 2 the sum of the row factor, phase 3 the update's sum
+    of squares (phases only for sharded leaves).
+
     ``out="direction"``: the update to subtract (what :func:`adafactor_leaf_update` returns);
     ``"update"`` / ``"param"``: ``target - weight_decay alpha_t target - update`` as a difference
     or as the new parameter (the weight decay and the subtraction fused into the update pass;
     ``weight_decay=None``: no decay, for leaves the mask leaves out).
     """
     eps1, eps2 = eps
-    alpha = adafactor_step_size(
-        step,
-        param.to(compute_dtype(param.dtype)),
-        lr=lr,
-        eps2=eps2,
-        scale_parameter=scale_parameter,
-        relative_step=relative_step,
-        warmup_init=warmup_init,
-        param_layout=param_layout,
-    )
     beta2t = 1.0 - step.to(torch.float64) ** decay_rate
     moments = {k: v for k, v in state.items() if k != "exp_avg"}
-    precond, new_state, local_norm = second_moment(grad, moments, SECOND_MOMENT, beta2t, eps1,
-                                                   layout=layout)
-    clip = clip_divisor(local_norm, clip_threshold, shape=global_shape(grad, layout),
-                        layout=layout)
+    alpha, (precond, new_state, local_norm) = yield from together(
+        _step_size_phases(step, param.to(compute_dtype(param.dtype)), lr=lr, eps2=eps2,
+                          scale_parameter=scale_parameter, relative_step=relative_step,
+                          warmup_init=warmup_init, param_layout=param_layout),
+        second_moment_phases(grad, moments, SECOND_MOMENT, beta2t, eps1, layout=layout))
+    clip = yield from clip_divisor_phases(local_norm, clip_threshold,
+                                          shape=global_shape(grad, layout), layout=layout)
     if beta1 is not None and "exp_avg" not in state:
         raise KeyError("adafactor: beta1 is set but the state has no 'exp_avg' "
                        "(initialise it with the same beta1)")
@@ -265,7 +300,7 @@ def _adafactor(
             # update: (new param - param), exact while the step is under half the parameter,
             # so apply_updates reproduces Hugging Face's rounding of the new one. param: the
             # new parameter itself, in the same pass (GradientTransformation.apply).
-            result, st, _ = _leaf_step(
+            result, st, _ = yield from _leaf_step(
                 g, p, st, count, lr=lr, eps=eps, clip_threshold=clip_threshold,
                 decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
                 relative_step=relative_step, warmup_init=warmup_init, layout=layout,
@@ -274,7 +309,11 @@ def _adafactor(
             )
             return result, st
 
-        results, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
+        # All leaves' steps in lockstep: each phase's reductions of the whole tree in one
+        # all-reduce per mesh axis (run_phased), not one per leaf and axis.
+        spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
+        outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
+        results, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))
         return results, AdafactorState(count, stats)
 
     def update(grads, state: AdafactorState, params=None, *, layouts=None):

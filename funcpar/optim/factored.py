@@ -15,7 +15,10 @@ The optimizers' passes over the leaf (statistics, the update's norm, CAME's resi
 itself) are :mod:`funcpar.kernels.factored`'s dispatchers: a Triton kernel on CUDA, a plain-torch
 reference elsewhere. Between the passes, :func:`factored_moment` and :func:`clip_divisor` complete
 the local sums over the shards with :mod:`funcpar.shard.reduce` (O(n + m) and 0-d messages), so the
-same code runs on whole leaves and on TP/ZeRO shards.
+same code runs on whole leaves and on TP/ZeRO shards. Their ``*_phases`` forms are the same steps
+written as phases (:func:`funcpar.shard.reduce.run_phased`): the optimizers run those of all
+leaves in lockstep, so each phase's reductions of the whole tree travel in one all-reduce per
+mesh axis instead of one per leaf and axis.
 
 Stored shapes: Hugging Face / fairseq / came-pytorch store ``R`` with shape ``shape[:-1]`` and
 ``C`` with ``shape[:-2] + shape[-1:]``; torch.optim.Adafactor keeps the ``keepdim`` shapes.
@@ -34,12 +37,13 @@ from torch import Tensor
 from funcpar.kernels import factored as kernels
 from funcpar.kernels.factored import Factors, compute_dtype, decoupled_decay, ema
 from funcpar.shard.reduce import (
+    Partial,
     Reducible,
     global_shape,
     reduce_mean,
     reduce_sum,
     rms,
-    sum_partial,
+    run_phased,
 )
 
 __all__ = [
@@ -49,12 +53,14 @@ __all__ = [
     "MomentNames",
     "clip_by_rms",
     "clip_divisor",
+    "clip_divisor_phases",
     "compute_dtype",
     "decoupled_decay",
     "ema",
     "ema_rsqrt",
     "eps_pair",
     "factored_moment",
+    "factored_moment_phases",
     "factored_rsqrt",
     "from_leaf_coords",
     "init_moment",
@@ -63,6 +69,7 @@ __all__ = [
     "row_col_mean_squares",
     "row_col_means",
     "second_moment",
+    "second_moment_phases",
     "to_leaf_coords",
 ]
 
@@ -241,17 +248,33 @@ def factored_moment(
 
     ``R <- decay R + (1 - decay) sum_{-1}(x) / m``, ``C <- decay C + (1 - decay) sum_{-2}(x) / n``
     with ``(n, m)`` the leaf's *global* last two dims and the sums completed over the shards
-    (:func:`funcpar.shard.reduce.sum_partial` with the leaf's layout; no collective when those
+    (:func:`funcpar.shard.reduce.sum_partials` with the leaf's layout; no collective when those
     dims are whole). Returns the :class:`Factors` (with ``mean(R)`` over all rows, also
-    completed over the shards) and the new stored statistics.
+    completed over the shards) and the new stored statistics. One leaf at a time; the
+    optimizers run :func:`factored_moment_phases` of all leaves together instead.
     """
+    return run_phased([factored_moment_phases(row_sum, col_sum, stats, names, decay,
+                                              shape=shape, layout=layout)])[0]
+
+
+def factored_moment_phases(row_sum, col_sum, stats, names, decay, *, shape, layout=None):
+    """:func:`factored_moment` as a phased step (:func:`funcpar.shard.reduce.run_phased`):
+    phase 1 completes the row and column sums, phase 2 (sharded leaves only) the sum of the
+    new row factor over the rows."""
     nd = len(shape)
-    row_mean = sum_partial(row_sum, nd - 1, layout=layout, purpose="factored row mean") / shape[-1]
-    col_mean = sum_partial(col_sum, nd - 2, layout=layout,
-                           purpose="factored column mean") / shape[-2]
+    row_s, col_s = yield [Partial(row_sum, layout, nd - 1, "factored row mean"),
+                          Partial(col_sum, layout, nd - 2, "factored column mean")]
+    row_mean, col_mean = row_s / shape[-1], col_s / shape[-2]
     row, col = to_leaf_coords(stats[names.row], stats[names.col])
     row, col = ema(row, row_mean, decay), ema(col, col_mean, decay)
-    factors = Factors(row, col, mean_over_rows(row, layout=layout))
+    if layout is None:
+        mean_r = mean_over_rows(row)
+    else:
+        # reduce_mean's arithmetic (local sum, completed, over the global count of rows).
+        (r_sum,) = yield [Partial(row.sum(dim=nd - 2, keepdim=True), layout, nd - 2,
+                                  "factored mean of row stats")]
+        mean_r = r_sum / shape[-2]
+    factors = Factors(row, col, mean_r)
     row, col = from_leaf_coords(row, col)
     return factors, {names.row: row, names.col: col}
 
@@ -271,12 +294,19 @@ def second_moment(
     Factored (``names.row`` in ``stats``, decided at init): the statistics pass
     (:func:`funcpar.kernels.factored.sq_row_col_sums`), :func:`factored_moment`, then the norm
     pass; the preconditioner is :class:`Factors`. Full: one pass updates ``V`` and takes the norm;
-    the preconditioner is the new ``V``. The norm feeds :func:`clip_divisor`.
+    the preconditioner is the new ``V``. The norm feeds :func:`clip_divisor`. One leaf at a time;
+    :func:`second_moment_phases` is the phased step.
     """
+    return run_phased([second_moment_phases(g, stats, names, decay, eps1, layout=layout)])[0]
+
+
+def second_moment_phases(g, stats, names, decay, eps1, *, layout=None):
+    """:func:`second_moment` as a phased step (the phases of :func:`factored_moment_phases`;
+    none for a full moment)."""
     if names.row in stats:
         row_sum, col_sum = kernels.sq_row_col_sums(g, eps1)
-        factors, new = factored_moment(row_sum, col_sum, stats, names, decay,
-                                       shape=global_shape(g, layout), layout=layout)
+        factors, new = yield from factored_moment_phases(
+            row_sum, col_sum, stats, names, decay, shape=global_shape(g, layout), layout=layout)
         return factors, new, kernels.scaled_norm(g, factors)
     if names.full is None or names.full not in stats:
         raise KeyError(f"state has neither {names.row!r} nor {names.full!r}: {sorted(stats)}")
@@ -293,9 +323,17 @@ def clip_divisor(
 ) -> Tensor:
     """``max(1, RMS(u) / threshold)`` for the update ``u`` whose norm over this shard is
     ``local_norm``; ``RMS`` over the whole (global) leaf of ``shape``: the squared local norms
-    are summed over the shards, as :func:`funcpar.shard.reduce.norm` does."""
+    are summed over the shards, as :func:`funcpar.shard.reduce.norm` does. One leaf at a time;
+    :func:`clip_divisor_phases` is the phased step."""
+    return run_phased([clip_divisor_phases(local_norm, threshold, shape=shape,
+                                           layout=layout)])[0]
+
+
+def clip_divisor_phases(local_norm, threshold, *, shape, layout=None):
+    """:func:`clip_divisor` as a phased step: one phase (sharded leaves only)."""
     norm = local_norm
     if layout is not None:
-        norm = sum_partial(local_norm.square(), tuple(range(len(shape))), layout=layout,
-                           purpose="update rms").sqrt()
+        (sq,) = yield [Partial(local_norm.square(), layout, tuple(range(len(shape))),
+                               "update rms")]
+        norm = sq.sqrt()
     return (norm / math.sqrt(math.prod(shape)) / threshold).clamp(min=1.0)

@@ -11,22 +11,22 @@ from torch import Tensor
 
 from funcpar.kernels import factored as kernels
 from funcpar.optim import validate
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
 from funcpar.optim.factored import (
     RESIDUAL,
     SECOND_MOMENT,
-    clip_divisor,
+    clip_divisor_phases,
     compute_dtype,
     eps_pair,
-    factored_moment,
+    factored_moment_phases,
     init_moment,
     is_factored,
-    second_moment,
+    second_moment_phases,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
-from funcpar.shard.reduce import global_shape
-from funcpar.state.tree import Tree, tree_map
+from funcpar.shard.reduce import global_shape, run_phased
+from funcpar.state.tree import Tree, tree_map, tree_unflatten
 
 __all__ = ["CAMEState", "came"]
 
@@ -71,9 +71,10 @@ def _came(lr, weight_decay, clip_threshold, *, betas, eps, weight_decay_mask):
                 return (None if out == "update" else p), st
             shape = global_shape(g, layout)
             sq = {k: v for k, v in st.items() if k in SECOND_MOMENT}
-            precond, new, local_norm = second_moment(g, sq, SECOND_MOMENT, beta2, eps1,
-                                                     layout=layout)
-            clip = clip_divisor(local_norm, clip_threshold, shape=shape, layout=layout)
+            precond, new, local_norm = yield from second_moment_phases(
+                g, sq, SECOND_MOMENT, beta2, eps1, layout=layout)
+            clip = yield from clip_divisor_phases(local_norm, clip_threshold, shape=shape,
+                                                  layout=layout)
             coeff = weight_decay * lr if use_decay else None
             # out="update": (new param - param), exact while the step is under half the
             # parameter, so apply_updates reproduces came-pytorch's rounding of the new
@@ -84,8 +85,8 @@ def _came(lr, weight_decay, clip_threshold, *, betas, eps, weight_decay_mask):
                 m, res_rows, res_cols = kernels.came_residual(g, precond, clip, st["exp_avg"],
                                                               beta1, eps2)
                 res_stats = {RESIDUAL.row: st[RESIDUAL.row], RESIDUAL.col: st[RESIDUAL.col]}
-                res_factors, res_new = factored_moment(res_rows, res_cols, res_stats, RESIDUAL,
-                                                       beta3, shape=shape, layout=layout)
+                res_factors, res_new = yield from factored_moment_phases(
+                    res_rows, res_cols, res_stats, RESIDUAL, beta3, shape=shape, layout=layout)
                 new.update(res_new)
                 result, _ = kernels.precond_apply(m, p, res_factors, post=lr, decay=coeff,
                                                   out=out)
@@ -98,7 +99,12 @@ def _came(lr, weight_decay, clip_threshold, *, betas, eps, weight_decay_mask):
             new["exp_avg"] = m
             return result, new
 
-        results, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
+        # Each leaf's step is phased (second moment, its row-factor sum, the update RMS, the
+        # residual's statistics and its row-factor sum); run_phased runs all leaves in
+        # lockstep so each phase costs one all-reduce per mesh axis for the whole tree.
+        spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
+        outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
+        results, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))
         return results, CAMEState(state.count + 1, stats)
 
     def update(grads, state: CAMEState, params=None, *, layouts=None):

@@ -53,6 +53,7 @@ __all__ = [
     "kernels_apply",
     "lazy_kernels",
     "leaf_table",
+    "leaf_tile",
     "new_output",
     "poisoned_outputs",
     "segment_sums",
@@ -258,6 +259,30 @@ def _build_combine():
 #: kernel module binds it to its global ``add_combine`` before defining the kernels that use it
 #: (a kernel finds the functions it calls among its module's globals).
 combine_fn = lazy_kernels(_build_combine)
+
+
+def _build_leaf_tile():
+    global tl, triton
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    @no_type_check
+    def leaf_tile(table, tiles, NCOL: tl.constexpr, BLOCK: tl.constexpr):
+        # This program's tile: its index, its leaf and the leaf's table row, the element
+        # offsets, the leaf's numel and decay flag (the first two columns of every row).
+        pid = tl.program_id(0)
+        leaf = tl.load(tiles + 2 * pid).to(tl.int64)
+        offs = tl.load(tiles + 2 * pid + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        row = table + leaf * NCOL
+        return pid, leaf, row, offs, tl.load(row), tl.load(row + 1)
+
+    return leaf_tile
+
+
+#: ``leaf_tile()``: the tile prologue every multi-tensor kernel starts with, bound by a kernel
+#: module to its global ``leaf_tile`` before defining its kernels (as ``combine_fn``).
+leaf_tile = lazy_kernels(_build_leaf_tile)
 
 
 def _build_segment():

@@ -87,9 +87,11 @@ def adamw_reference(
 
 
 def _build():
-    global tl, triton
+    global tl, triton, tile_of
     import triton
     import triton.language as tl
+
+    tile_of = _launch.leaf_tile()
 
     @triton.jit
     @no_type_check
@@ -100,12 +102,8 @@ def _build():
                      LERP_SMALL: tl.constexpr, WRITE_PARAMS: tl.constexpr):
         # Program i: tile tiles[i, 1] of leaf tiles[i, 0]; the leaf's row of the table holds
         # numel, the decay flag and the addresses (in, then out) of its tensors.
-        pid = tl.program_id(0)
-        leaf = tl.load(tiles + 2 * pid).to(tl.int64)
-        offs = tl.load(tiles + 2 * pid + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        row = table + leaf * NCOL
-        n = tl.load(row)
-        dflag = tl.load(row + 1)  # 1: weight decay applies to this leaf
+        # dflag 1: weight decay applies to this leaf.
+        _pid, _leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
         mask = offs < n
         step_size = tl.load(scal)
         bc2_sqrt = tl.load(scal + 1)

@@ -119,12 +119,13 @@ def lamb_update_reference(
 
 
 def _build():
-    global tl, triton, lamb_direction_jit, add_combine
+    global tl, triton, lamb_direction_jit, add_combine, tile_of
     import triton
     import triton.language as tl
 
     # Not tl.sum: see _launch.combine_fn.
     add_combine = _launch.combine_fn()
+    tile_of = _launch.leaf_tile()
 
     @triton.jit
     @no_type_check
@@ -154,12 +155,7 @@ def _build():
                             VO: tl.constexpr, MOMENTS: tl.constexpr, IN_UPDATE: tl.constexpr,
                             MAXIMIZE: tl.constexpr):
         # Leaf row: numel, decay flag, p, g, m, v, m out, v out.
-        pid = tl.program_id(0)
-        leaf = tl.load(tiles + 2 * pid).to(tl.int64)
-        offs = tl.load(tiles + 2 * pid + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        row = table + leaf * NCOL
-        n = tl.load(row)
-        dflag = tl.load(row + 1)
+        pid, _leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
         mask = offs < n
         beta1 = tl.load(scal)
         m_coef = tl.load(scal + 1)
@@ -188,12 +184,7 @@ def _build():
                            MOMENTS: tl.constexpr, IN_UPDATE: tl.constexpr,
                            WRITE_PARAMS: tl.constexpr):
         # Leaf row: numel, decay flag, p, m', v', out.
-        pid = tl.program_id(0)
-        leaf = tl.load(tiles + 2 * pid).to(tl.int64)
-        offs = tl.load(tiles + 2 * pid + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        row = table + leaf * NCOL
-        n = tl.load(row)
-        dflag = tl.load(row + 1)
+        _pid, leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
         mask = offs < n
         p = tl.load(tl.load(row + 2).to(tl.pointer_type(P)) + offs, mask=mask).to(tl.float32)
         m = tl.load(tl.load(row + 3).to(tl.pointer_type(M)) + offs, mask=mask).to(tl.float32)

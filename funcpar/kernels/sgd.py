@@ -70,9 +70,11 @@ def sgd_reference(
 
 
 def _build():
-    global tl, triton
+    global tl, triton, tile_of
     import triton
     import triton.language as tl
+
+    tile_of = _launch.leaf_tile()
 
     @triton.jit
     @no_type_check
@@ -81,12 +83,7 @@ def _build():
                    U: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
                    MAXIMIZE: tl.constexpr, WRITE_PARAMS: tl.constexpr):
         # Leaf row: numel, decay flag, p, g, b (in), out, b (out).
-        pid = tl.program_id(0)
-        leaf = tl.load(tiles + 2 * pid).to(tl.int64)
-        offs = tl.load(tiles + 2 * pid + 1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        row = table + leaf * NCOL
-        n = tl.load(row)
-        dflag = tl.load(row + 1)
+        _pid, _leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
         mask = offs < n
         lr = tl.load(scal)
         wd = tl.load(scal + 1)

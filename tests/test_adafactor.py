@@ -17,8 +17,8 @@ from funcpar.optim.adafactor import (
     adafactor,
     adafactor_leaf_init,
     adafactor_leaf_update,
-    adafactor_torch,
 )
+from funcpar.optim.adafactor_torch import adafactor_torch
 from funcpar.optim.masks import matrices_only
 
 # Square, non-square, 1-D, 3-D, single-element and 0-d leaves: every reference handles 0-d.

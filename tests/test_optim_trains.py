@@ -22,7 +22,8 @@ import torch
 
 from funcpar.models import Llama, LlamaConfig, lm_loss
 from funcpar.optim import chain, clip_by_global_norm, matrices_only
-from funcpar.optim.adafactor import adafactor, adafactor_torch
+from funcpar.optim.adafactor import adafactor
+from funcpar.optim.adafactor_torch import adafactor_torch
 from funcpar.optim.came import came
 from funcpar.optim.galore import galore_adafactor, galore_adamw, galore_param_groups
 from funcpar.optim.lamb import lamb

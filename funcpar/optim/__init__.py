@@ -1,7 +1,8 @@
 """Optimizers as pure ``init``/``update`` pairs over pytrees (optax's shape)."""
 
 from funcpar.optim.accumulate import AccumulateState, accumulate
-from funcpar.optim.adafactor import AdafactorState, adafactor, adafactor_torch
+from funcpar.optim.adafactor import AdafactorState, adafactor
+from funcpar.optim.adafactor_torch import adafactor_torch
 from funcpar.optim.adamw import AdamWState, adamw
 from funcpar.optim.base import (
     EmptyState,

@@ -3,7 +3,8 @@
 * :func:`adafactor` is the fairseq / Hugging Face / Colossal-AI variant, exactly
   ``transformers.optimization.Adafactor`` (and the inner optimizer of galore-torch's
   ``GaLoreAdafactor``, whose per-leaf math :func:`adafactor_leaf_update` exposes).
-* :func:`adafactor_torch` is exactly ``torch.optim.Adafactor``, a different variant.
+* :func:`funcpar.optim.adafactor_torch.adafactor_torch` is exactly ``torch.optim.Adafactor``,
+  a different variant, in its own module.
 
 The factored statistics are :mod:`funcpar.optim.factored`'s; every whole-dim reduction (row and
 column means, the mean of the row factor, RMS of the update and of the parameter) goes through
@@ -27,18 +28,14 @@ from funcpar.optim.base import (
     check_floating,
     check_grads,
     leaf_columns,
-    map_leaves,
 )
 from funcpar.optim.factored import (
     SECOND_MOMENT,
-    MomentNames,
     clip_divisor_phases,
     compute_dtype,
     eps_pair,
     init_moment,
     is_factored,
-    mean_over_rows,
-    row_col_mean_squares,
     second_moment_phases,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
@@ -48,7 +45,6 @@ from funcpar.shard.reduce import (
     Reducible,
     global_shape,
     local_sum_of_squares,
-    norm,
     rms,
     run_phased,
     together,
@@ -62,7 +58,6 @@ __all__ = [
     "adafactor_leaf_init",
     "adafactor_leaf_update",
     "adafactor_step_size",
-    "adafactor_torch",
 ]
 
 
@@ -453,139 +448,5 @@ def adafactor(
             lr, eps, clip_threshold, decay_rate, beta1, weight_decay, scale_parameter,
             relative_step, warmup_init, min_dim_size_to_factor,
         ),
-        weight_decay_mask=weight_decay_mask,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# torch.optim.Adafactor variant
-# --------------------------------------------------------------------------------------------
-
-_TORCH_NAMES = MomentNames("row_var", "col_var", "variance")
-
-
-def _rms_f64(x: Tensor, layout: Reducible | None, purpose: str) -> Tensor:
-    # torch.optim.Adafactor takes the norm in the leaf's dtype and divides by sqrt(numel) in
-    # Python floats (float64).
-    n = math.prod(global_shape(x, layout))
-    return norm(x, layout=layout, purpose=purpose).to(torch.float64) / math.sqrt(n)
-
-
-def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_decay_mask):
-    eps1, eps2 = eps
-
-    def init(params: Tree) -> AdafactorState:
-        check_floating(params, who="adafactor_torch")
-        stats = tree_map(
-            lambda p: None if p is None else init_moment(
-                p.shape, dtype=p.dtype, device=p.device, names=_TORCH_NAMES,
-                factored=is_factored(p.shape), keepdim=True,
-            ),
-            params,
-        )
-        return AdafactorState(torch.zeros((), dtype=torch.int64), stats)
-
-    def update(grads, state: AdafactorState, params=None, *, layouts=None):
-        check_grads(params, grads)
-        decay = resolve_mask(weight_decay_mask, params)
-        count = state.count + 1
-        t = count.to(torch.float64)
-        one_minus_beta2 = t**beta2_decay
-        rho = torch.minimum(lr, 1.0 / t.sqrt())
-
-        def leaf(g, p, st, use_decay, layout):
-            if g is None:
-                return None, st
-            if maximize:
-                g = -g
-            e1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
-            alpha = _rms_f64(p, layout, "param rms").clamp(min=eps2) * rho
-            w = one_minus_beta2.to(g.dtype)
-            if _TORCH_NAMES.row in st:
-                row_mean, col_mean = row_col_mean_squares(g, layout=layout)
-                row = torch.lerp(st[_TORCH_NAMES.row], row_mean, w)
-                col = torch.lerp(st[_TORCH_NAMES.col], col_mean, w)
-                var = (row @ col) / mean_over_rows(row, layout=layout).clamp(min=e1)
-                new = {_TORCH_NAMES.row: row, _TORCH_NAMES.col: col}
-            else:
-                var = torch.lerp(st[_TORCH_NAMES.full], g * g, w)
-                new = {_TORCH_NAMES.full: var}
-            u = var.clamp(min=e1 * e1).rsqrt() * g
-            # torch folds the clipping into the step size, in float64.
-            denom = (_rms_f64(u, layout, "update rms") / d).clamp(min=1.0)
-            new_p = p * (1 - lr * weight_decay).to(p.dtype) if use_decay else p
-            new_p = torch.addcmul(new_p, u, (-alpha / denom).to(u.dtype))
-            # (new param - param) is exact while the step is under half the parameter, so
-            # apply_updates reproduces torch's rounding of the new parameter.
-            return new_p - p, new
-
-        updates, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
-        return updates, AdafactorState(count, stats)
-
-    return GradientTransformation(init, update)
-
-
-def adafactor_torch(
-    lr: Any = 1e-2,
-    beta2_decay: float = -0.8,
-    eps: Sequence[float | None] = (None, 1e-3),
-    d: float = 1.0,
-    weight_decay: Any = 0.0,
-    *,
-    maximize: bool = False,
-    weight_decay_mask: Mask = None,
-) -> GradientTransformation:
-    """Adafactor, exactly ``torch.optim.Adafactor`` (torch >= 2.5).
-
-    Shazeer & Stern 2018 (arXiv 1804.04235), torch's variant. Defaults (torch's): ``lr=1e-2``,
-    ``beta2_decay=-0.8``, ``eps=(None, 1e-3)``, ``d=1.0``, ``weight_decay=0.0``. Tested step by
-    step against torch.optim.Adafactor (tests/test_adafactor.py: measured 3.7e-16 in float64,
-    1.4e-7 in float32).
-
-    For each leaf ``W`` with gradient ``g`` at step ``t`` (from 1), ``eps1`` defaulting to the
-    machine epsilon of ``W``'s dtype::
-
-        rho_t   = min(lr, 1/sqrt(t));   alpha_t = max(eps2, RMS(W)) rho_t
-        W <- W - lr weight_decay W
-        >= 2 dims:  R <- lerp(R, mean_{-1}(g^2), t^beta2_decay)
-                    C <- lerp(C, mean_{-2}(g^2), t^beta2_decay)
-                    V = R C^T / max(mean_{-2}(R), eps1)
-        otherwise:  V <- lerp(V, g^2, t^beta2_decay)
-        u = g / sqrt(max(V, eps1^2))
-        W <- W - alpha_t u / max(1, RMS(u) / d)
-
-    What differs from :func:`adafactor` (Hugging Face): ``lr`` is the cap of the relative step
-    (there is no ``relative_step`` / ``scale_parameter`` switch: both are always on, with
-    ``lr=1e-2`` giving the paper's cap); ``beta2_decay`` is ``decay_rate`` but the average is a
-    ``lerp`` with weight ``t^beta2_decay``; ``eps1`` is not added to ``g^2`` but clamps the
-    normaliser ``mean(R)`` from below (by ``eps1``) and ``V`` (by ``eps1^2``), and defaults to
-    the dtype's epsilon; the estimate is formed as ``R C^T / mean(R)`` and then inverted (not as a
-    product of inverse square roots); the clipping threshold is ``d`` (>= 1); there is no first
-    moment; the weight decay is scaled by ``lr`` (not ``alpha_t``) and applied before the step
-    (the step size still uses ``RMS`` of the pre-decay ``W``); statistics keep torch's
-    ``keepdim`` shapes ``(..., n, 1)`` / ``(..., 1, m)`` under torch's names ``row_var``,
-    ``col_var``, ``variance``. ``lr`` and ``weight_decay`` may be schedules.
-    """
-    who = "adafactor_torch"
-    validate.nonnegative(who, "lr", lr)
-    eps1, eps2 = eps_pair(who, eps)
-    if eps1 is not None:
-        validate.positive(who, "eps[0]", eps1)
-    # eps2 > 0 (torch accepts 0): the floor of RMS(W) in alpha_t; 0 freezes a zero leaf.
-    validate.positive(who, "eps[1]", eps2)
-    if callable(beta2_decay) or not (math.isfinite(float(beta2_decay)) and beta2_decay <= 0):
-        raise ValueError(f"{who}: beta2_decay must be a number <= 0, got {beta2_decay!r}")
-    if callable(d) or not (math.isfinite(float(d)) and d >= 1.0):
-        raise ValueError(f"{who}: the clipping threshold d must be a number >= 1, got {d!r}")
-    validate.nonnegative(who, "weight_decay", weight_decay)
-    return inject_hyperparams(
-        _adafactor_torch,
-        ("lr", "weight_decay"),
-        lr=lr,
-        weight_decay=weight_decay,
-        beta2_decay=float(beta2_decay),
-        eps=(None if eps1 is None else float(eps1), float(eps2)),
-        d=float(d),
-        maximize=bool(maximize),
         weight_decay_mask=weight_decay_mask,
     )

@@ -326,3 +326,26 @@ def test_every_reduction_goes_through_the_layout(name):
     # A row mean reduces the leaf's last dim, a column mean its second-last.
     cube = {p: d for p, d, _ in layouts["cube"].calls}
     assert cube["factored row mean"] == (2,) and cube["factored column mean"] == (1,)
+
+
+def _adafactor_torch_messages() -> int:
+    """On a rank of tp2: the optimizer's own all-reduces in one training step of
+    adafactor_torch (not clipping's global norm, not the gradients')."""
+    from funcpar.shard.comm import comm_log
+    from funcpar.testing import reference
+
+    step, state = reference.build(2, 1, "adafactor_torch")
+    with comm_log.capture() as recs:
+        step(state, reference.batches()[0])
+    return sum(1 for r in recs if "rms" in r.purpose or "factored" in r.purpose)
+
+
+def test_adafactor_torch_batches_its_reductions_per_phase():
+    """adafactor_torch's per-leaf step runs as phases in lockstep over all leaves
+    (funcpar.shard.reduce.run_phased): on tp2 one all-reduce per phase - the parameter's RMS
+    with the row and column means, the row factor's mean, the update's RMS - where reducing
+    leaf by leaf sent 60 (docs/DISTRIBUTED_OPTIM.md). Its results under every layout are the
+    distributed matrix's (tests/test_distributed_optim.py)."""
+    from funcpar.testing import run_ranks
+
+    assert run_ranks(_adafactor_torch_messages, 2, timeout=300) == [3, 3]

@@ -17,19 +17,24 @@ from torch import Tensor
 
 from funcpar.optim import validate
 from funcpar.optim.adafactor import AdafactorState
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
 from funcpar.optim.factored import (
     MomentNames,
     eps_pair,
     init_moment,
     is_factored,
-    mean_over_rows,
-    row_col_mean_squares,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
-from funcpar.shard.reduce import Reducible, global_shape, norm
-from funcpar.state.tree import Tree, tree_map
+from funcpar.shard.reduce import (
+    Partial,
+    Reducible,
+    global_shape,
+    local_sum_of_squares,
+    run_phased,
+    together,
+)
+from funcpar.state.tree import Tree, tree_map, tree_unflatten
 
 __all__ = ["adafactor_torch"]
 
@@ -37,11 +42,36 @@ __all__ = ["adafactor_torch"]
 _TORCH_NAMES = MomentNames("row_var", "col_var", "variance")
 
 
-def _rms_f64(x: Tensor, layout: Reducible | None, purpose: str) -> Tensor:
-    # torch.optim.Adafactor takes the norm in the leaf's dtype and divides by sqrt(numel) in
-    # Python floats (float64).
+def _rms_f64_phases(x: Tensor, layout: Reducible | None, purpose: str):
+    """``RMS(x)`` as torch.optim.Adafactor forms it (the norm in the leaf's dtype, divided by
+    ``sqrt(numel)`` in Python floats, i.e. float64), as a phased step: one phase completing the
+    sum of squares of a sharded leaf."""
     n = math.prod(global_shape(x, layout))
-    return norm(x, layout=layout, purpose=purpose).to(torch.float64) / math.sqrt(n)
+    if layout is None:
+        return torch.linalg.vector_norm(x).to(torch.float64) / math.sqrt(n)
+    (sq,) = yield [Partial(local_sum_of_squares(x), layout, None, purpose)]
+    return sq.sqrt().to(torch.float64) / math.sqrt(n)
+
+
+def _row_col_mean_squares_phases(g: Tensor, layout: Reducible | None):
+    """torch's ``mean_{-1}(g^2)`` and ``mean_{-2}(g^2)`` (keepdim): squared local norms over each
+    dim, completed over the shards in one phase, over the global size of the dim."""
+    shape = global_shape(g, layout)
+    dims = (g.ndim - 1, g.ndim - 2)
+    local = [torch.linalg.vector_norm(g, dim=d, keepdim=True).square() for d in dims]
+    done = yield [Partial(x, layout, d, f"factored {what} mean")
+                  for x, d, what in zip(local, dims, ("row", "column"))]
+    return tuple(x / shape[d] for x, d in zip(done, dims))
+
+
+def _mean_over_rows_phases(row: Tensor, layout: Reducible | None):
+    """``mean_{-2}(R)`` (keepdim) of the row factor: one phase for a leaf split over rows."""
+    if layout is None:
+        return row.mean(dim=-2, keepdim=True)
+    d = row.ndim - 2
+    (total,) = yield [Partial(row.sum(dim=d, keepdim=True), layout, d,
+                              "factored mean of row stats")]
+    return total / global_shape(row, layout)[d]
 
 
 def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_decay_mask):
@@ -67,32 +97,42 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
         rho = torch.minimum(lr, 1.0 / t.sqrt())
 
         def leaf(g, p, st, use_decay, layout):
+            # A phased step (funcpar.shard.reduce.run_phased): the parameter's RMS and the
+            # row/column sums in one phase, the row factor's mean in a second, the update's RMS
+            # in a third (phases only for sharded leaves), each for all leaves at once.
             if g is None:
                 return None, st
             if maximize:
                 g = -g
             e1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
-            alpha = _rms_f64(p, layout, "param rms").clamp(min=eps2) * rho
             w = one_minus_beta2.to(g.dtype)
             if _TORCH_NAMES.row in st:
-                row_mean, col_mean = row_col_mean_squares(g, layout=layout)
+                p_rms, (row_mean, col_mean) = yield from together(
+                    _rms_f64_phases(p, layout, "param rms"),
+                    _row_col_mean_squares_phases(g, layout))
                 row = torch.lerp(st[_TORCH_NAMES.row], row_mean, w)
                 col = torch.lerp(st[_TORCH_NAMES.col], col_mean, w)
-                var = (row @ col) / mean_over_rows(row, layout=layout).clamp(min=e1)
+                mean = yield from _mean_over_rows_phases(row, layout)
+                var = (row @ col) / mean.clamp(min=e1)
                 new = {_TORCH_NAMES.row: row, _TORCH_NAMES.col: col}
             else:
+                p_rms = yield from _rms_f64_phases(p, layout, "param rms")
                 var = torch.lerp(st[_TORCH_NAMES.full], g * g, w)
                 new = {_TORCH_NAMES.full: var}
+            alpha = p_rms.clamp(min=eps2) * rho
             u = var.clamp(min=e1 * e1).rsqrt() * g
             # torch folds the clipping into the step size, in float64.
-            denom = (_rms_f64(u, layout, "update rms") / d).clamp(min=1.0)
+            u_rms = yield from _rms_f64_phases(u, layout, "update rms")
+            denom = (u_rms / d).clamp(min=1.0)
             new_p = p * (1 - lr * weight_decay).to(p.dtype) if use_decay else p
             new_p = torch.addcmul(new_p, u, (-alpha / denom).to(u.dtype))
             # (new param - param) is exact while the step is under half the parameter, so
             # apply_updates reproduces torch's rounding of the new parameter.
             return new_p - p, new
 
-        updates, stats = map_leaves(leaf, grads, params, state.stats, decay, layouts, n_out=2)
+        spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
+        outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
+        updates, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))
         return updates, AdafactorState(count, stats)
 
     return GradientTransformation(init, update)

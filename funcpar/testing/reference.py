@@ -62,6 +62,7 @@ OPTIMIZERS = {
     "adafactor_momentum": lambda p: _clip(fo.adafactor(lr=1e-2, beta1=0.9, relative_step=False,
                                                        scale_parameter=False, weight_decay=0.1)),
     "adafactor_relative": lambda p: fo.adafactor(),  # relative step, parameter-RMS scaling
+    "adafactor_torch": lambda p: _clip(fo.adafactor_torch(lr=1e-2, weight_decay=0.1)),
     "came": lambda p: _clip(fo.came(lr=1e-3, weight_decay=0.1)),
     "lamb": lambda p: _clip(fo.lamb(lr=1e-2, weight_decay=0.1)),
     "galore_adamw": lambda p: _clip(fo.galore_adamw(lr=1e-2, weight_decay=0.1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor
 
 from funcpar.optim.base import GradientTransformation, update_params
-from funcpar.optim.clip import global_norm
+from funcpar.optim.clip import global_norm, reuse_global_norm
 from funcpar.optim.hyperparams import get_hyperparams
 from funcpar.state.functional import ApplyFn
 from funcpar.state.train_state import TrainState
@@ -151,6 +152,13 @@ class TrainStep:
     hooks), and whose ``global_norm(grads, layouts)`` is the ``grad_norm`` metric over every
     stage's leaves.
 
+    ``share_grad_norm`` (default True): the ``grad_norm`` metric and the optimizer run inside
+    :func:`funcpar.optim.clip.reuse_global_norm`, so a ``clip_by_global_norm`` that receives
+    the step's gradients unchanged clips by the metric's norm (the same tensor: bit-identical
+    results) instead of all-reducing it a second time; after a transformation that changed the
+    gradients it computes its own. ``False`` computes every norm anew (the results are the
+    same, with the clip's all-reduces; for tests and measurements).
+
     ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
     they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
     plan and the data-parallel axis, so that the transforms compose in either order.
@@ -171,6 +179,7 @@ class TrainStep:
     loss_scaler: LossScaler | None = None
     precision: str | None = None
     pipeline: Any = None
+    share_grad_norm: bool = True
 
     def __post_init__(self) -> None:
         # ZeRO-3 installs the gathered float32 leaves into the modules itself, past the params
@@ -222,16 +231,22 @@ class TrainStep:
             # the optimizer, which must all see the true gradients.
             grads, finite = scaler.unscale(grads, extras)
         lays = self.layouts if self.grad_layouts is None else self.grad_layouts
-        if self.pipeline is not None:
-            gnorm = self.pipeline.global_norm(grads, lays)
-        else:
-            gnorm = global_norm(grads, lays)
-        if finite is not None and not bool(finite):
-            # Skipped: every rank got the same ``finite``, so they all skip, and none runs the
-            # optimizer's collectives alone.
-            return params, buffers, opt_state, loss, gnorm, finite
-        params, opt_state = update_params(self.optimizer, grads, opt_state, params,
-                                          layouts=self.layouts)
+        # One norm for the metric and the optimizer's clip: inside reuse_global_norm a
+        # clip_by_global_norm given these very gradients (same layouts, same pipeline split)
+        # returns the metric's norm instead of all-reducing it again. The scope ends with the
+        # optimizer call, so nothing outlives the step.
+        scope = reuse_global_norm() if self.share_grad_norm else contextlib.nullcontext()
+        with scope:
+            if self.pipeline is not None:
+                gnorm = self.pipeline.global_norm(grads, lays)
+            else:
+                gnorm = global_norm(grads, lays)
+            if finite is not None and not bool(finite):
+                # Skipped: every rank got the same ``finite``, so they all skip, and none runs
+                # the optimizer's collectives alone.
+                return params, buffers, opt_state, loss, gnorm, finite
+            params, opt_state = update_params(self.optimizer, grads, opt_state, params,
+                                              layouts=self.layouts)
         return params, new_buffers, opt_state, loss, gnorm, finite
 
     def __call__(

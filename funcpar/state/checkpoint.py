@@ -52,7 +52,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -80,7 +80,9 @@ __all__ = [
     "save",
 ]
 
-FORMAT = "funcpar-checkpoint/1"
+FORMAT = "funcpar-checkpoint/2"
+#: Formats load reads: /1 kept every replicated leaf in rank 0's file.
+READABLE = ("funcpar-checkpoint/1", FORMAT)
 INDEX = "index.json"
 COMPLETE = "COMPLETE"
 _CHUNK = 1 << 22
@@ -304,6 +306,98 @@ def _json_value(name: str, x: Any) -> Any:
                     "be tensors, None or plain numbers/strings")
 
 
+def _held(name: str, x: Any, lay: Any) -> dict[str, Any]:
+    """What this rank holds of leaf ``name``, as every rank tells the others before a save:
+    a sharded leaf's layout and slice, another tensor's shape and digest, a plain value."""
+    if not torch.is_tensor(x):
+        try:
+            return {"kind": "value", "value": _json_value(name, x)}
+        except TypeError as err:  # raised by every rank after the gather, not by this one alone
+            return {"kind": "invalid", "error": str(err)}
+    dtype = str(x.dtype).removeprefix("torch.")
+    if lay is not None:
+        return {"kind": "sharded", "dtype": dtype, "global_shape": list(lay.global_shape),
+                "spec": [list(a) for a in lay.dim_axes], "blocks": list(lay.dim_blocks),
+                "slice": [list(iv) for iv in lay._intervals(None)]}
+    return {"kind": "tensor", "dtype": dtype, "shape": list(x.shape), "digest": _digest(x)}
+
+
+class _SavePlan(NamedTuple):
+    """Per leaf (union over ranks, first-held order): its index record (shards' files
+    included) and the ranks that write it; the same on every rank (computed from what every
+    rank holds)."""
+
+    records: dict[str, dict[str, Any]]
+    writers: dict[str, list[int]]
+
+
+def _plan_save(every: list[dict[str, dict[str, Any]]]) -> _SavePlan:
+    """Who writes what (see :func:`save`). ValueError, naming the leaf and the ranks, when the
+    holders of a leaf disagree on what it is (sharded on one, whole on another; another global
+    shape or split)."""
+    order = list(dict.fromkeys(n for held in every for n in held))
+    records: dict[str, dict[str, Any]] = {}
+    writers: dict[str, list[int]] = {}
+    for name in order:
+        holders = [r for r, held in enumerate(every) if name in held]
+        first = every[holders[0]][name]
+        bad = next((every[r][name] for r in holders if every[r][name]["kind"] == "invalid"),
+                   None)
+        if bad is not None:
+            raise TypeError(bad["error"])
+        kinds = {every[r][name]["kind"] for r in holders}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"checkpoint: leaf {name!r} is held as " + ", ".join(
+                    f"{every[r][name]['kind']} on rank {r}" for r in holders)
+                + ": its holders must agree (a layout on every holder or on none)")
+        if first["kind"] == "value":
+            records[name] = {"kind": "value", "value": first["value"]}
+            continue
+        if first["kind"] == "sharded":
+            keys = ("global_shape", "spec", "blocks", "dtype")
+            for r in holders:
+                if any(every[r][name][k] != first[k] for k in keys):
+                    raise ValueError(
+                        f"checkpoint: leaf {name!r} is sharded as "
+                        f"{[first[k] for k in keys]} on rank {holders[0]} but as "
+                        f"{[every[r][name][k] for k in keys]} on rank {r} (global shape, "
+                        "split axes, blocks, dtype)")
+            # Each distinct slice once, by the lowest rank holding it: replicas over the axes
+            # that do not split the leaf, and the second holder of a tied weight, skip it.
+            by_slice: dict[str, int] = {}
+            for r in holders:
+                by_slice.setdefault(json.dumps(every[r][name]["slice"]), r)
+            rec = {k: first[k] for k in ("kind", "dtype", "global_shape", "spec", "blocks")}
+            rec["shards"] = [{"file": _rank_file(r), "slice": json.loads(sl)}
+                             for sl, r in by_slice.items()]
+            records[name], writers[name] = rec, sorted(by_slice.values())
+        elif all(every[r][name]["digest"] == first["digest"] for r in holders):
+            records[name] = {"kind": "replicated", "dtype": first["dtype"],
+                             "global_shape": first["shape"], "file": _rank_file(holders[0])}
+            writers[name] = [holders[0]]
+        else:
+            shapes: list[list[int] | None] = [None] * len(every)
+            for r in holders:
+                shapes[r] = every[r][name]["shape"]
+            records[name] = {"kind": "per_rank", "dtype": first["dtype"], "shapes": shapes}
+            writers[name] = holders
+    return _SavePlan(records, writers)
+
+
+def _mesh_of(step: Any, lays: Mapping[str, Any]) -> Any:
+    """The run's mesh: the layouts', else the pipeline's (pp alone lays out no leaf)."""
+    mesh = next((lay.mesh for lay in lays.values() if lay is not None), None)
+    pipeline = getattr(step, "pipeline", None)
+    if mesh is None and pipeline is not None:
+        mesh = pipeline.mesh
+    return mesh
+
+
+def _mesh_sizes(mesh: Any) -> dict[str, int] | None:
+    return {a: mesh.size(a) for a in mesh.axis_names} if mesh is not None else None
+
+
 # ------------------------------------------------------------------------------------- save
 def save(
     state: TrainState,
@@ -332,6 +426,10 @@ def save(
     rank, world = _rank_world()
     lays = leaf_layouts(state, step=step, layouts=layouts)
     leaves = _named(state)
+    # Every rank's view of its leaves first (under a pipeline each holds only its stages'), so
+    # that every rank computes the same plan - or the same error, before anything is written.
+    every = _gather({name: _held(name, x, lays.get(name)) for name, x in leaves})
+    plan = _plan_save(every)
     meta_err = None
     if extra_meta is not None:
         try:
@@ -350,34 +448,13 @@ def save(
     if meta_err is not None:
         raise ValueError(meta_err)
 
-    # Which leaves agree on every rank (replicated) and which do not (per_rank).
-    digests = {n: _digest(x) for n, x in leaves if torch.is_tensor(x) and lays.get(n) is None}
-    every = _gather(digests)
+    writes = [name for name, x in leaves if torch.is_tensor(x) and name in plan.writers
+              and rank in plan.writers[name]]
     tensors: dict[str, Tensor] = {}
-    entries: dict[str, Any] = {}
     seen: set[int] = set()
-    for name, x in leaves:
-        if not torch.is_tensor(x):
-            entries[name] = {"kind": "value", "value": _json_value(name, x)}
-            continue
-        lay = lays.get(name)
-        info: dict[str, Any] = {"dtype": str(x.dtype).removeprefix("torch.")}
-        if lay is not None:
-            coords = lay.mesh.coords()
-            split = {a for axes in lay.dim_axes for a in axes}
-            info.update(kind="sharded", global_shape=list(lay.global_shape),
-                        spec=[list(a) for a in lay.dim_axes], blocks=list(lay.dim_blocks))
-            if all(coords[a] == 0 for a in lay.mesh.axis_names if a not in split):
-                info["slice"] = [list(iv) for iv in lay._intervals(None)]
-                tensors[name] = _owned(x, seen)
-        elif all(d.get(name) == digests[name] for d in every):
-            info.update(kind="replicated", global_shape=list(x.shape))
-            if rank == 0:
-                tensors[name] = _owned(x, seen)
-        else:
-            info.update(kind="per_rank", shape=list(x.shape))
-            tensors[name] = _owned(x, seen)
-        entries[name] = info
+    by_name = dict(leaves)
+    for name in writes:
+        tensors[name] = _owned(by_name[name], seen)
     fname = _rank_file(rank)
     fpath = os.path.join(tmp, fname)
     save_file(tensors, fpath, metadata={"format": FORMAT, "rank": str(rank)})
@@ -386,27 +463,21 @@ def save(
         on_file(fpath)
     tensors.clear()
 
-    gathered = _gather((entries, file_info))
+    files = _gather(file_info)
     if rank == 0:
-        mesh = next((lay.mesh for lay in lays.values() if lay is not None), None)
+        pipeline = getattr(step, "pipeline", None)
         index: dict[str, Any] = {
             "format": FORMAT,
             "world_size": world,
-            "mesh": ({a: mesh.size(a) for a in mesh.axis_names} if mesh is not None else None),
+            "mesh": _mesh_sizes(_mesh_of(step, lays)),
             "step": int(state.step) if torch.is_tensor(state.step) else None,
-            "leaves": {},
-            "files": {_rank_file(r): fi for r, (_, fi) in enumerate(gathered)},
+            "leaves": plan.records,
+            "files": {_rank_file(r): fi for r, fi in enumerate(files)},
             "extra_meta": dict(extra_meta or {}),
         }
-        for name, _ in leaves:
-            first = gathered[0][0][name]
-            rec = {k: v for k, v in first.items() if k != "slice"}
-            if first["kind"] == "sharded":
-                rec["shards"] = [{"file": _rank_file(r), "slice": e[name]["slice"]}
-                                 for r, (e, _) in enumerate(gathered) if "slice" in e[name]]
-            elif first["kind"] == "per_rank":
-                rec["shapes"] = [e[name]["shape"] for e, _ in gathered]
-            index["leaves"][name] = rec
+        if pipeline is not None:  # for the reader: which blocks each stage ran
+            index["pipeline"] = {"axis": pipeline.axis, "stages": pipeline.plan.n_stages,
+                                 "blocks": [list(r) for r in pipeline.plan.ranges]}
         text = json.dumps(index, indent=1)
         _write_text(os.path.join(tmp, INDEX), text)
         if on_file is not None:
@@ -453,7 +524,7 @@ def read_index(path: str | os.PathLike, *, verify_files: bool = True) -> dict[st
         raise CheckpointError(f"{final}/{INDEX} is corrupt: sha256 {got[:16]}... but "
                               f"{COMPLETE} records {want[:16]}...")
     index = json.loads(raw)
-    if index.get("format") != FORMAT:
+    if index.get("format") not in READABLE:
         raise CheckpointError(f"{final}: format {index.get('format')!r}, expected {FORMAT!r}")
     if verify_files:
         for fname, fi in index["files"].items():
@@ -495,6 +566,47 @@ def _assemble(rec: dict[str, Any], name: str, read: Callable[[str, str], Tensor]
     return out
 
 
+def _fit_error(final: str, index: dict[str, Any], names: list[str], leaves: list[Any],
+               lays: Mapping[str, Any], rank: int, world: int,
+               here: dict[str, int] | None) -> str | None:
+    """Why this rank's part of ``like`` does not fit the checkpoint (the first reason), or
+    None: a leaf the checkpoint lacks, a value where a tensor is (or back), another global
+    shape, a ``per_rank`` leaf on another mesh or local shape."""
+    saved = index["leaves"]
+    missing = [n for n in names if n not in saved]
+    if missing:
+        what = ("optimizer (or optimizer settings)" if missing[0].startswith("opt_state")
+                else "model")
+        return (f"checkpoint {final} has no leaf {missing[0]!r} (of {len(missing)} missing); "
+                f"it was saved from another {what}")
+    for n, x in zip(names, leaves):  # shapes first, before any tensor is read
+        rec = saved[n]
+        if not torch.is_tensor(x):
+            if rec["kind"] != "value":
+                return f"checkpoint leaf {n!r} is a tensor but the state's is {x!r}"
+            continue
+        if rec["kind"] == "value":
+            return (f"checkpoint leaf {n!r} is {rec['value']!r} but the state's is a tensor of "
+                    f"shape {tuple(x.shape)}")
+        if rec["kind"] == "per_rank":
+            same = index["world_size"] == world and index["mesh"] == here
+            shape = rec["shapes"][rank] if rank < len(rec["shapes"]) else None
+            if not same or shape is None or tuple(shape) != tuple(x.shape):
+                return (f"checkpoint leaf {n!r} was saved per rank (it maps to no global slice: "
+                        f"e.g. 8-bit blocks or a low-rank state of a sharded parameter), so it "
+                        f"loads only into the mesh it was saved from ({index['mesh']}, world "
+                        f"{index['world_size']}, this rank's shape "
+                        f"{None if shape is None else tuple(shape)}); here: mesh {here}, world "
+                        f"{world}, shape {tuple(x.shape)}")
+            continue
+        want = tuple(lays[n].global_shape) if lays.get(n) is not None else tuple(x.shape)
+        if tuple(rec["global_shape"]) != want:
+            what = "optimizer state" if n.startswith("opt_state") else "model shape"
+            return (f"checkpoint leaf {n!r} has global shape {tuple(rec['global_shape'])} but "
+                    f"the state's is {want}: the checkpoint is of another {what}")
+    return None
+
+
 def load(
     path: str | os.PathLike,
     like: TrainState,
@@ -508,10 +620,15 @@ def load(
     ``like`` is a state built the way the run builds it (same model, optimizer and transforms,
     any values): its structure, this rank's local shapes, dtypes and devices are kept, its values
     replaced. ``step``/``layouts`` describe ``like`` as for :func:`save`; the checkpoint may
-    come from any other mesh and layout (resharded from the saved global slices), except for
-    ``per_rank`` leaves, which need the mesh they were saved from. Tensors are cast to
-    ``like``'s dtypes. A checkpoint of another model is refused naming the first leaf whose
-    global shape differs, with both shapes; a leaf missing on either side likewise.
+    come from any other mesh and layout (resharded from the saved global slices; a pipeline's
+    ranks each take their stages' leaves), except for ``per_rank`` leaves, which need the mesh
+    they were saved from. Tensors are cast to ``like``'s dtypes.
+
+    Before any tensor is read every rank checks its part of ``like`` against the index and the
+    ranks exchange verdicts, so a misfit raises :class:`CheckpointError` on every rank at once
+    (naming the rank that found it when there are several): a leaf the checkpoint lacks
+    (another model or optimizer), a leaf no rank of ``like`` holds, another global shape (both
+    shapes named), a ``per_rank`` leaf on another mesh.
     """
     from safetensors import safe_open
 
@@ -530,29 +647,25 @@ def load(
         raise CheckpointError(err)
     assert index is not None
     lays = leaf_layouts(like, step=step, layouts=layouts)
-    mesh = next((lay.mesh for lay in lays.values() if lay is not None), None)
-    here = {a: mesh.size(a) for a in mesh.axis_names} if mesh is not None else None
+    here = _mesh_sizes(_mesh_of(step, lays))
     leaves, spec = tree_flatten(like)
     names = [n for n, _ in _named(like)]
     saved = index["leaves"]
-    missing = [n for n in names if n not in saved]
-    if missing:
-        raise CheckpointError(f"checkpoint {final} has no leaf {missing[0]!r} (of "
-                              f"{len(missing)} missing); it was saved from another model or "
-                              "optimizer")
-    extra = [n for n in saved if n not in set(names)]
+    mine = _fit_error(final, index, names, leaves, lays, rank, world, here)
+    # Every rank's verdict and names: under a pipeline a rank holds only its stages' leaves, so
+    # a leaf of the checkpoint that no rank takes is seen only from the union, and a misfit one
+    # rank finds must stop them all (never a rank left waiting in the barrier below).
+    views = _gather((mine, names))
+    bad = [(r, e) for r, (e, _) in enumerate(views) if e is not None]
+    if bad:
+        r, e = bad[0]
+        raise CheckpointError(e if world == 1 else f"rank {r}: {e}")
+    taken = {n for _, ns in views for n in ns}
+    extra = [n for n in saved if n not in taken]
     if extra:
         raise CheckpointError(f"checkpoint {final} has leaf {extra[0]!r} that the state lacks "
-                              f"({len(extra)} such); it was saved from another model or optimizer")
-    for n, x in zip(names, leaves):  # shapes first, before any tensor is read
-        rec = saved[n]
-        if not torch.is_tensor(x):
-            continue
-        want = tuple(lays[n].global_shape) if lays.get(n) is not None else tuple(x.shape)
-        if rec["kind"] in ("sharded", "replicated") and tuple(rec["global_shape"]) != want:
-            raise CheckpointError(
-                f"checkpoint leaf {n!r} has global shape {tuple(rec['global_shape'])} but the "
-                f"state's is {want}: the checkpoint is of another model shape")
+                              f"({len(extra)} such); it was saved from another model or "
+                              "optimizer")
 
     handles: dict[str, Any] = {}
 
@@ -565,28 +678,15 @@ def load(
     for n, x in zip(names, leaves):
         rec = saved[n]
         if not torch.is_tensor(x):
-            if rec["kind"] != "value":
-                raise CheckpointError(f"checkpoint leaf {n!r} is a tensor but the state's is "
-                                      f"{x!r}")
             out.append(rec["value"])
             continue
-        if rec["kind"] == "value":
-            raise CheckpointError(f"checkpoint leaf {n!r} is {rec['value']!r} but the state's "
-                                  f"is a tensor of shape {tuple(x.shape)}")
         lay = lays.get(n)
         if rec["kind"] == "per_rank":
-            same = index["world_size"] == world and index["mesh"] == here
-            if not same or tuple(rec["shapes"][rank]) != tuple(x.shape):
-                raise CheckpointError(
-                    f"checkpoint leaf {n!r} was saved per rank (it maps to no global slice: "
-                    f"e.g. 8-bit blocks or a low-rank state of a sharded parameter), so it "
-                    f"loads only into the mesh it was saved from ({index['mesh']}, world "
-                    f"{index['world_size']}, this rank's shape {tuple(rec['shapes'][rank])}); "
-                    f"here: world {world}, shape {tuple(x.shape)}")
             t = read(_rank_file(rank), n)
         else:
+            # Format /1 kept replicated leaves in rank 0's file; /2 names the first holder's.
             g = (_assemble(rec, n, read) if rec["kind"] == "sharded"
-                 else read(_rank_file(0), n))
+                 else read(rec.get("file", _rank_file(0)), n))
             if lay is not None:
                 from funcpar.shard.layout import shard_tensor
 

@@ -51,10 +51,13 @@ __all__ = [
     "interpreting",
     "kernel_dtype_ok",
     "kernels_apply",
+    "launch",
+    "launch_counter",
     "lazy_kernels",
     "leaf_table",
     "leaf_tile",
     "new_output",
+    "note_launch",
     "poisoned_outputs",
     "segment_sums",
     "tile_table",
@@ -71,6 +74,8 @@ NUM_WARPS = 4
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _poison: list[bool] = []
+# The active launch_counter records (innermost last).
+_counters: list[list[str]] = []
 
 
 def interpreting() -> bool:
@@ -114,6 +119,32 @@ def kernels_apply(*tensors: Any, same_device: bool = False) -> bool:
     return (all(torch.is_tensor(t) for t in tensors) and kernel_dtype_ok(*tensors)
             and (not same_device or len({t.device for t in tensors}) <= 1)
             and use_kernels(*tensors))
+
+
+def note_launch(name: str) -> None:
+    """Record one kernel launch named ``name`` in every active :func:`launch_counter`."""
+    for rec in _counters:
+        rec.append(name)
+
+
+@contextlib.contextmanager
+def launch_counter() -> Iterator[list[str]]:
+    """Tests and benchmarks: the names of the kernel launches made inside the context, in
+    order: those of :func:`launch`, :meth:`LeafGroup.launch` and :func:`segment_sums` (every
+    launch of the multi-tensor and factored kernels)."""
+    rec: list[str] = []
+    _counters.append(rec)
+    try:
+        yield rec
+    finally:
+        _counters.remove(rec)
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """``kernel[grid](*args, **meta)``, recorded by :func:`launch_counter`."""
+    note_launch(getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None),
+                                                            "__name__", "kernel"))
+    kernel[grid](*args, **meta)
 
 
 @contextlib.contextmanager
@@ -222,8 +253,8 @@ class LeafGroup:
         it (the caching allocator reuses the memory only after the launch on the stream)."""
         table = leaf_table(self.rows, self.device)
         tiles, _first = self.tiles()
-        kernel[(tiles.shape[0],)](table, tiles, *args, NCOL=len(self.rows[0]), BLOCK=self.block,
-                                  **meta, num_warps=NUM_WARPS)
+        launch(kernel, (tiles.shape[0],), table, tiles, *args, NCOL=len(self.rows[0]),
+               BLOCK=self.block, **meta, num_warps=NUM_WARPS)
         self._keep.clear()
 
 
@@ -321,5 +352,5 @@ def segment_sums(partials: Tensor, first: Tensor) -> Tensor:
     n_cols = partials.shape[1]
     out = new_output((n_leaves, n_cols), torch.float64, partials.device)
     if n_leaves:
-        _segment_kernel()[(n_leaves,)](partials, first, out, N_COLS=n_cols, BLOCK=256)
+        launch(_segment_kernel(), (n_leaves,), partials, first, out, N_COLS=n_cols, BLOCK=256)
     return out

@@ -42,6 +42,7 @@ so no pass waits for the device.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -54,18 +55,23 @@ __all__ = [
     "KERNEL_DTYPES",
     "Factors",
     "came_residual",
+    "came_residual_batch",
     "came_residual_reference",
     "compute_dtype",
     "decoupled_decay",
     "ema",
     "full_moment",
+    "full_moment_batch",
     "full_moment_reference",
     "inverse_sqrt",
     "precond_apply",
+    "precond_apply_batch",
     "precond_apply_reference",
     "scaled_norm",
+    "scaled_norm_batch",
     "scaled_norm_reference",
     "sq_row_col_sums",
+    "sq_row_col_sums_batch",
     "sq_row_col_sums_reference",
 ]
 
@@ -243,6 +249,104 @@ def _check_same(who: str, g: Tensor, **others: Tensor | None) -> None:
                              f"{tuple(g.shape)}")
 
 
+# The canonical arguments of each pass (what its reference and its kernel take) and the tensors
+# that decide whether it may take the kernel, from the dispatcher's own arguments (checked).
+
+
+def _sq_args(g, eps):
+    _check_factored(g, None, "sq_row_col_sums")
+    return (g, eps), (g,)
+
+
+def _norm_args(g, factors):
+    _check_factored(g, factors, "scaled_norm")
+    return (g, factors), (g, *factors)
+
+
+def _full_args(g, v, decay, eps):
+    _check_same("full_moment", g, v=v)
+    return (g, v, decay, eps), (g, v)
+
+
+def _came_args(g, factors, clip, m, beta1, eps2):
+    _check_factored(g, factors, "came_residual")
+    _check_same("came_residual", g, m=m)
+    return (g, factors, clip, m, beta1, eps2), (g, m, *factors)
+
+
+def _apply_args(x, p, precond, *, clip=None, pre=None, momentum=None, beta1=None, post=None,
+                decay=None, out="param"):
+    if out not in OUT_MODES:
+        raise ValueError(f"precond_apply: out must be one of {OUT_MODES}, got {out!r}")
+    if (momentum is None) != (beta1 is None):
+        raise ValueError("precond_apply: momentum and beta1 go together")
+    if out != "direction" and p is None:
+        raise ValueError(f"precond_apply: out={out!r} needs the parameter p")
+    if isinstance(precond, Factors):
+        _check_factored(x, precond, "precond_apply")
+    _check_same("precond_apply", x, p=p if out != "direction" else None, momentum=momentum,
+                precond=precond if torch.is_tensor(precond) else None)
+    tensors = [x, momentum, p if out != "direction" else None]
+    tensors += list(precond) if isinstance(precond, Factors) else [precond]
+    kw: dict[str, Any] = dict(clip=clip, pre=pre, momentum=momentum, beta1=beta1, post=post,
+                              decay=decay, out=out)
+    return (x, p, precond, kw), tensors
+
+
+def _apply_reference(x, p, precond, kw):
+    return precond_apply_reference(x, p, precond, **kw)
+
+
+def _execute(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical: Any, reference: Any,
+             many: str) -> list[Any]:
+    """Run one pass for many leaves: each call's reference where :func:`_kernel_ok` says no (in
+    call order, exactly as a per-leaf call would), the others through the kernel module's
+    ``many`` (one launch per launch group for all of them); results in call order."""
+    canon = [canonical(*args, **kwargs) for args, kwargs in calls]
+    results: list[Any] = [None] * len(canon)
+    fast = []
+    for i, (args, tensors) in enumerate(canon):
+        if _kernel_ok(*tensors):
+            fast.append(i)
+        else:
+            results[i] = reference(*args)
+    if fast:
+        for i, r in zip(fast, getattr(_tk(), many)([canon[i][0] for i in fast])):
+            results[i] = r
+    return results
+
+
+# The batched passes: ``calls`` is a list of ``(args, kwargs)``, each what the one-leaf
+# dispatcher of the same name takes; they return the list of its results. These are the ``run``
+# of the optimizers' pass requests (funcpar.shard.reduce.Pass), so that all leaves' calls of a
+# round share one launch.
+
+
+def sq_row_col_sums_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
+    """:func:`sq_row_col_sums` for many leaves (one launch per launch group)."""
+    return _execute(calls, _sq_args, sq_row_col_sums_reference, "sq_row_col_sums_many")
+
+
+def scaled_norm_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
+    """:func:`scaled_norm` for many leaves (two launches per launch group)."""
+    return _execute(calls, _norm_args, scaled_norm_reference, "scaled_norm_many")
+
+
+def full_moment_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
+    """:func:`full_moment` for many leaves (two launches per launch group)."""
+    return _execute(calls, _full_args, full_moment_reference, "full_moment_many")
+
+
+def came_residual_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
+    """:func:`came_residual` for many leaves (two launches per launch group)."""
+    return _execute(calls, _came_args, came_residual_reference, "came_residual_many")
+
+
+def precond_apply_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
+    """:func:`precond_apply` for many leaves (one launch per launch group)."""
+    return _execute(calls, _apply_args, _apply_reference, "precond_apply_many")
+
+
 def sq_row_col_sums(
     g: Float[Tensor, "*batch rows cols"], eps: float
 ) -> tuple[Float[Tensor, "*batch rows 1"], Float[Tensor, "*batch 1 cols"]]:
@@ -250,18 +354,12 @@ def sq_row_col_sums(
     ``(..., n, 1)``) and over the second-last (one per column, ``(..., 1, m)``), in the compute
     dtype. Complete them over the shards with the leaf's layout before dividing by the dims'
     global sizes."""
-    _check_factored(g, None, "sq_row_col_sums")
-    if _kernel_ok(g):
-        return _tk().sq_row_col_sums(g, eps)
-    return sq_row_col_sums_reference(g, eps)
+    return sq_row_col_sums_batch([((g, eps), {})])[0]
 
 
 def scaled_norm(g: Float[Tensor, "*batch rows cols"], factors: Factors) -> Tensor:
     """``||g * rsqrt(R / mean(R)) (x) rsqrt(C)||`` over this shard (0-d, compute dtype)."""
-    _check_factored(g, factors, "scaled_norm")
-    if _kernel_ok(g, *factors):
-        return _tk().scaled_norm(g, factors)
-    return scaled_norm_reference(g, factors)
+    return scaled_norm_batch([((g, factors), {})])[0]
 
 
 def full_moment(
@@ -269,10 +367,7 @@ def full_moment(
 ) -> tuple[Float[Tensor, "*shape"], Tensor]:
     """An unfactored second moment in one pass: ``V' = decay V + (1 - decay)(g^2 + eps)`` and the
     local ``||g rsqrt(V')||``."""
-    _check_same("full_moment", g, v=v)
-    if _kernel_ok(g, v):
-        return _tk().full_moment(g, v, decay, eps)
-    return full_moment_reference(g, v, decay, eps)
+    return full_moment_batch([((g, v, decay, eps), {})])[0]
 
 
 def came_residual(
@@ -287,11 +382,7 @@ def came_residual(
     """CAME's residual pass: ``u = g rsqrt(R / mean(R)) (x) rsqrt(C) / clip``,
     ``M' = beta1 M + (1 - beta1) u``, ``r = (u - M')^2 + eps2``; returns ``M'`` and the local
     row and column sums of ``r``."""
-    _check_factored(g, factors, "came_residual")
-    _check_same("came_residual", g, m=m)
-    if _kernel_ok(g, m, *factors):
-        return _tk().came_residual(g, factors, clip, m, beta1, eps2)
-    return came_residual_reference(g, factors, clip, m, beta1, eps2)
+    return came_residual_batch([((g, factors, clip, m, beta1, eps2), {})])[0]
 
 
 def precond_apply(
@@ -319,23 +410,9 @@ def precond_apply(
     Returns ``(result, M' or None)``. ``result`` is in the compute dtype except for
     ``out="param"``; ``p`` is only read for ``update``/``param``.
     """
-    if out not in OUT_MODES:
-        raise ValueError(f"precond_apply: out must be one of {OUT_MODES}, got {out!r}")
-    if (momentum is None) != (beta1 is None):
-        raise ValueError("precond_apply: momentum and beta1 go together")
-    if out != "direction" and p is None:
-        raise ValueError(f"precond_apply: out={out!r} needs the parameter p")
-    if isinstance(precond, Factors):
-        _check_factored(x, precond, "precond_apply")
-    _check_same("precond_apply", x, p=p if out != "direction" else None, momentum=momentum,
-                precond=precond if torch.is_tensor(precond) else None)
-    tensors = [x, momentum, p if out != "direction" else None]
-    tensors += list(precond) if isinstance(precond, Factors) else [precond]
-    kw: dict[str, Any] = dict(clip=clip, pre=pre, momentum=momentum, beta1=beta1, post=post,
-                              decay=decay, out=out)
-    if _kernel_ok(*tensors):
-        return _tk().precond_apply(x, p, precond, **kw)
-    return precond_apply_reference(x, p, precond, **kw)
+    kw = dict(clip=clip, pre=pre, momentum=momentum, beta1=beta1, post=post, decay=decay,
+              out=out)
+    return precond_apply_batch([((x, p, precond), kw)])[0]
 
 
 @functools.cache

@@ -36,6 +36,7 @@ from funcpar.optim.factored import (
     eps_pair,
     init_moment,
     is_factored,
+    one_pass,
     second_moment_phases,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
@@ -227,9 +228,11 @@ def _leaf_step(grad, param, state, step, *, lr, eps, clip_threshold, decay_rate,
     """The Hugging Face step as passes over the leaf: statistics, the update's norm, the update.
 
     A phased step (funcpar.shard.reduce.run_phased), so that the optimizer completes all
-    leaves' reductions together: phase 1 the parameter's sum of squares (``scale_parameter``)
-    with the row and column sums, phase 2 the sum of the row factor, phase 3 the update's sum
-    of squares (phases only for sharded leaves).
+    leaves' reductions together and runs each pass for all leaves in one launch: the
+    statistics pass (or the full moment's), then the reductions: the parameter's sum of squares
+    (``scale_parameter``) with the row and column sums, the sum of the row factor, then the
+    norm pass, the update's sum of squares (reductions only for sharded leaves; the row and
+    column sums always), and the update pass (``final``: after every leaf's reductions).
 
     ``out="direction"``: the update to subtract (what :func:`adafactor_leaf_update` returns);
     ``"update"`` / ``"param"``: ``target - weight_decay alpha_t target - update`` as a difference
@@ -249,8 +252,8 @@ def _leaf_step(grad, param, state, step, *, lr, eps, clip_threshold, decay_rate,
     if beta1 is not None and "exp_avg" not in state:
         raise KeyError("adafactor: beta1 is set but the state has no 'exp_avg' "
                        "(initialise it with the same beta1)")
-    result, m = kernels.precond_apply(
-        grad, target, precond, clip=clip, pre=alpha,
+    result, m = yield from one_pass(
+        kernels.precond_apply_batch, grad, target, precond, final=True, clip=clip, pre=alpha,
         momentum=None if beta1 is None else state["exp_avg"], beta1=beta1,
         decay=None if weight_decay is None else weight_decay * alpha, out=out,
     )

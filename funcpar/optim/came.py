@@ -21,6 +21,7 @@ from funcpar.optim.factored import (
     factored_moment_phases,
     init_moment,
     is_factored,
+    one_pass,
     second_moment_phases,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
@@ -82,26 +83,27 @@ def _came(lr, weight_decay, clip_threshold, *, betas, eps, weight_decay_mask):
             if RESIDUAL.row in st:
                 # The confidence: how far this step's update u strays from its running mean M;
                 # one pass forms u, M and the residual's row/column sums.
-                m, res_rows, res_cols = kernels.came_residual(g, precond, clip, st["exp_avg"],
-                                                              beta1, eps2)
+                m, res_rows, res_cols = yield from one_pass(
+                    kernels.came_residual_batch, g, precond, clip, st["exp_avg"], beta1, eps2)
                 res_stats = {RESIDUAL.row: st[RESIDUAL.row], RESIDUAL.col: st[RESIDUAL.col]}
                 res_factors, res_new = yield from factored_moment_phases(
                     res_rows, res_cols, res_stats, RESIDUAL, beta3, shape=shape, layout=layout)
                 new.update(res_new)
-                result, _ = kernels.precond_apply(m, p, res_factors, post=lr, decay=coeff,
-                                                  out=out)
+                result, _ = yield from one_pass(kernels.precond_apply_batch, m, p, res_factors,
+                                                final=True, post=lr, decay=coeff, out=out)
             else:
                 # came-pytorch has no confidence statistics for unfactored leaves: the
                 # direction is M itself.
-                result, m = kernels.precond_apply(g, p, precond, clip=clip,
-                                                  momentum=st["exp_avg"], beta1=beta1, post=lr,
-                                                  decay=coeff, out=out)
+                result, m = yield from one_pass(
+                    kernels.precond_apply_batch, g, p, precond, final=True, clip=clip,
+                    momentum=st["exp_avg"], beta1=beta1, post=lr, decay=coeff, out=out)
             new["exp_avg"] = m
             return result, new
 
-        # Each leaf's step is phased (second moment, its row-factor sum, the update RMS, the
-        # residual's statistics and its row-factor sum); run_phased runs all leaves in
-        # lockstep so each phase costs one all-reduce per mesh axis for the whole tree.
+        # Each leaf's step is phased (passes, and reductions: second moment, its row-factor
+        # sum, the update RMS, the residual's statistics and its row-factor sum); run_phased
+        # runs all leaves together so each round of reductions costs one all-reduce per mesh
+        # axis and each pass one launch for the whole tree.
         spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
         outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
         results, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))

@@ -38,6 +38,7 @@ from funcpar.kernels import factored as kernels
 from funcpar.kernels.factored import Factors, compute_dtype, decoupled_decay, ema
 from funcpar.shard.reduce import (
     Partial,
+    Pass,
     Reducible,
     global_shape,
     reduce_mean,
@@ -66,6 +67,7 @@ __all__ = [
     "init_moment",
     "is_factored",
     "mean_over_rows",
+    "one_pass",
     "row_col_mean_squares",
     "row_col_means",
     "second_moment",
@@ -234,6 +236,18 @@ def eps_pair(who: str, eps: Any) -> tuple[Any, Any]:
 # --------------------------------------------------------------------------------------------
 
 
+def one_pass(run, *args, final: bool = False, **kwargs):
+    """A phased step (:func:`funcpar.shard.reduce.run_phased`) of one phase: the pass
+    ``run`` (a batched pass of :mod:`funcpar.kernels.factored`, e.g. ``sq_row_col_sums_batch``)
+    over this leaf's ``args``/``kwargs``; returns its result. ``yield from`` it in a phased
+    step: the driver runs the passes of all leaves that reach it in the same round as one
+    call (one launch), not one per leaf. ``final``: the result feeds no reduction (the update
+    pass; it then waits for every pending reduction, so all leaves' update passes share one
+    launch)."""
+    (result,) = yield [Pass(run, args, kwargs, final)]
+    return result
+
+
 def factored_moment(
     row_sum: Float[Tensor, "*batch rows 1"],
     col_sum: Float[Tensor, "*batch 1 cols"],
@@ -301,16 +315,18 @@ def second_moment(
 
 
 def second_moment_phases(g, stats, names, decay, eps1, *, layout=None):
-    """:func:`second_moment` as a phased step (the phases of :func:`factored_moment_phases`;
-    none for a full moment)."""
+    """:func:`second_moment` as a phased step: the statistics pass, the phases of
+    :func:`factored_moment_phases`, the norm pass (factored); the one pass of a full moment."""
     if names.row in stats:
-        row_sum, col_sum = kernels.sq_row_col_sums(g, eps1)
+        row_sum, col_sum = yield from one_pass(kernels.sq_row_col_sums_batch, g, eps1)
         factors, new = yield from factored_moment_phases(
             row_sum, col_sum, stats, names, decay, shape=global_shape(g, layout), layout=layout)
-        return factors, new, kernels.scaled_norm(g, factors)
+        local_norm = yield from one_pass(kernels.scaled_norm_batch, g, factors)
+        return factors, new, local_norm
     if names.full is None or names.full not in stats:
         raise KeyError(f"state has neither {names.row!r} nor {names.full!r}: {sorted(stats)}")
-    v, local_norm = kernels.full_moment(g, stats[names.full], decay, eps1)
+    v, local_norm = yield from one_pass(kernels.full_moment_batch, g, stats[names.full], decay,
+                                        eps1)
     return v, {names.full: v}, local_norm
 
 

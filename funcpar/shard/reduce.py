@@ -27,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -35,6 +36,7 @@ from torch import Tensor
 
 __all__ = [
     "Partial",
+    "Pass",
     "Reducible",
     "global_shape",
     "local_sum_of_squares",
@@ -44,6 +46,7 @@ __all__ = [
     "reduce_sum",
     "rms",
     "run_phased",
+    "run_requests",
     "sum_of_squares",
     "sum_partial",
     "sum_partials",
@@ -385,58 +388,133 @@ class Partial(NamedTuple):
     purpose: str
 
 
-#: A per-leaf step written as phases: a generator that yields the :class:`Partial` s it needs
-#: completed (a list per phase), is sent back the completed tensors in the same order, and
-#: returns its result.
-Phased = Generator[list[Partial], list[Tensor], Any]
+class Pass(NamedTuple):
+    """One pass over a leaf's tensors a phased step asks for (a kernel launch, say).
+
+    ``run`` is a *batched* executor: ``run(calls)`` takes a list of ``(args, kwargs)``, one per
+    leaf, and returns the list of their results. :func:`run_requests` hands it every request of
+    a round that names the same ``run``, so one launch serves all leaves where per-leaf calls
+    would launch once per leaf. ``final``: the result feeds no reduction of the step (the
+    update pass); such passes wait until no reduction is pending, so all leaves' final passes
+    share one round (:func:`together`).
+    """
+
+    run: Callable[[list[tuple[tuple, Mapping[str, Any]]]], list[Any]]
+    args: tuple
+    kwargs: Mapping[str, Any] = MappingProxyType({})
+    final: bool = False
+
+
+#: A per-leaf step written as phases: a generator that yields the requests (:class:`Partial`,
+#: :class:`Pass`) it needs done (a list per phase), is sent back their results in the same
+#: order, and returns its result.
+Phased = Generator[list[Any], list[Any], Any]
+
+# Scheduling classes of a phase's request list (together): passes that reductions wait for,
+# then reductions, then final passes.
+_COMPUTE, _REDUCE, _FINAL = 0, 1, 2
+
+
+def _klass(requests: list[Any]) -> int:
+    if any(isinstance(r, Partial) for r in requests):
+        return _REDUCE
+    if requests and all(isinstance(r, Pass) and r.final for r in requests):
+        return _FINAL
+    return _COMPUTE
 
 
 def together(*steps: Phased) -> Phased:
-    """Phased steps run side by side as one phased step: each phase yields the requests of
-    every step still running (in the order of ``steps``) and hands each its own results; returns
-    the tuple of the steps' results. Steps may have different numbers of phases."""
+    """Phased steps run side by side as one phased step; returns the tuple of their results.
+
+    Each round yields the request lists of the steps that are ready *and* of the earliest
+    class among them: lists with passes only (no :class:`Partial`) first, then lists holding
+    reductions, then lists of final passes (the other steps keep their lists for a later
+    round). So a step's reductions wait while another step still has a pass to run before its
+    own reductions, and then they all travel in one round: the reductions of a phase of the
+    whole tree are still one all-reduce per mesh axis (as in plain lockstep), and each kind of
+    pass runs once per round for every leaf that needs it (one launch per round, not per leaf).
+    The update passes (``final``) wait for every reduction, so they all share one round.
+    Within a round the requests are in the order of ``steps``. Steps may have different
+    numbers of phases; nested ``together`` s schedule the same way.
+    """
     results: list[Any] = [None] * len(steps)
-    pending: dict[int, list[Partial]] = {}
-    for i, st in enumerate(steps):
+    pending: dict[int, list[Any]] = {}
+
+    def advance(i: int, sent: list[Any] | None) -> None:
         try:
-            pending[i] = list(next(st))
+            pending[i] = list(next(steps[i]) if sent is None else steps[i].send(sent))
         except StopIteration as stop:
+            pending.pop(i, None)
             results[i] = stop.value
+
+    for i in range(len(steps)):
+        advance(i, None)
     while pending:
-        order = list(pending)
+        klass = {i: _klass(reqs) for i, reqs in pending.items()}
+        first = min(klass.values())
+        order = [i for i in sorted(pending) if klass[i] == first]
+        want = sum(len(pending[i]) for i in order)
         back = yield [r for i in order for r in pending[i]]
-        if len(back) != sum(len(pending[i]) for i in order):
-            raise ValueError(f"together: {len(back)} results for "
-                             f"{sum(len(pending[i]) for i in order)} requests")
-        pos, nxt = 0, {}
+        if len(back) != want:
+            raise ValueError(f"together: {len(back)} results for {want} requests")
+        pos = 0
         for i in order:
             k = len(pending[i])
-            try:
-                nxt[i] = list(steps[i].send(list(back[pos:pos + k])))
-            except StopIteration as stop:
-                results[i] = stop.value
+            advance(i, list(back[pos:pos + k]))
             pos += k
-        pending = nxt
     return tuple(results)
 
 
-def run_phased(steps: Sequence[Phased]) -> list[Any]:
-    """Run per-leaf phased steps in lockstep; returns their results in order.
+def run_requests(requests: Sequence[Any]) -> list[Any]:
+    """Do one round of requests (what :func:`together` yields); results in their order.
 
-    Each phase, the :class:`Partial` s that all the steps ask for are completed by one
-    :func:`sum_partials` call: one all-reduce per mesh axis per phase for the whole tree,
-    where completing each leaf's reductions as it goes costs one per leaf and axis. This is
-    how an optimizer keeps its per-leaf code (written once for every layout) and still
-    batches its scalar and factor reductions across leaves. Every rank along an axis must run
-    the same steps (the same code over the same layouts): each then asks for the same
-    reductions in the same phase.
+    The :class:`Partial` s are completed by one :func:`sum_partials` call (one all-reduce per
+    mesh axis for all of them); the :class:`Pass` es are grouped by ``run``, in order of first
+    appearance, and each group is one ``run`` call. Any other request is a TypeError.
+    """
+    out: list[Any] = [None] * len(requests)
+    partials: list[int] = []
+    passes: dict[Any, list[int]] = {}
+    for i, r in enumerate(requests):
+        if isinstance(r, Partial):
+            partials.append(i)
+        elif isinstance(r, Pass):
+            passes.setdefault(r.run, []).append(i)
+        else:
+            raise TypeError(f"a phased step asked for {type(r).__name__}, not a Partial or a "
+                            "Pass")
+    for run, idx in passes.items():
+        got = run([(requests[i].args, requests[i].kwargs) for i in idx])
+        if len(got) != len(idx):
+            raise ValueError(f"{getattr(run, '__name__', run)}: {len(got)} results for "
+                             f"{len(idx)} calls")
+        for i, res in zip(idx, got):
+            out[i] = res
+    if partials:
+        asked = [requests[i] for i in partials]
+        done = sum_partials([r.x for r in asked], [r.layout for r in asked],
+                            [r.dims for r in asked], purpose=[r.purpose for r in asked])
+        for i, res in zip(partials, done):
+            out[i] = res
+    return out
+
+
+def run_phased(steps: Sequence[Phased]) -> list[Any]:
+    """Run per-leaf phased steps together (:func:`together`); returns their results in order.
+
+    Each round's requests are done by :func:`run_requests`: its :class:`Partial` s by one
+    :func:`sum_partials` call (one all-reduce per mesh axis per round for the whole tree,
+    where completing each leaf's reductions as it goes costs one per leaf and axis), its
+    :class:`Pass` es one batched call per kind (one kernel launch for all leaves, not one per
+    leaf). This is how an optimizer keeps its per-leaf code (written once for every layout)
+    and still batches its reductions and its passes across leaves. Every rank along an axis
+    must run the same steps (the same code over the same layouts): each then asks for the
+    same reductions in the same round.
     """
     driver = together(*steps)
     try:
         asked = next(driver)
         while True:
-            done = sum_partials([r.x for r in asked], [r.layout for r in asked],
-                                [r.dims for r in asked], purpose=[r.purpose for r in asked])
-            asked = driver.send(done)
+            asked = driver.send(run_requests(asked))
     except StopIteration as stop:
         return list(stop.value)

@@ -17,6 +17,14 @@ single-pass forward/backward. It walks this rank's action list (:mod:`.schedules
   stage receives in a step is preceded by a small header (its shape and dtype); gradients have
   their activation's shape.
 
+Random draws (dropout, a noisy loss): the forward of ``(stage s, micro-batch mb)`` draws from
+the generator seeded by a hash of the step's entry state (``state.rng``) and ``(s, mb)``, and
+the step leaves the generator at a state seeded by the entry state alone. So the draws do not
+depend on the schedule or on which rank runs a stage, no two stages share a stream, and
+``state.rng`` after the step is the same on every pp rank - one generator state for the whole
+pipelined state, which a checkpoint saves once and loads into any layout (each rank's own
+stream would advance by its own stages' draws only and differ between ranks).
+
 The loss is the mean over micro-batches of the micro-batch losses - the full-batch loss when
 the loss is a mean over equal-size micro-batches (as data parallelism assumes for its ranks) -
 and its gradients are those of that mean. The last stage's loss is broadcast over ``pp`` (as
@@ -26,6 +34,7 @@ both ranks' gradients, added in rank order so both hold the same bits.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -119,6 +128,9 @@ class Pipeline:
         last = plan.n_stages - 1
         live = {n: x.detach().requires_grad_(x.is_floating_point() or x.is_complex())
                 for n, x in params.items()}
+        device = next((x.device for x in params.values() if torch.is_tensor(x)),
+                      torch.device("cpu"))
+        entry = _rng_bytes(device)  # the step's generator state (module docstring)
         stage_leaves = {s: [n for n in plan.names[s] if live[n].requires_grad]
                         for s in plan.stages_of(self.rank)}
         grads: dict[str, Tensor | None] = dict.fromkeys(params)
@@ -202,6 +214,7 @@ class Pipeline:
                     x = local.pop(("y", a.stage - 1, a.mb))
                 if x is not None and (x.is_floating_point() or x.is_complex()):
                     x = x.detach().requires_grad_()
+                _seed_draws(device, entry, a.stage, a.mb)
                 with torch.enable_grad():
                     out, new_buffers = step.apply_fn(live, new_buffers, a.stage, x,
                                                      *mb_args[a.mb])
@@ -245,6 +258,7 @@ class Pipeline:
             flush()
         for w in sent:
             w.wait()
+        _seed_draws(device, entry, "after the step")  # the same on every rank
         if held or inbox:
             raise RuntimeError(f"pipeline schedule left work undone on rank {self.rank}: "
                                f"held {sorted(held)}, received {sorted(inbox)}")
@@ -304,6 +318,26 @@ class Pipeline:
                                   f"{name}: tied update")]
                 updates[name] = comm.batch_p2p(ops, self.mesh, self.axis)[0].wait()
         return updates
+
+
+def _rng_bytes(device: torch.device) -> bytes:
+    state = (torch.cuda.get_rng_state(device) if device.type == "cuda"
+             else torch.get_rng_state())
+    return state.numpy().tobytes()
+
+
+def _seed_draws(device: torch.device, entry: bytes, *key: Any) -> None:
+    """Seed ``device``'s generator from the step's entry state and ``key`` (a stage and
+    micro-batch, or the step's end): 63 bits of a sha256, so distinct keys give unrelated
+    streams."""
+    h = hashlib.sha256(entry)
+    h.update(repr(key).encode())
+    seed = int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
 
 
 def _checked_loss(loss: Any) -> Tensor:

@@ -2,6 +2,7 @@
 
 import math
 
+import optree
 import pytest
 import torch
 from conftest import max_rel_err
@@ -211,6 +212,42 @@ def test_accumulate_equals_big_batch():
     assert int(st.micro_step) == 0
     with pytest.raises(ValueError, match="every"):
         fo.accumulate(fo.sgd(), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("inner", ["adamw", "clip+adamw"])
+def test_accumulate_apply_equals_update(dtype, inner):
+    # The fused path through accumulate: params unchanged (the same tensors) between inner
+    # steps, inner.apply on the mean at every 3rd call - the bits of update + apply_updates
+    # (exact: both run the same ops on the same values; the fused-kernel contract of base.py).
+    def make():
+        opt = fo.adamw(lr=0.01, weight_decay=0.1)
+        return fo.accumulate(fo.chain(fo.clip_by_global_norm(0.5), opt) if inner != "adamw"
+                             else opt, every=3)
+
+    acc = make()
+    assert acc.apply is not None
+    assert fo.accumulate(fo.identity(), 2).apply is None  # no fused inner step, no apply
+    params = _params(dtype)
+    g = torch.Generator().manual_seed(4)
+    micro = [{k: torch.randn(s, generator=g, dtype=dtype) for k, s in SHAPES.items()}
+             for _ in range(7)]  # two whole rounds and one call into the third
+    p_a = p_u = params
+    st_a = st_u = acc.init(params)
+    for i, gr in enumerate(micro):
+        new_a, st_a = fo.update_params(acc, gr, st_a, p_a)  # takes acc.apply
+        u, st_u = acc.update(gr, st_u, p_u)
+        p_u = fo.apply_updates(p_u, u)
+        if i % 3 != 2:
+            assert all(new_a[k] is p_a[k] for k in SHAPES)
+        else:
+            assert not torch.equal(new_a["w"], p_a["w"])
+        p_a = new_a
+        for k in SHAPES:
+            assert p_a[k].dtype == dtype and torch.equal(p_a[k], p_u[k]), (i, k)
+        for x, y in zip(optree.tree_leaves(st_a), optree.tree_leaves(st_u), strict=True):
+            assert torch.equal(x, y), i
+    assert int(st_a.micro_step) == 1
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,9 @@ up to rounding. ``--comm-report`` prints the collectives rank 0 issued, step by 
 ``--pp P`` adds a pipeline axis (mesh ``pp x dp x tp``): ``pipeline_split``, applied first,
 cuts the blocks into ``P x --virtual-stages`` stages (balanced by parameter count) and runs
 ``--schedule`` (gpipe, 1f1b or interleaved) over ``--microbatches`` micro-batches of each
-rank's batch; tensor and data parallelism then apply within each stage. ``--remat K``
+rank's batch; tensor and data parallelism then apply within each stage; ``--save-every`` and
+``--resume`` work as without it (the checkpoint holds each leaf once under its global name, so
+a pipelined run resumes in one process or another layout, and back). ``--remat K``
 recomputes every K-th block's activations in the backward instead of keeping them.
 
 ``--preset {hybrid,zero,ddp,gemini}`` composes through :mod:`funcpar.presets` (Colossal-AI's
@@ -285,9 +287,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if local % args.microbatches:
             p.error(f"each rank's batch ({local} = --batch-size / --dp) does not split into "
                     f"--microbatches {args.microbatches} equal micro-batches")
+        # --save writes rank 0's whole params, and under --pp rank 0 holds only its stages';
+        # --save-every/--resume work (each stage's ranks write their leaves, once each, under
+        # their global names; a checkpoint loads into any layout).
         for flag, on in (("--sequence-parallel", args.sequence_parallel),
-                         ("--compile", args.compile), ("--save", args.save is not None),
-                         ("--save-every", args.save_every), ("--resume", args.resume)):
+                         ("--compile", args.compile), ("--save", args.save is not None)):
             if on:
                 p.error(f"{flag} does not work with --pp > 1 yet")
     return args

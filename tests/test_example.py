@@ -209,6 +209,43 @@ def test_pp2_interleaved_on_two_ranks_matches_one_process(tmp_path, data_cache):
     assert "send            pp" in printed and "recv            pp" in printed
 
 
+def _rank_runs(argvs: list[list[str]]) -> list[dict]:
+    return [_rank_run(argv) for argv in argvs]
+
+
+def test_pp2_checkpoint_resumes_on_pp2_and_in_one_process(tmp_path, data_cache):
+    """``--pp 2 --save-every 3``: resumed from the step-3 checkpoint, pp2 repeats the straight
+    run's steps 4-6 bit for bit (the same computation from the same bits), and one process
+    loads the same checkpoint (each leaf once, under its global name) and trains on to the
+    same losses up to float64 rounding (micro-batched gradients and the norm summed per stage
+    only reorder sums; 1e-10 as the pp2 comparison above)."""
+    common = ["--dtype", "float64", "--print-every", "3", "--optim", "adafactor"]
+    ckpt = tmp_path / "ckpt"
+    straight = _small(tmp_path / "pp", data_cache, 6, *common, "--pp", "2", "--save-every",
+                      "3", "--ckpt-dir", str(ckpt))
+    resumed = _small(tmp_path / "pp_resumed", data_cache, 6, *common, "--pp", "2",
+                     "--resume", str(ckpt / "step_00000003"))
+    (a0, b0), (a1, b1) = run_ranks(_rank_runs, 2, [straight, resumed], backend=None,
+                                   timeout=240)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000003", "step_00000006"]
+    assert a0["losses"] == a1["losses"] and len(a0["losses"]) == 6  # on every rank
+    assert b0["losses"] == b1["losses"] == a0["losses"][3:]
+    assert "resumed from" in b0["stdout"] and "at step 3" in b0["stdout"]
+    for name in a0["params"].keys() | a1["params"].keys():  # each rank: its stage's leaves
+        mine = a0["params"] if name in a0["params"] else a1["params"]
+        theirs = b0["params"] if name in b0["params"] else b1["params"]
+        assert torch.equal(mine[name], theirs[name]), name
+
+    one = train_lm.main(_small(tmp_path / "one", data_cache, 6, *common, "--resume",
+                               str(ckpt / "step_00000003")))
+    losses = [r["loss"] for r in one["history"]]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses, a0["losses"][3:]))
+    assert len(losses) == 3 and rel <= 1e-10, rel
+    for name, ref in {**a0["params"], **a1["params"]}.items():
+        err = float((one["params"][name] - ref).abs().max() / ref.abs().max())
+        assert err <= 1e-10, (name, err)
+
+
 def test_pipeline_flag_errors(capsys):
     for argv, message in (
         (["--pp", "2", "--layers", "2", "--schedule", "interleaved"],

@@ -17,10 +17,12 @@ at a time (at the h100 preset a group holds tens of GB).
 Columns: ms per step (the median, and the fastest step: on a shared machine the median is
 noisy); bytes per parameter the algorithm must move at the least (our count: each tensor read
 or written once per step, BYTES_PER_PARAM) and the % of that floor
-reached (bytes / device copy bandwidth measured in the same run); optimizer-state bytes in
-total and per parameter; and, on each peer's row, ``peer ms / funcpar ms`` for the funcpar
-optimizer of its group (of the medians, and of the fastest steps): > 1 means funcpar is
-faster, < 1 that it is slower (reported as such).
+reached (bytes / device copy bandwidth measured in the same run); on funcpar's kernel rows
+(CUDA) also the bytes its kernels' passes move (KERNEL_BYTES_PER_PARAM: more than the floor
+where a whole-leaf reduction must finish before the update) and the % of that;
+optimizer-state bytes in total and per parameter; and, on each peer's row,
+``peer ms / funcpar ms`` for the funcpar optimizer of its group (of the medians, and of the
+fastest steps): > 1 means funcpar is faster, < 1 that it is slower (reported as such).
 The funcpar step timed is :func:`funcpar.optim.update_params` (what TrainStep runs: the fused
 ``apply`` where an optimizer has one, else ``update`` + ``apply_updates``) in the kernel mode
 ``auto`` (funcpar.kernels: the Triton kernels on CUDA, the plain-torch references elsewhere);
@@ -71,6 +73,18 @@ BYTES_PER_PARAM = {
     "galore_adafactor": 16,
     "galore_adamw8bit": 16,
 }
+
+# Bytes per fp32 parameter funcpar's kernels move (funcpar.kernels, docs/KERNELS.md), where
+# they differ from the count above: a reduction over a whole leaf that must complete before
+# any of its elements can be updated (Lamb's trust ratio, the update clipping of Adafactor and
+# CAME) costs one more pass over tensors larger than the GPU's L2 cache (50 MB on an H100; the
+# embedding alone is 262 MB). Lamb: pass 1 reads p, g, m, v and writes m, v (24), pass 2 reads
+# p, m, v and writes p (16). Adafactor: g read by the statistics, update-norm and update passes
+# (12), p r/w (8). CAME: statistics and norm passes read g (8), the residual pass reads g and
+# m and writes m (12), the update pass reads g and m, writes p (16). 8-bit AdamW: the fused
+# step writes its direction (4 B) and the parameter update is a separate torch pass (p r/w and
+# the direction read: 12), so 24 where writing the parameter in the kernel would make it 16.
+KERNEL_BYTES_PER_PARAM = {"adafactor": 20, "came": 32, "lamb": 40, "adamw8bit": 24}
 
 LR = 1e-3
 
@@ -332,8 +346,9 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"--only: unknown {sorted(unknown)}; choose from {sorted(all_groups)}")
     print("\n| algorithm | implementation | ms/step (median) | min ms | moved B/param | "
-          "% of floor | state MB | state B/param | peer ms / funcpar ms (median; min) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "% of floor | kernels' B/param (% of it) | state MB | state B/param | "
+          "peer ms / funcpar ms (median; min) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     summary = []
     with _cpu_cuda_sync_is_noop(args.device):
         for name, entries in all_groups.items():
@@ -345,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
             mine = None  # the funcpar row a peer row is compared with: the last one above it
             for e, ms, ms_min, nbytes, note in rows:
                 if ms is None:
-                    print(f"| {name} | {e.who} | - | - | - | - | - | - | {note} |")
+                    print(f"| {name} | {e.who} | - | - | - | - | - | - | - | {note} |")
                     continue
                 ratio = ""
                 if e.ours and e.mode == "reference":
@@ -359,9 +374,13 @@ def main(argv: list[str] | None = None) -> None:
                     ratio = (f"{r:.2f} ({'funcpar faster' if r > 1 else 'funcpar SLOWER'}); "
                              f"min {r_min:.2f}")
                     summary.append((name, e.who, mine[0], r))
+                kern = "-"
+                if e.ours and e.mode == "auto" and args.device.startswith("cuda"):
+                    kb = KERNEL_BYTES_PER_PARAM.get(name, BYTES_PER_PARAM[name])
+                    kern = f"{kb} ({100 * kb * n / bw * 1e3 / ms:.0f} %)"
                 print(f"| {name} | {e.who} | {ms:.2f} | {ms_min:.2f} | {BYTES_PER_PARAM[name]} | "
-                      f"{100 * floor_ms / ms:.0f} % | {nbytes / 2**20:.2f} | {nbytes / n:.2f} | "
-                      f"{ratio} |")
+                      f"{100 * floor_ms / ms:.0f} % | {kern} | {nbytes / 2**20:.2f} | "
+                      f"{nbytes / n:.2f} | {ratio} |")
     if summary:
         faster = sum(r > 1 for *_, r in summary)
         print(f"\nfuncpar faster than the peer in {faster} of {len(summary)} pairs; slower in "

@@ -471,6 +471,164 @@ def test_interp_float64_takes_the_reference_when_forced(monkeypatch):
     assert rows.dtype == torch.float64
 
 
+# Leaves of every view the kernels make, several of each tile width (16, 64, 256 columns), for
+# the batched (multi-leaf) launches.
+MIXED_SHAPES = [(5, 7), (3, 40), (7, 300), (2, 3, 5), (1, 1), (4, 4), (2, 17, 9), (6, 70)]
+
+
+@interp
+def test_interp_batched_passes_equal_the_reference_per_leaf():
+    """Each pass over many leaves at once (one launch per launch group) gives every leaf its
+    reference result: per-leaf geometry, pointers, partial offsets and scalars in one launch;
+    float32 and bfloat16 gradients in one call (two groups)."""
+    from funcpar.kernels import _launch
+
+    _poison()
+    gen = torch.Generator().manual_seed(3)
+    gs = [torch.randn(s, generator=gen) for s in MIXED_SHAPES]
+    gs[1], gs[5] = gs[1].bfloat16(), gs[5].bfloat16()
+    fs = [_factors(g.float()) for g in gs]
+    with kernel_mode("triton"), _launch.launch_counter() as launches:
+        sums = K.sq_row_col_sums_batch([((g, 1e-3), {}) for g in gs])
+        norms = K.scaled_norm_batch([((g, f), {}) for g, f in zip(gs, fs)])
+        clips = [torch.tensor(1.0 + i / 4) for i in range(len(gs))]
+        ms = [torch.randn(g.shape, generator=gen) for g in gs]
+        res = K.came_residual_batch([((g, f, c, m, 0.9, 1e-16), {})
+                                     for g, f, c, m in zip(gs, fs, clips, ms)])
+    # Two gradient dtypes x three tile widths: at most six groups per pass, each one launch
+    # (+ one segment-sum launch), whatever the number of leaves.
+    assert len(launches) <= 3 * 6 * 2, launches
+    for i, g in enumerate(gs):
+        for a, b in zip(sums[i], K.sq_row_col_sums_reference(g, 1e-3)):
+            assert a.shape == b.shape
+            _check(a, b, f"row/col sums {tuple(g.shape)} {g.dtype}")
+        _check(norms[i], K.scaled_norm_reference(g, fs[i]), f"norm {tuple(g.shape)}")
+        for a, b in zip(res[i], K.came_residual_reference(g, fs[i], clips[i], ms[i], 0.9, 1e-16)):
+            _check(a, b, f"came residual {tuple(g.shape)}")
+    flat = [torch.randn(s, generator=gen) for s in [(5,), (), (300,), (3, 4, 5), (1,)]]
+    vs = [torch.rand(x.shape, generator=gen) + 0.1 for x in flat]
+    decays = [0.999, torch.tensor(0.3, dtype=torch.float64), 0.5, 0.9, 0.0]
+    with kernel_mode("triton"):
+        full = K.full_moment_batch([((g, v, d, 1e-30), {}) for g, v, d in zip(flat, vs, decays)])
+    for (a_v, a_n), g, v, d in zip(full, flat, vs, decays):
+        b_v, b_n = K.full_moment_reference(g, v, d, 1e-30)
+        _check(a_v, b_v, f"V {tuple(g.shape)}")
+        _check(a_n, b_n, f"full norm {tuple(g.shape)}")
+
+
+@interp
+def test_interp_batched_update_pass_mixed_leaves():
+    """The update pass over leaves that differ in everything a leaf decides at run time (the
+    preconditioner: factored, full or none; clip, pre, momentum, post, decay on or off, the
+    scalars' values) in one call, in the three output modes and with bfloat16 parameters: each
+    leaf's result is its reference's."""
+    _poison()
+    gen = torch.Generator().manual_seed(5)
+    calls = []
+    for i, shape in enumerate(MIXED_SHAPES + [(13,), (), (3, 4, 5)]):
+        x = torch.randn(shape, generator=gen)
+        p = torch.randn(shape, generator=gen)
+        if i % 3 == 2:
+            p = p.bfloat16()
+        kind = i % 3 if len(shape) >= 2 else 1 + i % 2  # 0 factored, 1 full, 2 none
+        precond = (_factors(x) if kind == 0 else
+                   torch.rand(shape, generator=gen) + 0.5 if kind == 1 else None)
+        kw = dict(clip=torch.tensor(1.0 + i / 7) if i % 2 else None,
+                  pre=torch.tensor(0.01 * (i + 1), dtype=torch.float64) if i % 4 != 1 else None,
+                  post=0.5 + i / 10 if i % 3 else None,
+                  decay=torch.tensor(1e-3 * i, dtype=torch.float64) if i % 5 else None)
+        if i % 2 == 0:
+            kw |= dict(momentum=torch.randn(shape, generator=gen), beta1=0.8 + i / 100)
+        for out in ("direction", "update", "param"):
+            calls.append(((x, p, precond), dict(kw, out=out)))
+    with kernel_mode("triton"):
+        got = K.precond_apply_batch(calls)
+    for ((x, p, precond), kw), (a, ma) in zip(calls, got):
+        b, mb = K.precond_apply_reference(x, p, precond, **kw)
+        what = f"{tuple(x.shape)} {kw['out']} {p.dtype}"
+        if kw["out"] == "update":
+            a, b = p.float() + a, p.float() + b  # W' - W: compare the parameters it makes
+        # bfloat16 parameters: the interpreter truncates to bf16 (see test_interp_update_pass).
+        tol = 2.0**-7 if kw["out"] == "param" and p.dtype == torch.bfloat16 else TOL32
+        assert a.dtype == b.dtype, what
+        _check(a, b, what, tol=tol)
+        assert (ma is None) == (mb is None), what
+        if mb is not None:
+            _check(ma, mb, f"momentum {what}")
+
+
+def _tree(k: int) -> dict[str, tuple[int, ...]]:
+    # k leaves of each kind: factored (two tile widths), 3-D, 1-D (unfactored), 0-d.
+    kinds = [(12, 20), (6, 70), (2, 5, 7), (20,), ()]
+    return {f"l{i}_{j}": s for i in range(k) for j, s in enumerate(kinds)}
+
+
+@interp
+@pytest.mark.parametrize("name", ["adafactor", "adafactor beta1", "came"])
+def test_interp_launches_per_step_do_not_grow_with_leaves(name, monkeypatch):
+    """One optimizer step launches each pass once per launch group, not once per leaf: the
+    launches of a step over 1 leaf of each kind and over 6 of each (5 vs 30 leaves) are the
+    same, counted by funcpar's launch_counter and, independently, by Triton's interpreter
+    (every kernel run); results equal the reference's."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from funcpar.kernels import _launch
+
+    seen: list[str] = []
+    run = InterpretedFunction.run
+
+    def counting(self, *a, **kw):
+        seen.append(self.fn.__name__)
+        return run(self, *a, **kw)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counting)
+    make = {"adafactor": lambda: adafactor(weight_decay=0.1),
+            "adafactor beta1": lambda: adafactor(beta1=0.9, weight_decay=0.1),
+            "came": lambda: came(lr=1e-2, weight_decay=0.1)}[name]
+    counts = {}
+    for k in (1, 6):
+        params, grads = _data(_tree(k), torch.float32, steps=2, seed=k)
+        opt = make()
+        p_ref, _ = _run(opt, params, grads, "reference", False)
+        state = opt.init(params)
+        with kernel_mode("triton"):
+            upd, state = opt.update(grads[0], state, params)
+            p = apply_updates(params, upd)
+            seen.clear()
+            with _launch.launch_counter() as launches:
+                upd, state = opt.update(grads[1], state, p)
+        assert launches == seen, (launches, seen)
+        assert _tree_rel(apply_updates(p, upd), p_ref) <= E2E_TOL["params"]
+        counts[k] = launches
+    assert counts[1] == counts[6], counts
+    assert len(counts[6]) < len(_tree(6)), counts[6]  # fewer launches than leaves
+    print(f"{name}: {len(counts[6])} launches per step: {counts[6]}")
+
+
+@interp
+def test_interp_mixed_tree_bf16_params_batched():
+    """A tree mixing float32 and bfloat16 parameters (two launch groups per pass) and every
+    kind of leaf: adafactor with momentum and came, fused apply, kernels vs reference."""
+    _poison()
+    # One step: with bfloat16 parameters each step may differ by a bf16 ulp (the interpreter
+    # truncates where torch rounds), so over s steps by s ulps; one is the pass's own bound.
+    params, grads = _data(_tree(2), torch.float32, steps=1, seed=11)
+    for k in list(params)[::2]:
+        params[k] = params[k].bfloat16()
+        for g in grads:
+            g[k] = g[k].bfloat16()
+    for name in sorted(INNER):
+        p_ref, s_ref = _run(INNER[name](), params, grads, "reference", True)
+        p_tri, s_tri = _run(INNER[name](), params, grads, "triton", True)
+        # bfloat16 parameters: one bf16 ulp (the interpreter truncates, torch rounds); through
+        # RMS(W) in Adafactor's step size that reaches the momentum at the same level.
+        assert _tree_rel(p_tri, p_ref) <= 2.0**-7, name
+        assert _tree_rel(s_tri, s_ref) <= 2.0**-7, name
+        for k in params:
+            if params[k].dtype == torch.float32:
+                assert max_rel_err(p_tri[k].double(), p_ref[k].double()) <= E2E_TOL["params"]
+
+
 def _tp2_rank(optim):
     from funcpar.testing import reference
 

@@ -279,13 +279,18 @@ class _View(NamedTuple):
     bc: int
 
 
-def _view(x: Tensor, factored: bool) -> _View:
+def _width(m: int) -> int:
+    return next((c for c in BC_CLASSES if m <= c), BC_CLASSES[-1])
+
+
+def _view(x: Tensor, factored: bool, bc: int = _FLAT_BC) -> _View:
+    """A factored leaf as ``(B, n, m)`` with the tile width for ``m``; a flat one as rows of
+    ``bc`` (any width fits a flat leaf, so it can join any launch)."""
     numel = x.numel()
     if factored:
         n, m = x.shape[-2], x.shape[-1]
-        bc = next((c for c in BC_CLASSES if m <= c), BC_CLASSES[-1])
-        return _View(numel // (n * m), n, m, numel, bc)
-    return _View(1, -(-numel // _FLAT_BC), _FLAT_BC, numel, _FLAT_BC)
+        return _View(numel // (n * m), n, m, numel, _width(m))
+    return _View(1, -(-numel // bc), bc, numel, bc)
 
 
 class _Plan(NamedTuple):
@@ -560,9 +565,20 @@ def precond_apply_many(calls: Sequence[tuple[Tensor, Tensor | None, Any, dict[st
         _x, p, precond, kw = calls[i]
         out = kw["out"]
         p_dt = None if out == "direction" else p.dtype
-        return (*_key(xs[i], isinstance(precond, F.Factors)), p_dt, out)
+        width = _width(xs[i].shape[-1]) if isinstance(precond, F.Factors) else None
+        return (xs[i].device, xs[i].dtype, width, p_dt, out)
 
-    for (device, x_dt, bc, p_dt, out), idx in _groups(range(len(calls)), key).items():
+    # Flat leaves (width None) join the widest group of factored leaves they can share a
+    # launch with (any width fits them), else launch in rows of 256.
+    groups: dict[tuple, list[int]] = {}
+    plain = _groups(range(len(calls)), key)
+    for k, idx in plain.items():
+        if k[2] is None:
+            same = [w[2] for w in plain if w[2] is not None and w[:2] + w[3:] == k[:2] + k[3:]]
+            k = k[:2] + (max(same, default=_FLAT_BC),) + k[3:]
+        groups.setdefault(k, []).extend(idx)
+    for (device, x_dt, bc, p_dt, out), idx in groups.items():
+        idx = sorted(idx)
         mode = F.OUT_MODES.index(out)
         out_dt = p_dt if mode == 2 else torch.float32
         keep: list[Any] = []
@@ -590,7 +606,7 @@ def precond_apply_many(calls: Sequence[tuple[Tensor, Tensor | None, Any, dict[st
                          1.0 if kw["pre"] is None else kw["pre"],
                          1.0 if kw["post"] is None else kw["post"],
                          0.0 if kw["decay"] is None else kw["decay"], d1, omd1])
-            views.append(_view(x, factored))
+            views.append(_view(x, factored, bc))
             rows_ptrs.append((flags, [_addr(x), _addr(p_in), _addr(res), _addr(m_in),
                                       _addr(m_out)] + [_addr(t) for t in fac] + [_addr(v)]))
             outs.append((res, m_out))

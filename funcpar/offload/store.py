@@ -107,7 +107,13 @@ class TensorStore:
     out=)`` returns a new CPU tensor with the stored contents, or fills ``out`` (a contiguous
     CPU tensor of the stored shape and dtype) and returns it; ``tag`` (when given) must equal
     the ``tag`` stored with it. ``flush()`` waits for every write and raises the first error.
+
+    ``bytes_written`` / ``bytes_read`` count the tensor bytes given to ``put`` and returned by
+    ``get`` (the payload: an NVMe file adds its 4 KiB header and the padding to whole blocks).
     """
+
+    bytes_written = 0
+    bytes_read = 0
 
     def put(self, key: str, tensor: Tensor, tag: int = 0) -> None:
         raise NotImplementedError
@@ -160,6 +166,7 @@ class CpuStore(TensorStore):
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pinned)
         host.copy_(tensor.detach())
         self._data[key] = (host, int(tag))
+        self.bytes_written += host.numel() * host.element_size()
 
     def get(self, key: str, tag: int | None = None, out: Tensor | None = None) -> Tensor:
         if key not in self._data:
@@ -168,6 +175,7 @@ class CpuStore(TensorStore):
         if tag is not None and stored != tag:
             raise StoreError(f"tensor {key!r} in the CPU store has tag {stored}, expected {tag} "
                              "(a state older than the store's last two versions?)", key)
+        self.bytes_read += t.numel() * t.element_size()
         if out is None:
             return t.clone()
         _check_out(out, {"shape": list(t.shape), "dtype": str(t.dtype)}, key, "the CPU store")
@@ -369,6 +377,7 @@ class NvmeStore(TensorStore):
         fut = self._pool.submit(self._write, key, path, buf, header, data)
         with self._lock:
             self._writes[key] = fut
+            self.bytes_written += data.numel()
 
     def _write(self, key: str, path: str, buf: _Buffer, header: dict, data: Tensor) -> None:
         """Write one file: the data in ``request``-sized pieces at offset ``BLOCK`` (each
@@ -497,6 +506,7 @@ class NvmeStore(TensorStore):
             raise StoreError(f"tensor {key!r} in {path} has tag {header['tag']}, expected "
                              f"{tag} (a state older than the store's last two versions?)",
                              key, path)
+        self.bytes_read += got.numel() * got.element_size()
         return got
 
     def _read(self, key: str, path: str, out: Tensor | None) -> tuple[dict, Tensor]:

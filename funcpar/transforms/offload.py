@@ -96,6 +96,7 @@ from funcpar.state.tree import (
     tree_unflatten,
 )
 from funcpar.train.step import TrainStep
+from funcpar.transforms.zero_partition import _partitioned
 
 __all__ = ["OffloadedState", "offload", "offloaded", "read_masters", "read_state"]
 
@@ -181,10 +182,23 @@ def offloaded(inner: GradientTransformation, store: TensorStore, *, prefix: str 
                                      for i, (n, x) in enumerate(named_leaves(tree))])
 
     def init(params: Tree) -> OffloadedState:
-        tree = save(inner.init(params), 0)
         handles = None
         if masters is not None:
             flags = masters[1]
+            named = named_leaves(params)
+            if len(named) != len(flags):
+                raise ValueError(f"offloaded(masters): params of {len(named)} leaves, planned "
+                                 f"for {len(flags)}")
+            for (name, p), f in zip(named, flags):
+                if f and p.dtype != torch.float32:
+                    # zero_partition applied after offload(master_params) builds its state
+                    # from the half-precision compute copies: the masters would be lost.
+                    raise ValueError(f"offloaded(masters): the master of {name!r} must be "
+                                     f"float32, got {p.dtype}: apply offload(master_params) "
+                                     "after amp_cast and after zero_partition / "
+                                     "data_parallel (last)")
+        tree = save(inner.init(params), 0)
+        if masters is not None:
             handles = tree_unflatten(tree_flatten(params)[1], [
                 store_master(n, i, p, 0) if f else None
                 for i, ((n, p), f) in enumerate(zip(named_leaves(params), flags))])
@@ -657,9 +671,14 @@ def read_state(opt_state: OffloadedState, store: TensorStore, *, prefix: str = "
 
 
 def read_masters(params: Tree, opt_state: OffloadedState, store: TensorStore, *,
-                 prefix: str = "opt", rank: int | None = None) -> Tree:
+                 prefix: str = "opt", rank: int | None = None, partition: Any = None) -> Tree:
     """The float32 master params: ``params`` (the compute copies in ``state.params``) with
-    each offloaded master read back from ``store`` (for a checkpoint, say)."""
+    each offloaded master read back from ``store`` (for a checkpoint, say). Under ZeRO pass
+    ``partition=step.partition``: the result is then this rank's part of every leaf (the
+    layouts ``partition.part_layouts``), since the store holds only this rank's parts of the
+    masters (at stage 3 ``params`` are the parts already)."""
+    if partition is not None and partition.stage < 3:
+        params = partition.to_parts(params)
     if opt_state.masters is None:
         return params
     store.flush()
@@ -717,22 +736,28 @@ def offload(
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
         if isinstance(state.opt_state, OffloadedState):
             raise ValueError("the optimizer state is already offloaded: apply offload once")
-        if chunk_bytes is not None and step.partition is not None:
-            raise ValueError("with zero_partition, apply offload(chunk_bytes=...) before it: "
-                             "zero_partition's optimizer wraps the whole tree of this rank's "
-                             "parts, and offload then chunks the optimizer it wraps")
         if chunk_bytes is not None and getattr(step, "pipeline", None) is not None:
             raise ValueError("offload(chunk_bytes=...) after pipeline_split is not supported: "
                              "pipeline_split's optimizer wrapper hides the chain's clip, which "
                              "would then see one chunk at a time; use chunk_bytes=None")
         plan = _master_plan(step, state) if with_masters else None
-        opt = offloaded(step.optimizer, store, prefix=prefix, min_numel=min_numel,
+        zero = step.partition
+        inner = step.optimizer if zero is None else _zero_inner(step.optimizer)
+        opt = offloaded(inner, store, prefix=prefix, min_numel=min_numel,
                         chunk_bytes=chunk_bytes, max_resident=max_resident,
                         update_on=update_on, masters=plan, stats=stats)
-        # Keep the state as it is (a trained one too): store it as version 0.
+        # Keep the state as it is (a trained one too): store it as version 0. Under ZeRO the
+        # state is this rank's parts already, and the masters stored are the parts of the
+        # params (stages 1-2 hold them whole; stage 3 holds the parts).
         keep = GradientTransformation(lambda params: state.opt_state, None)
+        own = state.params if zero is None or zero.stage == 3 else zero.to_parts(state.params)
         moved = offloaded(keep, store, prefix=prefix, min_numel=min_numel,
-                          masters=plan).init(state.params)
+                          masters=plan).init(own)
+        if zero is not None:
+            # Inside the partition, as when offload is applied before zero_partition: each
+            # rank's update (on the host) sees its parts, and the new params (the compute
+            # copies, with masters) are gathered after it, on the params' device.
+            opt = _partitioned(opt, zero)
         changes: dict[str, Any] = {"optimizer": opt}
         params = state.params
         if plan is not None:
@@ -740,13 +765,29 @@ def offload(
             spec = tree_flatten(params)[1]
             params = tree_unflatten(spec, [p.to(dtype) if f else p
                                            for p, f in zip(tree_leaves(params), flags)])
-            changes["sync_grads"] = _upcast_then(step.sync_grads, flags)
+            seen = [False]
+            changes["overlap_grads"] = _upcast_overlap(step.overlap_grads, flags, seen)
+            changes["sync_grads"] = _upcast_then(step.sync_grads, flags, seen)
         return (dataclasses.replace(step, **changes),
                 state._replace(params=params, opt_state=moved))
 
     transform.store = store
     transform.stats = stats
     return transform
+
+
+def _zero_inner(opt: GradientTransformation) -> GradientTransformation:
+    """The optimizer that zero_partition's wrapper steps on each rank's parts."""
+    fn = opt.update
+    while fn is not None:  # on the checker's wrapper or on what it wraps
+        inner = getattr(fn, "zero_inner", None)
+        if inner is not None:
+            return inner
+        fn = getattr(fn, "__wrapped__", None)
+    raise ValueError("offload after zero_partition needs zero_partition's optimizer as the "
+                     "step's optimizer (offload sits inside the partition, on each rank's "
+                     "parts); another transform wrapped it in between: apply offload right "
+                     "after zero_partition (and amp_cast)")
 
 
 def _master_plan(step: TrainStep, state: TrainState) -> tuple[torch.dtype, list[bool]]:
@@ -756,11 +797,11 @@ def _master_plan(step: TrainStep, state: TrainState) -> tuple[torch.dtype, list[
                          "without it the params the step computes with are the float32 "
                          "masters themselves, so there is nothing to keep elsewhere (offload "
                          "what=('opt_state',) and keep the params resident)")
-    if step.partition is not None or step.overlap_grads is not None or step.dp_axis:
-        raise ValueError("offload of master params composes with one process (and "
-                         "shard_params) only: data_parallel / zero_partition would reduce the "
-                         "half-precision gradients of the compute copies, not the float32 "
-                         "gradients of the in-memory run (not done)")
+    if step.pipeline is not None:
+        raise ValueError("offload(master_params) after pipeline_split is not supported: the "
+                         "stages' gradient exchange and pipeline_split's optimizer wrapper "
+                         "are not covered by the master-gradient upcast (not done); offload "
+                         "what=('opt_state',) instead")
     keep = _amp_keep(step.apply_fn)
     named = named_leaves(state.params)
     if keep is None or len(keep) != len(named):
@@ -778,10 +819,59 @@ def _amp_keep(apply_fn: Callable) -> list[bool] | None:
     return None if keep is None else [bool(k) for k in keep]
 
 
-def _upcast_then(sync: Callable[[Tree], Tree] | None, flags: list[bool]) -> Callable:
-    """The gradients of the half-precision compute copies in float32 (exact: amp_cast's cast
-    backward upcasts the same half-precision gradient), then the step's own ``sync_grads``."""
+class _UpcastSync:
+    """The gradients of the half-precision compute copies upcast to float32 before the step's
+    own overlapped reduction (``inner``: data_parallel's bucketed mean, ZeRO-2/3's reduce-
+    scatter, or none) sees them. Exact: in the in-memory amp run the same half-precision
+    gradient reaches the float32 master leaf through amp_cast's cast backward, which upcasts
+    it, and the reduction runs on that."""
+
+    def __init__(self, inner: Any, flags: list[bool], seen: list[bool]):
+        self.inner, self.flags, self.seen = inner, flags, seen
+        self.up: dict[int, Tensor] = {}
+
+    def ready(self, i: int, grad: Tensor) -> None:
+        if self.inner is not None:
+            self.up[i] = grad.float() if self.flags[i] else grad
+            self.inner.ready(i, self.up[i])
+
+    def finish(self, grads: Tree) -> Tree:
+        leaves, spec = tree_flatten(grads)
+        up = tree_unflatten(spec, [
+            self.up[i] if i in self.up else g.float() if f and g is not None else g
+            for i, (g, f) in enumerate(zip(leaves, self.flags))])
+        self.up = {}
+        self.seen[0] = True  # this step's gradients went through here (see _upcast_then)
+        return up if self.inner is None else self.inner.finish(up)
+
+
+def _upcast_overlap(factory: Callable[[list[Tensor]], Any] | None, flags: list[bool],
+                    seen: list[bool]) -> Callable[[list[Tensor]], _UpcastSync]:
+    """The step's ``overlap_grads`` with :class:`_UpcastSync` in front; the inner reduction is
+    planned for float32 leaves (zero-stride stand-ins: shape and dtype, no memory), as in the
+    in-memory run, so data_parallel's buckets are the same."""
+    def overlap_grads(leaves: list[Tensor]) -> _UpcastSync:
+        if factory is None:
+            return _UpcastSync(None, flags, seen)
+        like = [torch.empty((), dtype=torch.float32, device=p.device).expand(p.shape)
+                if f else p for p, f in zip(leaves, flags)]
+        return _UpcastSync(factory(like), flags, seen)
+    return overlap_grads
+
+
+def _upcast_then(sync: Callable[[Tree], Tree] | None, flags: list[bool],
+                 seen: list[bool]) -> Callable:
+    """The step's own ``sync_grads`` after a check that the gradients were upcast by
+    :class:`_UpcastSync` (a data_parallel applied after offload replaces it, and its
+    all-reduce would have run on the half-precision gradients: refused, not silently less
+    precise), and the upcast again for a path without the hook (a no-op when done)."""
     def sync_grads(grads: Tree) -> Tree:
+        if not seen[0]:
+            raise ValueError("offload(master_params): the gradients reached sync_grads without "
+                             "its float32 upcast; a transform applied after offload "
+                             "(data_parallel?) replaced the step's overlap_grads and reduced "
+                             "the half-precision gradients: apply offload last")
+        seen[0] = False
         leaves, spec = tree_flatten(grads)
         up = tree_unflatten(spec, [g.float() if f and g is not None else g
                                    for g, f in zip(leaves, flags)])

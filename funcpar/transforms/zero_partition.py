@@ -186,6 +186,9 @@ def _partitioned(inner: GradientTransformation, plan: ZeroPlan) -> GradientTrans
             updates = plan.gather_tree(updates, "zero update gather")
         return updates, state
 
+    # What it wraps, for a transform applied later that must sit inside the partition (offload
+    # stores each rank's parts and rebuilds this wrapper around its own optimizer).
+    update.zero_inner = inner
     if inner.apply is None:
         return GradientTransformation(init, update)
 

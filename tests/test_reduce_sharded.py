@@ -200,3 +200,65 @@ def test_batched_partials_one_message_per_axis_and_phase():
         assert res["equal"], rank
         assert res["batched"] == [("all_reduce", "tp", "probe")], (rank, res["batched"])
         assert (res["lamb"], res["adafactor"], res["came"]) == (1, 3, 5), (rank, res)
+
+
+def _scripted(name: str, script: str, log: list):
+    """A phased step that asks, phase by phase, for what ``script`` says: ``X`` a pass, ``P``
+    a reduction (no layout: completed locally), ``F`` a final pass; it checks its results."""
+    for k, what in enumerate(script):
+        if what == "P":
+            x = torch.tensor(float(k))
+            (got,) = yield [R.Partial(x, None, None, "probe")]
+            assert torch.equal(got, x)
+        else:
+            run = _final_pass if what == "F" else _pass
+            (got,) = yield [R.Pass(run, (name, k), {}, what == "F")]
+            # the result of this call, from the batched call that carried it
+            assert got[:2] == (name, k) and (name, k) in log[got[2]][1], (got, name, k)
+    return name
+
+
+def _batched(calls, tag, log):
+    log.append((tag, [args for args, _ in calls]))
+    return [(*args, len(log) - 1) for args, _ in calls]
+
+
+_LOG: list = []
+
+
+def _pass(calls):
+    return _batched(calls, "X", _LOG)
+
+
+def _final_pass(calls):
+    return _batched(calls, "F", _LOG)
+
+
+def test_run_phased_batches_passes_per_round_and_orders_classes():
+    """run_phased runs each round's passes as one call per kind (one launch for all leaves,
+    not one per leaf); reductions wait while a pass other than a final one can run, so they
+    meet in as few rounds as possible; final passes wait for every reduction and share one
+    round. Results go back to the step that asked, in order."""
+    _LOG.clear()
+    scripts = {"a": "XPPXPF", "b": "XPF", "c": "PXPF", "d": "F"}
+    with comm_log.capture() as recs:
+        out = R.run_phased([_scripted(n, s, _LOG) for n, s in scripts.items()])
+    assert out == list(scripts) and recs == []
+    assert _LOG == [
+        ("X", [("a", 0), ("b", 0)]),   # passes first: c's reduction waits
+        ("X", [("c", 1)]),             # c's pass, after the round of a's, b's and c's reductions
+        ("X", [("a", 3)]),             # a's second pass, after its second reduction round
+        ("F", [("a", 5), ("b", 2), ("c", 3), ("d", 0)]),  # every final pass in one call
+    ], _LOG
+    # nested: together() inside a step schedules the same way (a pass of the inner steps runs
+    # before the reduction of a sibling inner step).
+    _LOG.clear()
+
+    def outer():
+        inner = yield from R.together(_scripted("p", "PX", _LOG), _scripted("q", "XP", _LOG))
+        return inner
+
+    assert R.run_phased([outer(), _scripted("r", "XF", _LOG)]) == [("p", "q"), "r"]
+    assert _LOG == [("X", [("q", 0), ("r", 0)]), ("X", [("p", 1)]), ("F", [("r", 1)])], _LOG
+    with pytest.raises(TypeError, match="not a Partial or a Pass"):
+        R.run_requests([object()])

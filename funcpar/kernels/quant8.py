@@ -5,8 +5,12 @@ The format is :mod:`funcpar.optim.quant8`'s (Dettmers et al. 2022, arXiv 2110.02
 ``block_size`` consecutive elements (row-major), a float32 ``absmax`` per block and per element
 the uint8 index of the code of a sorted 256-entry map nearest to ``x / absmax`` (a tie to the
 lower index; an all-zero block maps to the code of 0). The references here are that module's
-whole-tensor (unsharded) code; a sharded state (global blocks over ranks) stays in
-:mod:`funcpar.optim.quant8`, which needs an all-reduce of the absmax between the two halves.
+code. A *sharded* state (this rank's part of a tensor whose blocks are the whole tensor's) is
+described by a per-element block index (:func:`local_absmax_reference` and friends) or, for the
+kernels, by its :class:`Segments` (runs of consecutive local elements lying in one global block);
+its Adam step is two passes around the absmax all-reduce that :mod:`funcpar.optim.quant8`
+issues (:func:`adam8bit_absmax_triton`, :func:`adam8bit_requantize_triton`, references
+beside them).
 
 Kernels: one program quantizes ``ROWS`` blocks: the block's absmax is a row max of the tile in
 registers, the quotient an IEEE division, the nearest code an 8-step binary search over the map
@@ -16,6 +20,16 @@ operations as the reference, so codes and absmax are bit-identical. The fused Ad
 Adam direction and requantizes both in one pass: per element 4 B of gradient read, 4 B of
 direction written, 2 B of codes read and 2 B written (plus 16 B per block of absmax), against
 the 26 B of dequantizing both states to float32, updating them and quantizing them again.
+
+Sharded states: a global block may be cut over ranks, so no rank knows its absmax before the
+all-reduce (max) over the ranks holding a part of it. Pass 1 (:func:`adam8bit_absmax_triton`)
+dequantizes, updates ``m`` and ``v``, writes the direction and the max of ``|m'|``, ``|v'|`` over
+each segment (the segment maxima are folded into per-block maxima by a ``scatter_reduce``: max is
+exact, so the order does not matter); pass 2 (:func:`adam8bit_requantize_triton`), after the
+all-reduce, recomputes ``m'`` and ``v'`` from the same inputs (the same operations: the same
+bits) and writes their codes against the global absmax. 18 B/param (g and codes read twice,
+direction written, codes written) against 12 for the one-pass whole step: recomputing is cheaper
+than writing and re-reading ``m'`` and ``v'`` in float32 (28 B).
 """
 
 from __future__ import annotations
@@ -32,15 +46,25 @@ from funcpar.kernels.dispatch import use_kernels
 
 __all__ = [
     "Adam8bitScalars",
+    "Segments",
+    "adam8bit_absmax_reference",
+    "adam8bit_absmax_triton",
     "adam8bit_math",
     "adam8bit_reference",
+    "adam8bit_requantize_reference",
+    "adam8bit_requantize_triton",
+    "adam8bit_sharded_uses_kernel",
     "adam8bit_step",
     "adam8bit_triton",
+    "block_segments",
     "dequantize_blocks",
+    "dequantize_global_reference",
     "dequantize_reference",
     "dequantize_triton",
+    "local_absmax_reference",
     "nearest_code",
     "quantize_blocks",
+    "quantize_global_reference",
     "quantize_reference",
     "quantize_triton",
 ]
@@ -133,8 +157,107 @@ def adam8bit_reference(
             quantize_reference(v_f, code_v, block_size))
 
 
+# --------------------------------------------------------------------------------------------
+# Sharded states: this rank's elements in the whole tensor's blocks
+# --------------------------------------------------------------------------------------------
+
+
+def local_absmax_reference(
+    x: Float[Tensor, "*shape"], index: Tensor, n_blocks: int
+) -> Float32[Tensor, " n_blocks"]:
+    """Per block of the whole tensor, the max of ``|x|`` over this rank's elements of it (0 for
+    a block it holds none of); ``index[i]`` is the global block of element ``i`` (flat,
+    row-major). The all-reduce (max) over the ranks completes it."""
+    mags = x.reshape(-1).to(torch.float32).abs()
+    local = torch.zeros(n_blocks, dtype=torch.float32, device=x.device)
+    return local.scatter_reduce(0, index, mags, "amax", include_self=True)
+
+
+def quantize_global_reference(
+    x: Float[Tensor, "*shape"], absmax: Float32[Tensor, " n_blocks"], index: Tensor,
+    code: Float32[Tensor, " n_codes"],
+) -> UInt8[Tensor, "*shape"]:
+    """Codes of this rank's elements against the whole tensor's (all-reduced) ``absmax``."""
+    mine = absmax[index]
+    safe = torch.where(mine > 0, mine, torch.ones_like(mine))
+    scaled = torch.where(mine > 0, x.reshape(-1).to(torch.float32) / safe,
+                         torch.zeros_like(mine))
+    return nearest_code(scaled, code).reshape(x.shape)
+
+
+def dequantize_global_reference(
+    codes: UInt8[Tensor, "*shape"], absmax: Float32[Tensor, " n_blocks"], index: Tensor,
+    code: Float32[Tensor, " n_codes"], dtype: torch.dtype = torch.float32,
+) -> Float[Tensor, "*shape"]:
+    """``code[codes] * absmax[block]`` (float32 product) for this rank's elements, as ``dtype``."""
+    out = code[codes.reshape(-1).long()] * absmax[index]
+    return out.reshape(codes.shape).to(dtype)
+
+
+class Segments(NamedTuple):
+    """A shard's elements as maximal runs of consecutive local elements (flat, row-major) that
+    lie in one block of the whole tensor: what the sharded kernels iterate over (a program
+    handles whole segments, so a segment's max is a row max in registers)."""
+
+    start: Tensor  # int64 (n_segments,): first local element
+    length: Tensor  # int32 (n_segments,): at most block_size
+    block: Tensor  # int64 (n_segments,): the global block
+    max_length: int
+    n_blocks: int  # the whole tensor's number of blocks
+
+
+def block_segments(index: Tensor, n_blocks: int) -> Segments:
+    """The :class:`Segments` of a shard whose element ``i`` lies in global block ``index[i]``.
+
+    A whole tensor gives its blocks; a row-split one whole blocks but at the cut; a column-split
+    one one segment per (row, block) piece."""
+    index = index.reshape(-1)
+    n = index.numel()
+    if n == 0:
+        empty = index.new_zeros(0)
+        return Segments(empty, empty.to(torch.int32), empty, 0, n_blocks)
+    starts = torch.ones(n, dtype=torch.bool, device=index.device)
+    starts[1:] = index[1:] != index[:-1]
+    start = starts.nonzero().reshape(-1)
+    length = torch.diff(start, append=start.new_tensor([n]))
+    return Segments(start, length.to(torch.int32), index[start].contiguous(),
+                    int(length.max()), n_blocks)
+
+
+def _segment_index(segs: Segments) -> Tensor:
+    return torch.repeat_interleave(segs.block, segs.length.long())
+
+
+def adam8bit_absmax_reference(
+    g: Tensor, m: Q, v: Q, code_m: Tensor, code_v: Tensor, segs: Segments, s: Adam8bitScalars,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Pass 1 of the sharded step: ``(direction, local absmax of m', local absmax of v')``;
+    ``m``, ``v``: this rank's codes with the whole tensor's absmax."""
+    index = _segment_index(segs)
+    m_f = dequantize_global_reference(m[0], m[1], index, code_m, g.dtype)
+    v_f = dequantize_global_reference(v[0], v[1], index, code_v, g.dtype)
+    m_f, v_f, direction = adam8bit_math(m_f, v_f, g, s)
+    return (direction, local_absmax_reference(m_f, index, segs.n_blocks),
+            local_absmax_reference(v_f, index, segs.n_blocks))
+
+
+def adam8bit_requantize_reference(
+    g: Tensor, m: Q, v: Q, code_m: Tensor, code_v: Tensor, segs: Segments, s: Adam8bitScalars,
+    absmax_m: Tensor, absmax_v: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Pass 2: ``m'``, ``v'`` recomputed from the same inputs, coded against the whole tensor's
+    new ``absmax_m`` / ``absmax_v`` (pass 1's, all-reduced): ``(m codes, v codes)``."""
+    index = _segment_index(segs)
+    m_f = dequantize_global_reference(m[0], m[1], index, code_m, g.dtype)
+    v_f = dequantize_global_reference(v[0], v[1], index, code_v, g.dtype)
+    m_f, v_f, _ = adam8bit_math(m_f, v_f, g, s)
+    return (quantize_global_reference(m_f, absmax_m, index, code_m),
+            quantize_global_reference(v_f, absmax_v, index, code_v))
+
+
 def _build():
-    global tl, triton, nearest_code_jit, block_offsets_jit, max_combine
+    global tl, triton, nearest_code_jit, block_offsets_jit, max_combine, adam8bit_moments_jit
+    global adam8bit_direction_jit, requantize_jit, segment_offsets_jit
     import triton
     import triton.language as tl
 
@@ -192,41 +315,106 @@ def _build():
 
     @triton.jit
     @no_type_check
+    def adam8bit_moments_jit(g, mc, ma_row, vc, va_row, code_m, code_v, scal, offs, mask):
+        # Dequantize (code * absmax in float32) and update both moments; padding lanes read
+        # code[0] * absmax, so they are zeroed: they cannot raise a block's max.
+        beta1 = tl.load(scal)
+        c1 = tl.load(scal + 1)  # 1 - beta1
+        beta2 = tl.load(scal + 2)
+        c2 = tl.load(scal + 3)  # 1 - beta2
+        m = tl.load(code_m + tl.load(mc + offs, mask=mask, other=0).to(tl.int32))
+        m = m * ma_row[:, None]
+        v = tl.load(code_v + tl.load(vc + offs, mask=mask, other=0).to(tl.int32))
+        v = v * va_row[:, None]
+        m = tl.fma(g, c1, m * beta1)  # torch.add(m * b1, g, alpha=1 - b1)
+        v = v * beta2 + (c2 * g) * g  # torch.addcmul(v * b2, g, g, value=1 - b2)
+        return tl.where(mask, m, 0.0), tl.where(mask, v, 0.0)
+
+    @triton.jit
+    @no_type_check
+    def adam8bit_direction_jit(m, v, scal, HF: tl.constexpr):
+        eps = tl.load(scal + 4)
+        if HF:
+            d = tl.div_rn(m, tl.sqrt_rn(v) + eps)
+        else:
+            d = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), tl.load(scal + 5)) + eps)
+        return d
+
+    @triton.jit
+    @no_type_check
+    def requantize_jit(x, am, code):
+        # x / absmax of its block (IEEE division; 0 for an all-zero block), nearest code.
+        scaled = tl.where(am[:, None] > 0, tl.div_rn(x, tl.where(am > 0, am, 1.0)[:, None]), 0.0)
+        return nearest_code_jit(scaled, code)
+
+    @triton.jit
+    @no_type_check
     def adam8bit_kernel(g_ptr, mc, ma, vc, va, code_m, code_v, direction, mc_out, ma_out,
                         vc_out, va_out, scal, n, n_blocks, block_size, HF: tl.constexpr,
                         ROWS: tl.constexpr, TILE: tl.constexpr):
         rows, offs, mask = block_offsets_jit(n, n_blocks, block_size, ROWS, TILE)
         rmask = rows < n_blocks
-        beta1 = tl.load(scal)
-        c1 = tl.load(scal + 1)  # 1 - beta1
-        beta2 = tl.load(scal + 2)
-        c2 = tl.load(scal + 3)  # 1 - beta2
-        eps = tl.load(scal + 4)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        m = tl.load(code_m + tl.load(mc + offs, mask=mask, other=0).to(tl.int32))
-        m = m * tl.load(ma + rows, mask=rmask, other=0.0)[:, None]
-        v = tl.load(code_v + tl.load(vc + offs, mask=mask, other=0).to(tl.int32))
-        v = v * tl.load(va + rows, mask=rmask, other=0.0)[:, None]
-        m = tl.fma(g, c1, m * beta1)  # torch.add(m * b1, g, alpha=1 - b1)
-        v = v * beta2 + (c2 * g) * g  # torch.addcmul(v * b2, g, g, value=1 - b2)
-        if HF:
-            d = tl.div_rn(m, tl.sqrt_rn(v) + eps)
-        else:
-            d = tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), tl.load(scal + 5)) + eps)
-        tl.store(direction + offs, d, mask=mask)
-        # Padding lanes decoded code[0] * absmax: zero them so they cannot raise a block's max.
-        m = tl.where(mask, m, 0.0)
-        v = tl.where(mask, v, 0.0)
+        m, v = adam8bit_moments_jit(g, mc, tl.load(ma + rows, mask=rmask, other=0.0), vc,
+                                    tl.load(va + rows, mask=rmask, other=0.0), code_m, code_v,
+                                    scal, offs, mask)
+        tl.store(direction + offs, adam8bit_direction_jit(m, v, scal, HF), mask=mask)
         am = tl.reduce(tl.abs(m), 1, max_combine)
         tl.store(ma_out + rows, am, mask=rmask)
-        scaled = tl.where(am[:, None] > 0, tl.div_rn(m, tl.where(am > 0, am, 1.0)[:, None]), 0.0)
-        tl.store(mc_out + offs, nearest_code_jit(scaled, code_m), mask=mask)
+        tl.store(mc_out + offs, requantize_jit(m, am, code_m), mask=mask)
         av = tl.reduce(tl.abs(v), 1, max_combine)
         tl.store(va_out + rows, av, mask=rmask)
-        scaled = tl.where(av[:, None] > 0, tl.div_rn(v, tl.where(av > 0, av, 1.0)[:, None]), 0.0)
-        tl.store(vc_out + offs, nearest_code_jit(scaled, code_v), mask=mask)
+        tl.store(vc_out + offs, requantize_jit(v, av, code_v), mask=mask)
 
-    return quantize_kernel, dequantize_kernel, adam8bit_kernel
+    @triton.jit
+    @no_type_check
+    def segment_offsets_jit(seg_start, seg_len, seg_block, n_seg, ROWS: tl.constexpr,
+                            TILE: tl.constexpr):
+        # ROWS segments per program, one per row of the tile; a segment's elements are
+        # consecutive local elements of one global block.
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_seg
+        start = tl.load(seg_start + rows, mask=rmask, other=0)
+        length = tl.load(seg_len + rows, mask=rmask, other=0)
+        blk = tl.load(seg_block + rows, mask=rmask, other=0)
+        cols = tl.arange(0, TILE)
+        offs = start[:, None] + cols[None, :]
+        mask = (cols[None, :] < length[:, None]) & rmask[:, None]
+        return rows, rmask, blk, offs, mask
+
+    @triton.jit
+    @no_type_check
+    def adam8bit_absmax_kernel(g_ptr, mc, ma, vc, va, code_m, code_v, direction, seg_m, seg_v,
+                               seg_start, seg_len, seg_block, scal, n_seg, HF: tl.constexpr,
+                               ROWS: tl.constexpr, TILE: tl.constexpr):
+        rows, rmask, blk, offs, mask = segment_offsets_jit(seg_start, seg_len, seg_block, n_seg,
+                                                           ROWS, TILE)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        m, v = adam8bit_moments_jit(g, mc, tl.load(ma + blk, mask=rmask, other=0.0), vc,
+                                    tl.load(va + blk, mask=rmask, other=0.0), code_m, code_v,
+                                    scal, offs, mask)
+        tl.store(direction + offs, adam8bit_direction_jit(m, v, scal, HF), mask=mask)
+        tl.store(seg_m + rows, tl.reduce(tl.abs(m), 1, max_combine), mask=rmask)
+        tl.store(seg_v + rows, tl.reduce(tl.abs(v), 1, max_combine), mask=rmask)
+
+    @triton.jit
+    @no_type_check
+    def adam8bit_requantize_kernel(g_ptr, mc, ma, vc, va, code_m, code_v, ma_new, va_new,
+                                   mc_out, vc_out, seg_start, seg_len, seg_block, scal, n_seg,
+                                   ROWS: tl.constexpr, TILE: tl.constexpr):
+        _rows, rmask, blk, offs, mask = segment_offsets_jit(seg_start, seg_len, seg_block, n_seg,
+                                                           ROWS, TILE)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        m, v = adam8bit_moments_jit(g, mc, tl.load(ma + blk, mask=rmask, other=0.0), vc,
+                                    tl.load(va + blk, mask=rmask, other=0.0), code_m, code_v,
+                                    scal, offs, mask)
+        am = tl.load(ma_new + blk, mask=rmask, other=0.0)
+        tl.store(mc_out + offs, requantize_jit(m, am, code_m), mask=mask)
+        av = tl.load(va_new + blk, mask=rmask, other=0.0)
+        tl.store(vc_out + offs, requantize_jit(v, av, code_v), mask=mask)
+
+    return (quantize_kernel, dequantize_kernel, adam8bit_kernel, adam8bit_absmax_kernel,
+            adam8bit_requantize_kernel)
 
 
 _kernels = _launch.lazy_kernels(_build)
@@ -290,14 +478,79 @@ def adam8bit_triton(
     mc, vc = (_launch.new_output(g.shape, torch.uint8, device) for _ in range(2))
     ma, va = (_launch.new_output((nb,), torch.float32, device) for _ in range(2))
     if nb:
-        scal = _launch.device_scalars(
-            [s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2, s.eps, s.bc2_sqrt], device)
+        scal = _adam_scalars(s, device)
         _kernels()[2][(grid,)](
             g, m[0].contiguous(), m[1].contiguous(), v[0].contiguous(), v[1].contiguous(),
             _launch.to_device(code_m.float().contiguous(), device),
             _launch.to_device(code_v.float().contiguous(), device), direction, mc, ma, vc, va, scal,
             g.numel(), nb, block_size, HF=s.variant == "hf", ROWS=rows, TILE=tile)
     return direction, (mc, ma), (vc, va)
+
+
+def _segment_grid(segs: Segments, rows: int | None, device: torch.device) -> tuple[int, int, int]:
+    # The tile is the longest segment padded to a power of two; on a GPU a program takes
+    # about 1024 elements (more rows when segments are short, e.g. column-split shards).
+    n_seg = segs.start.numel()
+    tile = 1 << max(0, (max(segs.max_length, 1) - 1).bit_length())
+    if rows is None:
+        rows = max(1, 1024 // tile) if device.type == "cuda" else 1
+    return n_seg, tile, rows
+
+
+def _segment_args(segs: Segments, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    return (_launch.to_device(segs.start.contiguous(), device),
+            _launch.to_device(segs.length.contiguous(), device),
+            _launch.to_device(segs.block.contiguous(), device))
+
+
+def _adam_scalars(s: Adam8bitScalars, device: torch.device) -> Tensor:
+    return _launch.device_scalars(
+        [s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2, s.eps, s.bc2_sqrt], device)
+
+
+def adam8bit_absmax_triton(
+    g: Tensor, m: Q, v: Q, code_m: Tensor, code_v: Tensor, segs: Segments, s: Adam8bitScalars,
+    *, rows: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`adam8bit_absmax_reference` by a Triton kernel (float32 ``g``): the direction and
+    each segment's max, folded into per-block maxima here (``scatter_reduce``, exact)."""
+    g = g.contiguous()
+    device = g.device
+    n_seg, tile, rows = _segment_grid(segs, rows, device)
+    direction = _launch.new_output(g.shape, torch.float32, device)
+    seg_m, seg_v = (_launch.new_output((n_seg,), torch.float32, device) for _ in range(2))
+    if n_seg:
+        _launch.launch(
+            _kernels()[3], (-(-n_seg // rows),), g, m[0].contiguous(), m[1].contiguous(),
+            v[0].contiguous(), v[1].contiguous(),
+            _launch.to_device(code_m.float().contiguous(), device),
+            _launch.to_device(code_v.float().contiguous(), device), direction, seg_m, seg_v,
+            *_segment_args(segs, device), _adam_scalars(s, device), n_seg,
+            HF=s.variant == "hf", ROWS=rows, TILE=tile)
+    block = _launch.to_device(segs.block, device)
+    zeros = torch.zeros(segs.n_blocks, dtype=torch.float32, device=device)
+    return (direction, zeros.scatter_reduce(0, block, seg_m, "amax", include_self=True),
+            zeros.scatter_reduce(0, block, seg_v, "amax", include_self=True))
+
+
+def adam8bit_requantize_triton(
+    g: Tensor, m: Q, v: Q, code_m: Tensor, code_v: Tensor, segs: Segments, s: Adam8bitScalars,
+    absmax_m: Tensor, absmax_v: Tensor, *, rows: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`adam8bit_requantize_reference` by a Triton kernel (float32 ``g``)."""
+    g = g.contiguous()
+    device = g.device
+    n_seg, tile, rows = _segment_grid(segs, rows, device)
+    mc, vc = (_launch.new_output(g.shape, torch.uint8, device) for _ in range(2))
+    if n_seg:
+        _launch.launch(
+            _kernels()[4], (-(-n_seg // rows),), g, m[0].contiguous(), m[1].contiguous(),
+            v[0].contiguous(), v[1].contiguous(),
+            _launch.to_device(code_m.float().contiguous(), device),
+            _launch.to_device(code_v.float().contiguous(), device), absmax_m.contiguous(),
+            absmax_v.contiguous(), mc, vc, *_segment_args(segs, device),
+            _adam_scalars(s, device), n_seg, ROWS=rows, TILE=tile)
+    return mc, vc
 
 
 def _ok(code: Tensor, block_size: int, *tensors: Tensor) -> bool:
@@ -335,3 +588,15 @@ def adam8bit_step(
             and _ok(code_m, block_size, g, m[0], m[1], v[0], v[1])):
         return adam8bit_triton(g, m, v, code_m, code_v, block_size, s)
     return adam8bit_reference(g, m, v, code_m, code_v, block_size, s)
+
+
+
+def adam8bit_sharded_uses_kernel(g: Tensor, m: Q, v: Q, code_m: Tensor, code_v: Tensor,
+                                 block_size: int) -> bool:
+    """Whether the sharded step's two passes (:func:`adam8bit_absmax_triton`,
+    :func:`adam8bit_requantize_triton`) run as kernels: when :func:`adam8bit_step` would take
+    its kernel for a whole state (float32 gradient of >= 1 dim, 256-entry maps,
+    :func:`funcpar.kernels.use_kernels`). Otherwise the caller runs the references (or its own
+    code doing the same: :mod:`funcpar.optim.quant8`)."""
+    return (g.dtype == torch.float32 and g.dim() > 0 and code_v.numel() == 256
+            and _ok(code_m, block_size, g, m[0], m[1], v[0], v[1]))

@@ -38,31 +38,41 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from funcpar.kernels.quant8 import Adam8bitScalars, adam8bit_math, adam8bit_step
+from funcpar.kernels.quant8 import Adam8bitScalars, adam8bit_math
 from funcpar.optim import validate
 from funcpar.optim.adafactor import (
     ADAFACTOR_INJECTED,
+    _leaf_step,
     adafactor_hyperparams,
     adafactor_leaf_init,
-    adafactor_leaf_update,
 )
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, map_leaves
+from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
 from funcpar.optim.factored import decoupled_decay
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask, restrict_to
 from funcpar.optim.projector import (
     PROJ_TYPES,
+    PROJECTION,
+    REFRESH,
+    Gather,
     Projector,
-    fit_projector,
+    gather_many,
     init_projector,
+    local_projection,
     low_rank_layout,
     low_rank_shape,
-    project,
     project_back,
+    projector_from,
 )
-from funcpar.optim.quant8 import Quantized, dequantize, dynamic_map, quantize, quantized_zeros
+from funcpar.optim.quant8 import (
+    MaxPartial,
+    Quantized,
+    adam8bit_phases,
+    dynamic_map,
+    quantized_zeros,
+)
 from funcpar.optim.schedules import ScalarOrSchedule
-from funcpar.shard.reduce import global_shape
+from funcpar.shard.reduce import Partial, global_shape, run_phased, sum_partials, together
 from funcpar.state.tree import (
     Tree,
     leaves_like,
@@ -219,12 +229,81 @@ def _init_projectors(params: Tree, plan: list[_Leaf | None], meta: bool = False)
     ])
 
 
-def _project_in(g: Tensor, proj: Projector, cfg: GaLoreConfig, count: int, svd_dtype,
-                layout) -> tuple[Tensor, Projector]:
-    """galore-torch's ``project``: refit at counts 0, gap, 2 gap, ... then project."""
+def _project_phases(g: Tensor, proj: Projector, cfg: GaLoreConfig, count: int, svd_dtype,
+                    layout):
+    """galore-torch's ``project`` as two phases: the refresh's gather (counts 0, gap, 2 gap,
+    ...: a :class:`~funcpar.optim.projector.Gather` the driver completes for all leaves with
+    one all-gather per mesh axis; an empty phase otherwise), the SVD, then the projection's
+    partial sum (a Partial: one all-reduce per mesh axis for all leaves)."""
     if count % cfg.update_proj_gap == 0:
-        proj = fit_projector(g, cfg.rank, cfg.proj_type, svd_dtype=svd_dtype, layout=layout)
-    return project(g, proj, layout=layout), proj
+        (whole,) = yield [Gather(g, layout, REFRESH)]
+        proj = projector_from(whole, g, cfg.rank, cfg.proj_type, svd_dtype=svd_dtype,
+                              layout=layout)
+    else:
+        yield []
+    partial, dims = local_projection(g, proj)
+    (low,) = yield [Partial(partial, layout, dims, PROJECTION)]
+    return low, proj
+
+
+def _unprojected_phases():
+    """The phases of :func:`_project_phases` for an unprojected leaf: nothing to gather, a
+    reduction that needs no message (no layout). Both keep every leaf's later phases (its
+    8-bit absmax, its Adafactor statistics) in the round of the projected leaves' ones, so that
+    each is one all-reduce per mesh axis for the whole tree; the second is a reduction (not an
+    empty phase) because run_phased's scheduler lets phases without reductions run ahead of
+    those with one."""
+    yield []
+    yield [Partial(torch.zeros(()), None, None, PROJECTION)]
+
+
+def _with_galore_collectives(step):
+    """A phased step that completes GaLore's own requests of ``step`` itself and passes the
+    rest (Partials, kernel passes) on to its driver (:func:`funcpar.shard.reduce.run_phased`).
+
+    Per round: all :class:`~funcpar.optim.projector.Gather` s by one
+    :func:`~funcpar.optim.projector.gather_many` (one all-gather per mesh axis), all
+    :class:`~funcpar.optim.quant8.MaxPartial` s by one ``sum_partials(op="max")`` (one
+    all-reduce per mesh axis). (run_phased completes sums only; with a max op in
+    :class:`~funcpar.shard.reduce.Partial` this wrapper would shrink to the gathers.)
+    """
+    try:
+        asked = next(step)
+        while True:
+            asked = list(asked)
+            results: list = [None] * len(asked)
+            gathers = [i for i, r in enumerate(asked) if isinstance(r, Gather)]
+            maxes = [i for i, r in enumerate(asked) if isinstance(r, MaxPartial)]
+            rest = [i for i, r in enumerate(asked) if not isinstance(r, (Gather, MaxPartial))]
+            if gathers:
+                why = " + ".join(dict.fromkeys(asked[i].purpose for i in gathers))
+                got = gather_many([asked[i].x for i in gathers], [asked[i].layout for i in gathers],
+                                  purpose=why)
+                for i, t in zip(gathers, got):
+                    results[i] = t
+            if maxes:
+                got = sum_partials([asked[i].x for i in maxes], [asked[i].layout for i in maxes],
+                                   [asked[i].dims for i in maxes], op="max",
+                                   purpose=[asked[i].purpose for i in maxes])
+                for i, t in zip(maxes, got):
+                    results[i] = t
+            if rest:
+                got = yield [asked[i] for i in rest]
+                for i, t in zip(rest, got):
+                    results[i] = t
+            asked = step.send(results)
+    except StopIteration as stop:
+        return stop.value
+
+
+def _map_phased(fn: Callable[..., Any], grads: Tree, *others: Tree | None, n_out: int) -> Any:
+    """:func:`funcpar.optim.base.map_leaves` for a phased per-leaf ``fn``: all leaves' steps
+    run together (run_phased), so each round's reductions of the whole tree are one all-reduce
+    per mesh axis (and GaLore's gathers and maxima one collective per axis)."""
+    spec, g_leaves, columns = leaf_columns(grads, *others)
+    steps = [fn(g, *row) for g, *row in zip(g_leaves, *columns)]
+    (outs,) = run_phased([_with_galore_collectives(together(*steps))])
+    return tuple(tree_unflatten(spec, [o[i] for o in outs]) for i in range(n_out))
 
 
 def _shapes_of(tree: Tree) -> tuple[Any, list[Any]]:
@@ -327,35 +406,28 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         # "bnb": eps added to sqrt(v / bc2), 1 / bc1 in the step size (bitsandbytes' Adam).
         step_size = lr * bc2_sqrt / bc1 if adam_variant == "hf" else lr / bc1
 
-        def load(s, code, like, lay):
-            if isinstance(s, Quantized):
-                return dequantize(s, code, block_size, like.dtype, layout=lay)
-            return s
-
-        def store(s, new, code, lay):
-            # A sharded state is quantized in the whole state's blocks (one absmax all-reduce).
-            return quantize(new, code, block_size, layout=lay) if isinstance(s, Quantized) else new
-
         scalars = Adam8bitScalars(beta1=beta1, beta2=beta2, eps=eps, bc2_sqrt=bc2_sqrt,
                                   variant=adam_variant)
 
         def leaf(g, p, proj, m, v, cfg, use_decay, layout, low_layout):
+            # Phases: the refresh's gather, the projection's partial sum, the 8-bit absmax of a
+            # sharded state (the same rounds for every leaf: _unprojected_phases).
             low = g
             if cfg is not None:
-                low, proj = _project_in(g, proj, cfg, c, svd_dtype, layout)
-            if (isinstance(m, Quantized) and isinstance(v, Quantized)
-                    and global_shape(low, low_layout) == tuple(low.shape)):
-                # Whole 8-bit states: dequantize, update, requantize in one pass (a Triton
-                # kernel on CUDA, funcpar.kernels.quant8; the same steps in torch elsewhere).
-                direction, mq, vq = adam8bit_step(low, m, v, code_m, code_v, block_size, scalars)
-                m_st, v_st = Quantized(*mq), Quantized(*vq)
+                low, proj = yield from _project_phases(g, proj, cfg, c, svd_dtype, layout)
             else:
-                # fp32 states, or 8-bit states quantized in the blocks of a sharded whole.
-                m_new, v_new, direction = adam8bit_math(load(m, code_m, low, low_layout),
-                                                        load(v, code_v, low, low_layout), low,
-                                                        scalars)
-                m_st = store(m, m_new, code_m, low_layout)
-                v_st = store(v, v_new, code_v, low_layout)
+                yield from _unprojected_phases()
+            quantized = isinstance(m, Quantized), isinstance(v, Quantized)
+            if all(quantized):
+                # Whole 8-bit states: one fused pass (a Triton kernel on CUDA); sharded ones
+                # in the whole state's blocks: two passes around the absmax all-reduce.
+                direction, m_st, v_st = yield from adam8bit_phases(
+                    low, m, v, code_m, code_v, block_size, scalars, layout=low_layout)
+            elif any(quantized):
+                raise ValueError(f"{who}: one moment of a leaf is 8-bit and the other is not; "
+                                 "the state was not built by this optimizer")
+            else:
+                m_st, v_st, direction = adam8bit_math(m, v, low, scalars)
             if cfg is not None:
                 direction = project_back(direction, proj, cfg.scale, layout=layout)
             new_p = p - step_size * direction
@@ -369,7 +441,7 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
             # rebuilds new_p with the rounding computed here.
             return new_p - p, proj, m_st, v_st
 
-        u, proj, m, v = map_leaves(
+        u, proj, m, v = _map_phased(
             leaf, grads, params, state.projector, state.exp_avg, state.exp_avg_sq, cfgs, decay,
             leaf_layouts, state_layouts, n_out=4,
         )
@@ -567,28 +639,31 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
         count = state.count + 1
 
         def leaf(g, p, proj, st, cfg, use_decay, param_layout, layout, low_layout):
+            # Phases: the refresh's gather and the projection's partial sum (as every leaf's:
+            # _unprojected_phases), then Adafactor's (its phased leaf step).
             low = g
             if cfg is not None:
                 # The low-rank gradient is split like the leaf on its unprojected dim and whole
                 # on the projected one: low_layout says so to Adafactor's row/column statistics
                 # and update RMS; RMS(W) in alpha_t is of the whole leaf (param_layout).
-                low, proj = _project_in(g, proj, cfg, c, svd_dtype, layout)
-            out = adafactor_leaf_update(
+                low, proj = yield from _project_phases(g, proj, cfg, c, svd_dtype, layout)
+            else:
+                yield from _unprojected_phases()
+            u, new_st, step_size = yield from _leaf_step(
                 low, p, st, count, lr=lr, eps=eps, clip_threshold=clip_threshold,
                 decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
                 relative_step=relative_step, warmup_init=warmup_init, layout=low_layout,
                 param_layout=param_layout,
             )
-            u = out.update
             if cfg is not None:
                 u = project_back(u, proj, cfg.scale, layout=layout)
             p = p.to(u.dtype)
             # galore-torch's order: decay with alpha_t on the pre-update weight, then the step.
-            new_p = decoupled_decay(p, weight_decay * out.step_size) if use_decay else p
-            return (new_p - u) - p, proj, out.state
+            new_p = decoupled_decay(p, weight_decay * step_size) if use_decay else p
+            return (new_p - u) - p, proj, new_st
 
-        u, proj, stats = map_leaves(leaf, grads, params, state.projector, state.stats, cfgs,
-                                    decay, layouts, leaf_layouts, state_layouts, n_out=3)
+        u, proj, stats = _map_phased(leaf, grads, params, state.projector, state.stats, cfgs,
+                                     decay, layouts, leaf_layouts, state_layouts, n_out=3)
         return u, GaLoreAdafactorState(count, proj, stats)
 
     return GradientTransformation(init, update)

@@ -7,7 +7,8 @@ every function is then the plain torch computation). Sharded leaves (tensor para
 other :class:`~funcpar.shard.layout.Layout`) are exact, with no branch on the kind of sharding:
 
 * refresh: the gradient is gathered whole (:func:`~funcpar.shard.layout.unshard`, one
-  all-gather per axis that splits it, purpose ``galore refresh: gather gradient``) and every
+  all-gather per axis that splits it, purpose ``galore refresh: gather gradient``; or
+  :func:`gather_many` for many leaves: one all-gather per mesh axis for all of them) and every
   rank computes the same SVD in the same dtype, so the projector is the single-process one;
   each rank keeps the rows of ``P`` / the columns of ``Q`` that match its shard of the leaf
   (:func:`side_layout` says which);
@@ -41,27 +42,39 @@ computes in the gradient's own dtype (float32 for half precisions, which linalg.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from funcpar.shard.layout import Layout, Shard, shard_tensor, unshard
+from funcpar.shard import comm
+from funcpar.shard.layout import Layout, Shard, _levels, shard_tensor, unshard
 from funcpar.shard.reduce import Reducible, global_shape, sum_partial
 
 __all__ = [
+    "PROJECTION",
     "PROJ_TYPES",
+    "REFRESH",
+    "Gather",
     "Projector",
     "fit_projector",
+    "gather_many",
     "init_projector",
+    "local_projection",
     "low_rank_layout",
     "low_rank_shape",
     "project",
     "project_back",
     "projection_sides",
+    "projector_from",
     "side_layout",
 ]
+
+#: The purposes of the refresh's gradient gathers and of the projection's all-reduce.
+REFRESH = "galore refresh: gather gradient"
+PROJECTION = "galore projection"
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 
@@ -165,14 +178,111 @@ def low_rank_layout(layout: Reducible | None, rank: int, proj_type: str) -> Layo
     return _resized(layout, sizes, "low-rank state")
 
 
-def _gather(g: Tensor, layout: Reducible | None, purpose: str) -> Tensor:
+def _needs_gather(g: Tensor, layout: Reducible | None) -> bool:
+    """Whether ``g`` is a cut shard (with a funcpar Layout; a bare Reducible of a cut leaf is a
+    TypeError: its pieces cannot be placed)."""
     if layout is None:
-        return g
+        return False
     if not isinstance(layout, Layout):
         if global_shape(g, layout) == tuple(g.shape):
-            return g
+            return False
         _resized(layout, {}, "refresh")  # raises the TypeError
+    return True
+
+
+def _gather(g: Tensor, layout: Reducible | None, purpose: str) -> Tensor:
+    if not _needs_gather(g, layout):
+        return g
     return unshard(g, layout, purpose=f"{layout.name}: {purpose}" if layout.name else purpose)
+
+
+class Gather(NamedTuple):
+    """A phased step's request for the whole tensor of its shard ``x`` (a refresh's gradient),
+    completed for many leaves at once by :func:`gather_many`."""
+
+    x: Tensor
+    layout: Reducible | None
+    purpose: str
+
+
+def gather_many(xs: list[Tensor], layouts: list[Reducible | None], *,
+                purpose: str = REFRESH) -> list[Tensor]:
+    """The whole tensors of many shards: :func:`~funcpar.shard.layout.unshard` of each, with
+    one all-gather per mesh axis (and per dtype and device) for all leaves instead of one per
+    leaf and axis.
+
+    Each leaf's gathers are unshard's (each split dim over its axes innermost first, the pieces
+    of every block side by side); gathers of different dims commute (data movement only), so a
+    round takes, for each mesh axis in mesh order, every leaf for which that axis is the next
+    one of some dim, and sends their pieces as one flat buffer (every rank's length is known
+    from the layouts; uneven lengths travel padded to the longest, as in
+    :func:`funcpar.shard.comm.all_gather`). One round when every dim is split by at most one
+    axis; a dim split over nested axes needs one round per nesting level. The values are
+    exactly unshard's (tested).
+    """
+    if len(xs) != len(layouts):
+        raise ValueError(f"gather_many: {len(xs)} tensors but {len(layouts)} layouts")
+    out = list(xs)
+    # Per leaf: its layout and, per split dim, the (axis, every rank's piece length) gathers
+    # still to do, innermost last.
+    todo: dict[int, tuple[Layout, dict[int, list[tuple[str, list[int]]]]]] = {}
+    for i, (x, lay) in enumerate(zip(xs, layouts)):
+        if not _needs_gather(x, lay):
+            continue
+        if tuple(x.shape) != lay.local_shape():
+            raise ValueError(f"gather_many: the shard of {lay.name or f'leaf {i}'} has shape "
+                             f"{tuple(x.shape)}, but its layout (global {lay.global_shape}) "
+                             f"gives {lay.local_shape()}")
+        coords = lay.mesh.coords()
+        dims: dict[int, list[tuple[str, list[int]]]] = {}
+        for d, (axes, k) in enumerate(zip(lay.dim_axes, lay.dim_blocks)):
+            sizes = [lay.mesh.size(a) for a in axes]
+            lv = _levels(lay.global_shape[d] // k, sizes, [coords[a] for a in axes])
+            steps = [(a, comm.chunk_sizes(lv[j][1], sizes[j]))
+                     for j, a in enumerate(axes) if sizes[j] > 1]
+            if steps:
+                dims[d] = steps
+        if dims:
+            todo[i] = (lay, dims)
+    while todo:
+        meshes = {id(lay.mesh): lay.mesh for lay, _ in todo.values()}
+        for mesh in meshes.values():
+            for axis in mesh.axis_names:
+                picked = [(i, d) for i, (lay, dims) in todo.items() if lay.mesh is mesh
+                          for d, steps in dims.items() if steps and steps[-1][0] == axis]
+                groups: dict[tuple, list[tuple[int, int]]] = {}
+                for i, d in picked:
+                    groups.setdefault((out[i].dtype, out[i].device), []).append((i, d))
+                for members in groups.values():
+                    _gather_round(out, todo, members, mesh, axis, purpose)
+                for i, d in picked:
+                    todo[i][1][d].pop()
+        todo = {i: v for i, v in todo.items() if any(v[1].values())}
+    return out
+
+
+def _gather_round(out: list[Tensor], todo: dict, members: list[tuple[int, int]], mesh: object,
+                  axis: str, purpose: str) -> None:
+    """One all-gather over ``axis`` of the next piece of each of ``members`` (leaf, dim)."""
+    k, me = mesh.size(axis), mesh.rank(axis)
+    views, shapes = [], []  # per member: this rank's piece, flat; every rank's piece shape
+    for i, d in members:
+        lay = todo[i][0]
+        pieces = todo[i][1][d][-1][1]
+        u = out[i].unflatten(d, (lay.dim_blocks[d], -1))  # each block's piece side by side
+        views.append(u.reshape(-1))
+        shapes.append([(*u.shape[:d + 1], n, *u.shape[d + 2:]) for n in pieces])
+    lengths = [sum(math.prod(sh[r]) for sh in shapes) for r in range(k)]
+    mine = torch.cat(views)
+    if mine.numel() != lengths[me]:
+        raise AssertionError(f"gather_many: {mine.numel()} elements on this rank, the layouts "
+                             f"say {lengths[me]}")
+    whole = comm.all_gather(mine, mesh, axis, dim=0, sizes=lengths, purpose=purpose)
+    per_rank = whole.split(lengths)
+    parts = [per_rank[r].split([math.prod(sh[r]) for sh in shapes]) for r in range(k)]
+    for j, (i, d) in enumerate(members):
+        full = torch.cat([parts[r][j].view(shapes[j][r]) for r in range(k)], dim=d + 1)
+        out[i] = full.flatten(d, d + 1)
 
 
 def _local(x: Tensor, layout: Layout | None) -> Tensor:
@@ -198,7 +308,21 @@ def fit_projector(
     A sharded ``g`` is gathered first (one all-gather of the gradient per splitting axis, every
     refresh); every rank then runs the same SVD on the same tensor.
     """
-    whole = _gather(g, layout, "galore refresh: gather gradient")
+    return projector_from(_gather(g, layout, REFRESH), g, rank, proj_type, svd_dtype=svd_dtype,
+                          layout=layout)
+
+
+def projector_from(
+    whole: Float[Tensor, "n m"],
+    g: Float[Tensor, "a b"],
+    rank: int,
+    proj_type: str,
+    *,
+    svd_dtype: torch.dtype | None = torch.float32,
+    layout: Reducible | None = None,
+) -> Projector:
+    """:func:`fit_projector` given the whole gradient ``whole`` (gathered from the shards
+    ``g``, e.g. by :func:`gather_many`): the SVD, and this process's part of the vectors."""
     left, right = projection_sides(whole.shape, proj_type)
     if svd_dtype is None:
         svd_dtype = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
@@ -219,6 +343,15 @@ def project(
     them (none when they are whole). The result is this rank's shard of the low-rank gradient
     (:func:`low_rank_layout`).
     """
+    partial, dims = local_projection(g, proj)
+    return sum_partial(partial, dims, layout=layout, purpose=PROJECTION)
+
+
+def local_projection(
+    g: Float[Tensor, "n m"], proj: Projector
+) -> tuple[Float[Tensor, "a b"], tuple[int, ...]]:
+    """This rank's ``P^T g`` / ``g Q^T`` / ``P^T g Q^T`` and the leaf dims it contracted: the
+    partial sum :func:`project` completes (e.g. as a :class:`funcpar.shard.reduce.Partial`)."""
     dims = []
     if proj.left is not None:
         g = torch.matmul(proj.left.t(), g)
@@ -226,7 +359,7 @@ def project(
     if proj.right is not None:
         g = torch.matmul(g, proj.right.t())
         dims.append(1)
-    return sum_partial(g, dims, layout=layout, purpose="galore projection")
+    return g, tuple(dims)
 
 
 def project_back(

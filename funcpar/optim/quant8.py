@@ -53,12 +53,29 @@ import torch
 from jaxtyping import Float, Float32
 from torch import Tensor
 
-from funcpar.kernels.quant8 import dequantize_blocks, nearest_code, quantize_blocks
+from funcpar.kernels.quant8 import (
+    Adam8bitScalars,
+    Segments,
+    adam8bit_absmax_triton,
+    adam8bit_math,
+    adam8bit_requantize_triton,
+    adam8bit_sharded_uses_kernel,
+    adam8bit_step,
+    block_segments,
+    dequantize_blocks,
+    dequantize_global_reference,
+    local_absmax_reference,
+    nearest_code,
+    quantize_blocks,
+    quantize_global_reference,
+)
 from funcpar.shard.layout import Layout, Shard, shard_tensor
 from funcpar.shard.reduce import Reducible, global_shape
 
 __all__ = [
+    "MaxPartial",
     "Quantized",
+    "adam8bit_phases",
     "dequantize",
     "dynamic_map",
     "nearest_code",
@@ -67,6 +84,10 @@ __all__ = [
     "quantized_zeros",
     "roundtrip_bound",
 ]
+
+
+#: The purpose of the absmax all-reduce (max) of a sharded state, in the comm log.
+ABSMAX = "8-bit absmax"
 
 
 class Quantized(NamedTuple):
@@ -196,15 +217,9 @@ def quantize(
         code = code.to(x.device, non_blocking=True)
     if global_shape(x, layout) != tuple(x.shape):
         block, nb = _global_blocks(x, layout, block_size)
-        mags = x.reshape(-1).to(torch.float32).abs()
-        local = torch.zeros(nb, dtype=torch.float32, device=x.device)
-        local = local.scatter_reduce(0, block, mags, "amax", include_self=True)
-        absmax = layout.all_reduce(local, tuple(range(x.dim())), "max", "8-bit absmax")
-        mine = absmax[block]
-        safe = torch.where(mine > 0, mine, torch.ones_like(mine))
-        scaled = torch.where(mine > 0, x.reshape(-1).to(torch.float32) / safe,
-                             torch.zeros_like(mags))
-        return Quantized(nearest_code(scaled, code).reshape(x.shape), absmax)
+        local = local_absmax_reference(x, block, nb)
+        absmax = layout.all_reduce(local, tuple(range(x.dim())), "max", ABSMAX)
+        return Quantized(quantize_global_reference(x, absmax, block, code), absmax)
     # The whole tensor: the Triton kernel on CUDA, the plain-torch reference elsewhere.
     return Quantized(*quantize_blocks(x, code, block_size))
 
@@ -234,8 +249,7 @@ def dequantize(
                 f"8-bit state of {getattr(layout, 'name', '') or 'a leaf'}: absmax has "
                 f"{absmax.numel()} blocks but the global shape {tuple(layout.global_shape)} in "
                 f"blocks of {block_size} needs {nb}: quantized for another layout?")
-        out = code[codes.reshape(-1).long()] * absmax[block]
-        return out.reshape(codes.shape).to(dtype)
+        return dequantize_global_reference(codes, absmax, block, code, dtype)
     if absmax.numel() != num_blocks(n, block_size):
         raise ValueError(
             f"absmax has {absmax.numel()} blocks but {n} codes in blocks of {block_size} need "
@@ -265,3 +279,80 @@ def quantized_zeros(
     codes = torch.full(tuple(shape), int(zero[0, 0]), dtype=torch.uint8, device=device)
     absmax = torch.zeros(num_blocks(n, block_size), dtype=torch.float32, device=device)
     return Quantized(codes, absmax)
+
+
+# --------------------------------------------------------------------------------------------
+# The 8-bit Adam step of a (possibly sharded) state, as a phased step
+# --------------------------------------------------------------------------------------------
+
+
+class MaxPartial(NamedTuple):
+    """A max-reduction a phased step asks for (as :class:`funcpar.shard.reduce.Partial` asks
+    for a sum): ``x`` (this rank's maxima) combined with max over the axes that split ``dims``
+    of the leaf ``layout`` describes (``dims=None``: all of its dims). The driver completes all
+    of a phase's MaxPartials with one ``sum_partials(op="max")`` call: one all-reduce per mesh
+    axis (:func:`funcpar.optim.galore`'s update does)."""
+
+    x: Tensor
+    layout: Reducible | None
+    dims: int | tuple[int, ...] | None
+    purpose: str
+
+
+@functools.lru_cache(maxsize=256)
+def _segments(layout: Layout, block_size: int, device: str) -> Segments:
+    # _global_blocks reads only the shard's shape: a zero-stride stand-in allocates nothing.
+    shard = torch.empty((), dtype=torch.uint8).expand(layout.local_shape())
+    segs = block_segments(*_global_blocks(shard, layout, block_size))
+    return segs._replace(start=segs.start.to(device), length=segs.length.to(device),
+                         block=segs.block.to(device))
+
+
+def global_segments(layout: Layout, block_size: int, device: torch.device) -> Segments:
+    """The :class:`~funcpar.kernels.quant8.Segments` of this rank's shard of a tensor of
+    ``layout`` in blocks of ``block_size``; cached per layout (the mesh, hence the rank, is part
+    of a Layout's identity), block size and device."""
+    return _segments(layout, int(block_size), str(device))
+
+
+def adam8bit_phases(
+    g: Tensor, m: Quantized, v: Quantized, code_m: Tensor, code_v: Tensor, block_size: int,
+    scalars: Adam8bitScalars, *, layout: Reducible | None = None,
+):
+    """GaLore's inner Adam on 8-bit ``m`` (signed map) and ``v`` (unsigned map): a phased step
+    (:func:`funcpar.shard.reduce.run_phased`) returning ``(direction, m', v')`` quantized.
+
+    A whole state (no layout, or nothing cut) takes :func:`~funcpar.kernels.quant8.adam8bit_step`
+    (one fused pass; no phase). A sharded state's blocks are the whole state's, so its new
+    absmax are maxima over ranks: one phase asks for both (``MaxPartial``, purpose
+    ``"8-bit absmax"``), which the driver completes for all leaves together. On the kernel path
+    (:func:`~funcpar.kernels.quant8.adam8bit_sharded_uses_kernel`) pass 1 writes the direction
+    and the local maxima and pass 2 the codes; on the reference path the same torch operations
+    as :func:`dequantize` / :func:`quantize` with ``layout`` (bit-identical to them).
+    """
+    if global_shape(g, layout) == tuple(g.shape):
+        direction, mq, vq = adam8bit_step(g, m, v, code_m, code_v, block_size, scalars)
+        return direction, Quantized(*mq), Quantized(*vq)
+    if adam8bit_sharded_uses_kernel(g, m, v, code_m, code_v, block_size):
+        if not isinstance(layout, Layout):
+            _global_blocks(g, layout, block_size)  # raises the TypeError naming the need
+        segs = global_segments(layout, block_size, g.device)
+        direction, am_m, am_v = adam8bit_absmax_triton(g, m, v, code_m, code_v, segs, scalars)
+        am_m, am_v = yield [MaxPartial(am_m, layout, None, ABSMAX),
+                            MaxPartial(am_v, layout, None, ABSMAX)]
+        mc, vc = adam8bit_requantize_triton(g, m, v, code_m, code_v, segs, scalars, am_m, am_v)
+        return direction, Quantized(mc, am_m), Quantized(vc, am_v)
+    block, nb = _global_blocks(g, layout, block_size)
+    for name, q in (("m", m), ("v", v)):
+        if q.absmax.numel() != nb:
+            raise ValueError(
+                f"8-bit state {name} of {getattr(layout, 'name', '') or 'a leaf'}: absmax has "
+                f"{q.absmax.numel()} blocks but the global shape {tuple(layout.global_shape)} "
+                f"in blocks of {block_size} needs {nb}: quantized for another layout?")
+    m_f, v_f, direction = adam8bit_math(
+        dequantize_global_reference(m.codes, m.absmax, block, code_m, g.dtype),
+        dequantize_global_reference(v.codes, v.absmax, block, code_v, g.dtype), g, scalars)
+    am_m, am_v = yield [MaxPartial(local_absmax_reference(m_f, block, nb), layout, None, ABSMAX),
+                        MaxPartial(local_absmax_reference(v_f, block, nb), layout, None, ABSMAX)]
+    return (direction, Quantized(quantize_global_reference(m_f, am_m, block, code_m), am_m),
+            Quantized(quantize_global_reference(v_f, am_v, block, code_v), am_v))

@@ -248,6 +248,14 @@ class LeafGroup:
             self._tiles = tile_table(self.numels, self.block, self.device)
         return self._tiles
 
+    @property
+    def aligned(self) -> bool:
+        """Whether every tensor added starts on a 16-byte boundary, so that a kernel may read and
+        write its full tiles with 16-byte vector accesses (``ALIGNED``, see
+        :mod:`funcpar.kernels._access`). A fresh allocation always does (the caching allocator
+        aligns to 512 bytes); a view into a flat buffer (a ZeRO partition, say) need not."""
+        return all(t is None or t.data_ptr() % 16 == 0 for ts in self._keep for t in ts)
+
     def launch(self, kernel: Any, *args: Any, **meta: Any) -> None:
         """One launch over every tile of the leaves added; their tensors are released after
         it (the caching allocator reuses the memory only after the launch on the stream)."""

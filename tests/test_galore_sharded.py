@@ -234,3 +234,109 @@ def _check_comm(records, projected, tp, optim, absmax_bytes):
 def test_galore_tensor_parallel_matches_one_process(tp, reference):
     results = run_ranks(_all, tp, tp, backend=None, timeout=300)
     _check(results, reference, tp)
+
+
+# --------------------------------------------------------------------------------------------
+# Batched refresh gathers and messages per step
+# --------------------------------------------------------------------------------------------
+
+# (name, global shape, spec, blocks) on a dp2 x tp2 mesh: each kind of split the gradients of
+# projected leaves meet (one axis per dim, nested axes in both orders, uneven pieces,
+# a blocked split), float64 and one float32 leaf (gathered apart: one buffer per dtype).
+GATHER_CASES = [
+    ("rows_tp", (7, 5), ("tp",), {}),
+    ("cols_tp", (7, 5), (None, "tp"), {}),
+    ("rows_tp_cols_dp", (7, 6), ("tp", "dp"), {}),
+    ("rows_tp_then_dp", (9, 5), (("tp", "dp"),), {}),
+    ("rows_dp_then_tp", (6, 5), (("dp", "tp"),), {}),
+    ("uneven_nested", (5, 4), (("tp", "dp"),), {}),  # 5 rows: 3 | 2 over tp, 2 | 1 | 1 | 1
+    ("blocked", (8, 3), ("tp",), {0: 2}),
+    ("whole", (4, 4), (), {}),
+]
+
+
+def _gather_ranks() -> dict:
+    """On each rank of dp2 x tp2: gather_many of every case against unshard leaf by leaf, and
+    the collectives it issued; then the optimizer messages of the comm table's GaLore cases."""
+    from funcpar.optim.projector import gather_many
+    from funcpar.shard.layout import Layout, Shard, shard_tensor, unshard
+
+    mesh = DeviceMesh.from_env(dp=2, tp=2)
+    gen = torch.Generator().manual_seed(3)
+    xs, lays, want = [], [], []
+    for i, (name, shape, spec, blocks) in enumerate(GATHER_CASES):
+        dtype = torch.float32 if i == 1 else torch.float64
+        g = torch.randn(shape, generator=gen, dtype=dtype)
+        lay = Layout.from_spec(mesh, shape, spec, name=name)
+        if blocks:
+            lay = Layout(mesh, shape, {"tp": Shard(0)}, blocks=blocks, name=name)
+        x = shard_tensor(g, lay)
+        xs.append(x)
+        lays.append(lay)
+        want.append(unshard(x, lay))
+    with comm_log.capture() as recs:
+        got = gather_many(xs, lays)
+    return {"equal": [torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want)],
+            "gathers": [(r.op, r.axis, r.purpose) for r in recs],
+            "messages": _galore_messages(2, 2, 2)}
+
+
+_NOT_OURS = ("global_norm", "zero update gather")
+
+
+def _galore_messages(tp, dp, zero):
+    """Optimizer messages (inside update, clipping and ZeRO's gathers left out: the comm
+    table's "optimizer reductions") of the distributed tests' GaLore cases, per step: step 0
+    refreshes the projectors, step 1 does not."""
+    import dataclasses
+
+    from funcpar.optim.base import GradientTransformation
+    from funcpar.testing import reference
+
+    out = {}
+    for optim in ("galore_adamw", "galore_adamw8bit", "galore_adafactor"):
+        step, state = reference.build(tp, dp, optim, torch.float32, zero=zero)
+        inner, counts = step.optimizer, []
+
+        def update(grads, st, params=None, *, layouts=None, inner=inner, counts=counts):
+            with comm_log.capture() as recs:
+                res = inner.update(grads, st, params, layouts=layouts)
+            counts.append(sum(1 for r in recs if not r.purpose.endswith(_NOT_OURS)))
+            return res
+
+        step = dataclasses.replace(step, optimizer=GradientTransformation(inner.init, update))
+        for batch in reference.batches()[:2]:
+            state, _ = step(state, batch)
+        out[optim] = counts
+    return out
+
+
+def _tp2_messages() -> dict:
+    return _galore_messages(2, 1, 0)
+
+
+# Optimizer messages per step, [refresh step, other step] (benchmarks/comm_table.py, the
+# distributed tests' GaLore cases; docs/DISTRIBUTED_OPTIM.md). Before the per-leaf steps ran
+# together: tp2 [20, 6] / [40, 26] / [54, 40], tp2 x dp2 + ZeRO-2 [42, 14] / [78, 50] / [112, 84].
+MESSAGES = {
+    "tp2": {"galore_adamw": [2, 1], "galore_adamw8bit": [3, 2], "galore_adafactor": [5, 4]},
+    "tp2xdp2+zero2": {"galore_adamw": [4, 2], "galore_adamw8bit": [6, 4],
+                      "galore_adafactor": [10, 8]},
+}
+
+
+def test_batched_gathers_and_messages_per_step():
+    """gather_many gives unshard's tensors (bit for bit) with one all-gather per mesh axis and
+    round: here dp, then tp (every leaf's first axis and the tp axes behind a dp), then dp
+    again (rows_dp_then_tp's outer axis); the float32 leaf travels apart (one buffer per
+    dtype). And the GaLore optimizers' messages per step: one per phase with a reduction and
+    axis (the refresh's gather; the projection; the absmax; Adafactor's three)."""
+    for rank, res in enumerate(run_ranks(_gather_ranks, 4, timeout=600)):
+        assert all(res["equal"]), (rank, res["equal"])
+        axes = [a for op, a, why in res["gathers"]
+                if op == "all_gather" and why == "galore refresh: gather gradient"]
+        assert len(axes) == len(res["gathers"]), res["gathers"]
+        assert axes == ["dp", "tp", "tp", "dp"], axes  # tp twice: float64 and float32 buffers
+        assert res["messages"] == MESSAGES["tp2xdp2+zero2"], (rank, res["messages"])
+    for rank, res in enumerate(run_ranks(_tp2_messages, 2, timeout=600)):
+        assert res == MESSAGES["tp2"], (rank, res)

@@ -15,7 +15,8 @@ from :data:`funcpar.shard.comm.comm_log` and put in one class:
 * **ZeRO-3 param gathers**: the forward's all-gathers of partitioned parameters;
 * **optimizer extra**: every collective issued inside ``optimizer.update`` (the step's
   optimizer is wrapped to capture them). Split into *reductions* (norms, row/column
-  statistics, RMS, projections, clipping's global norm) and ZeRO's *update gathers*
+  statistics, RMS, GaLore's projections, 8-bit absmax and refresh gathers, clipping's global
+  norm) and ZeRO's *update gathers*
   (stages 1-2 gather the updated parts back into whole leaves);
 * **metrics**: the ``grad_norm`` metric's all-reduce(s) and the ``dp loss`` mean.
 

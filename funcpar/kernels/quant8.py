@@ -257,7 +257,7 @@ def adam8bit_requantize_reference(
 
 def _build():
     global tl, triton, nearest_code_jit, block_offsets_jit, max_combine, adam8bit_moments_jit
-    global adam8bit_direction_jit, requantize_jit, segment_offsets_jit
+    global adam8bit_direction_jit, requantize_jit, segment_moments_jit
     import triton
     import triton.language as tl
 
@@ -368,10 +368,11 @@ def _build():
 
     @triton.jit
     @no_type_check
-    def segment_offsets_jit(seg_start, seg_len, seg_block, n_seg, ROWS: tl.constexpr,
-                            TILE: tl.constexpr):
-        # ROWS segments per program, one per row of the tile; a segment's elements are
-        # consecutive local elements of one global block.
+    def segment_moments_jit(g_ptr, mc, ma, vc, va, code_m, code_v, seg_start, seg_len,
+                            seg_block, scal, n_seg, ROWS: tl.constexpr, TILE: tl.constexpr):
+        # ROWS segments per program, one per row of the tile (a segment's elements are
+        # consecutive local elements of one global block, whose old absmax scales the row);
+        # both passes start here, so pass 2 recomputes pass 1's moments bit for bit.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rmask = rows < n_seg
         start = tl.load(seg_start + rows, mask=rmask, other=0)
@@ -380,19 +381,20 @@ def _build():
         cols = tl.arange(0, TILE)
         offs = start[:, None] + cols[None, :]
         mask = (cols[None, :] < length[:, None]) & rmask[:, None]
-        return rows, rmask, blk, offs, mask
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        m, v = adam8bit_moments_jit(g, mc, tl.load(ma + blk, mask=rmask, other=0.0), vc,
+                                    tl.load(va + blk, mask=rmask, other=0.0), code_m, code_v,
+                                    scal, offs, mask)
+        return rows, rmask, blk, offs, mask, m, v
 
     @triton.jit
     @no_type_check
     def adam8bit_absmax_kernel(g_ptr, mc, ma, vc, va, code_m, code_v, direction, seg_m, seg_v,
                                seg_start, seg_len, seg_block, scal, n_seg, HF: tl.constexpr,
                                ROWS: tl.constexpr, TILE: tl.constexpr):
-        rows, rmask, blk, offs, mask = segment_offsets_jit(seg_start, seg_len, seg_block, n_seg,
-                                                           ROWS, TILE)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        m, v = adam8bit_moments_jit(g, mc, tl.load(ma + blk, mask=rmask, other=0.0), vc,
-                                    tl.load(va + blk, mask=rmask, other=0.0), code_m, code_v,
-                                    scal, offs, mask)
+        rows, rmask, _blk, offs, mask, m, v = segment_moments_jit(
+            g_ptr, mc, ma, vc, va, code_m, code_v, seg_start, seg_len, seg_block, scal, n_seg,
+            ROWS, TILE)
         tl.store(direction + offs, adam8bit_direction_jit(m, v, scal, HF), mask=mask)
         tl.store(seg_m + rows, tl.reduce(tl.abs(m), 1, max_combine), mask=rmask)
         tl.store(seg_v + rows, tl.reduce(tl.abs(v), 1, max_combine), mask=rmask)
@@ -402,12 +404,9 @@ def _build():
     def adam8bit_requantize_kernel(g_ptr, mc, ma, vc, va, code_m, code_v, ma_new, va_new,
                                    mc_out, vc_out, seg_start, seg_len, seg_block, scal, n_seg,
                                    ROWS: tl.constexpr, TILE: tl.constexpr):
-        _rows, rmask, blk, offs, mask = segment_offsets_jit(seg_start, seg_len, seg_block, n_seg,
-                                                           ROWS, TILE)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-        m, v = adam8bit_moments_jit(g, mc, tl.load(ma + blk, mask=rmask, other=0.0), vc,
-                                    tl.load(va + blk, mask=rmask, other=0.0), code_m, code_v,
-                                    scal, offs, mask)
+        _rows, rmask, blk, offs, mask, m, v = segment_moments_jit(
+            g_ptr, mc, ma, vc, va, code_m, code_v, seg_start, seg_len, seg_block, scal, n_seg,
+            ROWS, TILE)
         am = tl.load(ma_new + blk, mask=rmask, other=0.0)
         tl.store(mc_out + offs, requantize_jit(m, am, code_m), mask=mask)
         av = tl.load(va_new + blk, mask=rmask, other=0.0)

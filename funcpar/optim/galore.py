@@ -26,6 +26,17 @@ Every shape-dependent choice (the side of ``"std"``, the rank check, the 8-bit t
 made on the whole leaf's shape. ``init`` sees shards only, so where a shard would choose
 otherwise, the first update (count 0: an all-zero state, and a refresh) rebuilds the state for
 the whole leaves; a trained state shaped for other layouts is a ValueError.
+
+Communication: the per-leaf step is written as phases (:func:`funcpar.shard.reduce.run_phased`)
+and all leaves' steps run together, so each kind of collective is one message per mesh axis
+for the whole tree, not one per leaf: the refresh's gradient gathers
+(:func:`~funcpar.optim.projector.gather_many`), the projections' partial sums, the 8-bit
+absmax of all split states (a max all-reduce), and galore_adafactor's Adafactor statistics
+(its phased leaf step, run inside ours). The SVD of each leaf is local (every rank has the
+gathered gradient). Exceptions to one message per axis: a dim split over nested axes is
+gathered level by level (one all-gather per level), and leaves of different dtypes travel in
+separate buffers. Measured in docs/DISTRIBUTED_OPTIM.md (tp2 x dp2 + ZeRO-2: 2, 4 and 8
+messages per step for galore_adamw, its 8-bit form and galore_adafactor).
 """
 
 from __future__ import annotations

@@ -40,7 +40,10 @@ tensor gives the global absmax, of ``ceil(global numel / block_size)`` entries, 
 every rank (purpose ``8-bit absmax``: 4 bytes per block, 1/64 of a float32 state at the default
 ``block_size=256``). ``codes`` keep the local shape. Dequantization is local. The quantized
 values are then those of one process element for element (the quotient and the product are
-the same float32 operations on the same float32 numbers).
+the same float32 operations on the same float32 numbers). :func:`adam8bit_phases` is GaLore's
+8-bit Adam step written as phases: the absmax all-reduce becomes a :class:`MaxPartial` request
+that the optimizer completes for all leaves together (one message per mesh axis), and on the
+kernel path the step is two Triton passes around it (:mod:`funcpar.kernels.quant8`).
 """
 
 from __future__ import annotations

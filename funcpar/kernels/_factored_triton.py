@@ -623,6 +623,35 @@ def precond_apply_many(calls: Sequence[tuple[Tensor, Tensor | None, Any, dict[st
     return results
 
 
+@functools.lru_cache(maxsize=128)
+def _col_sum_plan(shapes: tuple[tuple[int, int], ...], device: str
+                  ) -> tuple[tuple[Tensor, Tensor], tuple[int, ...], int]:
+    groups, outs = [], []
+    pos = out = 0
+    for b, n in shapes:
+        groups.append((b, n, pos, out))
+        outs.append(out)
+        pos += b * n
+        out += b
+    return _seg_tables(groups, device), tuple(outs), out
+
+
+def sum_rows_many(xs: Sequence[Tensor], divide_by: Sequence[int | None]) -> list[Tensor]:
+    """``x.sum(-2, keepdim=True)`` of each ``(..., n, 1)`` float32 tensor (a row factor), over
+    ``divide_by`` where given (a mean), all in one concatenation and one segment-sum launch
+    (fixed order); the results are slices of one buffer."""
+    device = xs[0].device
+    shapes = tuple((x.numel() // x.shape[-2], x.shape[-2]) for x in xs)
+    segs, outs, size = _col_sum_plan(shapes, str(device))
+    flat = torch.cat([x.reshape(-1).to(torch.float32) for x in xs])
+    sums = _segsum(segs, flat, size, device)
+    if any(d is not None for d in divide_by):
+        div = [float(d or 1) for d, (b, _n) in zip(divide_by, shapes) for _ in range(b)]
+        sums = sums / _launch.to_device(torch.tensor(div, dtype=torch.float32), device)
+    return [sums[o:o + b].view(tuple(x.shape[:-2]) + (1, 1))
+            for x, o, (b, _n) in zip(xs, outs, shapes)]
+
+
 # --------------------------------------------------------------------------------------------
 # one-leaf forms (same signatures and results as the references)
 # --------------------------------------------------------------------------------------------

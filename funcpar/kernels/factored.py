@@ -42,6 +42,7 @@ so no pass waits for the device.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -57,9 +58,14 @@ __all__ = [
     "came_residual",
     "came_residual_batch",
     "came_residual_reference",
+    "clip_divisor_batch",
+    "clip_divisor_reference",
     "compute_dtype",
     "decoupled_decay",
     "ema",
+    "execute_batched",
+    "factor_ema_batch",
+    "factor_ema_reference",
     "full_moment",
     "full_moment_batch",
     "full_moment_reference",
@@ -297,11 +303,17 @@ def _apply_reference(x, p, precond, kw):
     return precond_apply_reference(x, p, precond, **kw)
 
 
-def _execute(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical: Any, reference: Any,
-             many: str) -> list[Any]:
-    """Run one pass for many leaves: each call's reference where :func:`_kernel_ok` says no (in
-    call order, exactly as a per-leaf call would), the others through the kernel module's
-    ``many`` (one launch per launch group for all of them); results in call order."""
+def execute_batched(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical: Any,
+                    reference: Any, many: Any) -> list[Any]:
+    """Run one pass for many leaves (a batched executor's body); results in call order.
+
+    ``canonical(*args, **kwargs)`` checks a call and returns ``(arguments, tensors)``: the
+    arguments ``reference`` and ``many`` take, and the tensors that decide whether the call may
+    take the fast path. Each call takes its ``reference(*arguments)`` (in call order, exactly
+    as a one-leaf call would) where :func:`_kernel_ok` says no for its tensors (float64, empty,
+    not on CUDA in ``auto`` mode, ``reference`` mode); the others go together to ``many``
+    (a list of arguments -> the list of results): a function, or the name of one in the Triton
+    kernel module (imported then)."""
     canon = [canonical(*args, **kwargs) for args, kwargs in calls]
     results: list[Any] = [None] * len(canon)
     fast = []
@@ -311,7 +323,8 @@ def _execute(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical: Any, r
         else:
             results[i] = reference(*args)
     if fast:
-        for i, r in zip(fast, getattr(_tk(), many)([canon[i][0] for i in fast])):
+        run = getattr(_tk(), many) if isinstance(many, str) else many
+        for i, r in zip(fast, run([canon[i][0] for i in fast])):
             results[i] = r
     return results
 
@@ -324,27 +337,135 @@ def _execute(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical: Any, r
 
 def sq_row_col_sums_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`sq_row_col_sums` for many leaves (one launch per launch group)."""
-    return _execute(calls, _sq_args, sq_row_col_sums_reference, "sq_row_col_sums_many")
+    return execute_batched(calls, _sq_args, sq_row_col_sums_reference, "sq_row_col_sums_many")
 
 
 def scaled_norm_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`scaled_norm` for many leaves (two launches per launch group)."""
-    return _execute(calls, _norm_args, scaled_norm_reference, "scaled_norm_many")
+    return execute_batched(calls, _norm_args, scaled_norm_reference, "scaled_norm_many")
 
 
 def full_moment_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`full_moment` for many leaves (two launches per launch group)."""
-    return _execute(calls, _full_args, full_moment_reference, "full_moment_many")
+    return execute_batched(calls, _full_args, full_moment_reference, "full_moment_many")
 
 
 def came_residual_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`came_residual` for many leaves (two launches per launch group)."""
-    return _execute(calls, _came_args, came_residual_reference, "came_residual_many")
+    return execute_batched(calls, _came_args, came_residual_reference, "came_residual_many")
 
 
 def precond_apply_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`precond_apply` for many leaves (one launch per launch group)."""
-    return _execute(calls, _apply_args, _apply_reference, "precond_apply_many")
+    return execute_batched(calls, _apply_args, _apply_reference, "precond_apply_many")
+
+
+# --------------------------------------------------------------------------------------------
+# The small work between the passes (O(n + m) vectors, 0-d scalars), batched the same way: a
+# reference per leaf (the optimizers' torch ops before, exactly) and, on the fast path, a few
+# multi-tensor torch ops (foreach) and one segment-sum launch for all leaves together, instead
+# of a handful of tiny device ops per leaf.
+# --------------------------------------------------------------------------------------------
+
+
+def factor_ema_reference(
+    row_sum: Float[Tensor, "*batch rows 1"],
+    col_sum: Float[Tensor, "*batch 1 cols"],
+    row: Float[Tensor, "*batch rows 1"],
+    col: Float[Tensor, "*batch 1 cols"],
+    decay: float | Tensor,
+    n: int,
+    m: int,
+    local_sum: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """New factors from the completed row/column sums of ``x`` over a leaf of global last dims
+    ``(n, m)``: ``R' = ema(R, sum_{-1}(x) / m)``, ``C' = ema(C, sum_{-2}(x) / n)``; with them
+    ``mean(R')`` over the rows (``local_sum``: this shard's ``sum(R')`` over its rows, to
+    complete over the shards and divide by ``n``)."""
+    row_mean, col_mean = row_sum / m, col_sum / n
+    row, col = ema(row, row_mean, decay), ema(col, col_mean, decay)
+    nd = row.dim()
+    if local_sum:
+        return row, col, row.sum(dim=nd - 2, keepdim=True)
+    return row, col, row.mean(dim=(nd - 2,), keepdim=True)
+
+
+def _factor_ema_args(row_sum, col_sum, row, col, decay, n, m, local_sum):
+    return (row_sum, col_sum, row, col, decay, n, m, local_sum), (row_sum, col_sum, row, col)
+
+
+def _host(x: float | Tensor) -> bool:
+    return not torch.is_tensor(x) or x.device.type == "cpu"
+
+
+def _factor_ema_many(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    out: list[Any] = [None] * len(calls)
+    # foreach ops take their scalars from the host; a decay on the device (no optimizer makes
+    # one) would need a sync: such leaves take the reference.
+    fast = [i for i, c in enumerate(calls) if _host(c[4])]
+    for i in sorted(set(range(len(calls))) - set(fast)):
+        out[i] = factor_ema_reference(*calls[i])
+    if not fast:
+        return out
+    cs = [calls[i] for i in fast]
+    d = [float(torch.as_tensor(c[4], dtype=torch.float64)) for c in cs]
+    means = torch._foreach_div([c[0] for c in cs] + [c[1] for c in cs],
+                               [float(c[6]) for c in cs] + [float(c[5]) for c in cs])
+    stats = torch._foreach_mul([c[2] for c in cs] + [c[3] for c in cs], d + d)
+    torch._foreach_add_(stats, torch._foreach_mul(means, [1.0 - x for x in d] * 2))
+    rows, cols = stats[:len(cs)], stats[len(cs):]
+    parts = _tk().sum_rows_many(rows, [None if c[7] else c[5] for c in cs])
+    for i, r, c, part in zip(fast, rows, cols, parts):
+        out[i] = (r, c, part)
+    return out
+
+
+def factor_ema_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
+    """:func:`factor_ema_reference` for many leaves (foreach ops and one segment sum)."""
+    return execute_batched(calls, _factor_ema_args, factor_ema_reference, _factor_ema_many)
+
+
+def clip_divisor_reference(norm: Tensor, threshold: float | Tensor, numel: int,
+                           squared: bool) -> Tensor:
+    """``max(1, RMS(u) / threshold)`` from ``||u||`` (``squared``: from ``||u||^2``) of an
+    update of ``numel`` elements."""
+    if squared:
+        norm = norm.sqrt()
+    return (norm / math.sqrt(numel) / threshold).clamp(min=1.0)
+
+
+def _clip_args(norm, threshold, numel, squared):
+    return (norm, threshold, numel, squared), (norm,)
+
+
+def _clip_many(calls: list[tuple]) -> list[Tensor]:
+    out: list[Any] = [None] * len(calls)
+    groups: dict[tuple, list[int]] = {}
+    for i, (norm, thr, _numel, squared) in enumerate(calls):
+        if not _host(thr):
+            out[i] = clip_divisor_reference(*calls[i])
+            continue
+        groups.setdefault((norm.device, norm.dtype, torch.result_type(norm, thr), squared),
+                          []).append(i)
+    for (device, dt, res_dt, squared), idx in groups.items():
+        v = torch.stack([calls[i][0].reshape(()) for i in idx])
+        if squared:
+            v = v.sqrt()
+        # The reference's roundings: sqrt(numel) to the norm's dtype, then the division by the
+        # threshold in the promoted dtype (float64 for a 0-d float64 threshold).
+        host = torch.tensor([[math.sqrt(calls[i][2]), float(calls[i][1])] for i in idx],
+                            dtype=torch.float64)
+        host = host.to(device, non_blocking=True)
+        v = (v / host[:, 0].to(dt)).to(res_dt) / host[:, 1].to(res_dt)
+        v = v.clamp(min=1.0)
+        for j, i in enumerate(idx):
+            out[i] = v[j]
+    return out
+
+
+def clip_divisor_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
+    """:func:`clip_divisor_reference` for many leaves (a few vector ops for all)."""
+    return execute_batched(calls, _clip_args, clip_divisor_reference, _clip_many)
 
 
 def sq_row_col_sums(

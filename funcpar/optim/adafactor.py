@@ -148,20 +148,99 @@ def _scaled_step(p_rms: Tensor, rho: Tensor, eps2: float) -> Tensor:
 
 
 def _step_size_phases(step, param, *, lr, eps2, scale_parameter, relative_step, warmup_init,
-                      param_layout):
-    """:func:`adafactor_step_size` as a phased step (funcpar.shard.reduce.run_phased): one
-    phase completing ``sum(param^2)`` for a sharded parameter with ``scale_parameter``."""
-    if not scale_parameter or param_layout is None:
-        return adafactor_step_size(step, param, lr=lr, eps2=eps2,
-                                   scale_parameter=scale_parameter,
-                                   relative_step=relative_step, warmup_init=warmup_init,
-                                   param_layout=param_layout)
+                      param_layout, weight_decay=None):
+    """:func:`adafactor_step_size` as a phased step (funcpar.shard.reduce.run_phased), with the
+    weight-decay coefficient: returns ``(alpha_t, weight_decay alpha_t or None)``.
+
+    With ``scale_parameter`` (``RMS(param)`` on the parameter's device) the device work is
+    batched over the leaves: a pass for this shard's ``sum(param^2)`` (sharded parameter),
+    its completion, and a pass forming ``alpha_t`` (:func:`_step_size_reference`). ``param``
+    is in its own dtype (the references compute in :func:`compute_dtype`)."""
     rho = adafactor_step_size(step, param, lr=lr, eps2=eps2, scale_parameter=False,
                               relative_step=relative_step, warmup_init=warmup_init)
-    # rms()'s arithmetic: the completed sum of squares, rooted, over sqrt(global numel).
-    (sq,) = yield [Partial(local_sum_of_squares(param), param_layout, None, "param rms")]
-    p_rms = sq.sqrt() / math.sqrt(math.prod(global_shape(param, param_layout)))
-    return _scaled_step(p_rms, rho, eps2)
+    if not scale_parameter:  # host scalars only
+        return rho, (None if weight_decay is None else weight_decay * rho)
+    sq = None
+    if param_layout is not None:
+        # rms()'s arithmetic: the completed sum of squares, rooted, over sqrt(global numel).
+        local = yield from one_pass(_param_sq_batch, param)
+        (sq,) = yield [Partial(local, param_layout, None, "param rms")]
+    return (yield from one_pass(_step_size_batch, param, sq, rho, eps2,
+                                math.prod(global_shape(param, param_layout)), weight_decay))
+
+
+def _param_sq_reference(param: Tensor) -> Tensor:
+    return local_sum_of_squares(param.to(compute_dtype(param.dtype)))
+
+
+def _param_sq_many(calls: list[tuple]) -> list[Tensor]:
+    out: list[Any] = [None] * len(calls)
+    groups: dict[tuple, list[int]] = {}
+    for i, (p,) in enumerate(calls):
+        groups.setdefault((p.device, compute_dtype(p.dtype)), []).append(i)
+    for (_dev, cd), idx in groups.items():
+        norms = torch._foreach_norm([calls[i][0] for i in idx], 2, dtype=cd)
+        sq = torch.stack(norms).square()
+        for j, i in enumerate(idx):
+            out[i] = sq[j]
+    return out
+
+
+def _param_sq_batch(calls):
+    """``sum(param^2)`` of this shard for many leaves (one multi-tensor norm on the fast path)."""
+    return kernels.execute_batched(calls, lambda p: ((p,), (p,)), _param_sq_reference,
+                                   _param_sq_many)
+
+
+def _step_size_reference(param, sq, rho, eps2, numel, weight_decay):
+    """``alpha_t = max(eps2, RMS(W)) rho_t`` (:func:`_scaled_step`) with ``RMS(W)`` from the
+    parameter (whole) or from its completed ``sum(W^2)`` (``sq``), and ``weight_decay alpha_t``:
+    the torch ops of :func:`adafactor_step_size`, exactly."""
+    if sq is None:
+        norm = torch.linalg.vector_norm(param.to(compute_dtype(param.dtype)))
+    else:
+        norm = sq.sqrt()
+    alpha = _scaled_step(norm / math.sqrt(numel), rho, eps2)
+    return alpha, (None if weight_decay is None else weight_decay * alpha)
+
+
+def _host(x: Any) -> bool:
+    return not torch.is_tensor(x) or x.device.type == "cpu"
+
+
+def _step_size_many(calls: list[tuple]) -> list[tuple[Tensor, Tensor | None]]:
+    out: list[Any] = [None] * len(calls)
+    groups: dict[tuple, list[int]] = {}
+    for i, (param, sq, rho, eps2, _numel, wd) in enumerate(calls):
+        if not (_host(rho) and _host(wd)):  # host scalars for the vectors below
+            out[i] = _step_size_reference(*calls[i])
+            continue
+        src = param if sq is None else sq
+        groups.setdefault((src.device, compute_dtype(src.dtype), sq is None, float(eps2)),
+                          []).append(i)
+    for (device, cd, from_param, eps2), idx in groups.items():
+        if from_param:
+            v = torch.stack(torch._foreach_norm([calls[i][0] for i in idx], 2, dtype=cd))
+        else:
+            v = torch.stack([calls[i][1].reshape(()) for i in idx]).sqrt()
+        host = torch.tensor([[math.sqrt(calls[i][4]), float(calls[i][2]),
+                              float(0.0 if calls[i][5] is None else calls[i][5])] for i in idx],
+                            dtype=torch.float64).to(device, non_blocking=True)
+        # _scaled_step's roundings, on vectors.
+        p_rms = v / host[:, 0].to(cd)
+        scaled = (p_rms * host[:, 1].to(cd)).to(torch.float64)
+        alpha = torch.where(p_rms > eps2, scaled, eps2 * host[:, 1])
+        decay = host[:, 2] * alpha
+        for j, i in enumerate(idx):
+            out[i] = (alpha[j], None if calls[i][5] is None else decay[j])
+    return out
+
+
+def _step_size_batch(calls):
+    """:func:`_step_size_reference` for many leaves (a few vector ops for all)."""
+    return kernels.execute_batched(calls, lambda param, sq, *rest: (
+        (param, sq, *rest), (param,) if sq is None else (sq,)), _step_size_reference,
+        _step_size_many)
 
 
 class AdafactorLeafUpdate(NamedTuple):
@@ -242,10 +321,10 @@ def _leaf_step(grad, param, state, step, *, lr, eps, clip_threshold, decay_rate,
     eps1, eps2 = eps
     beta2t = 1.0 - step.to(torch.float64) ** decay_rate
     moments = {k: v for k, v in state.items() if k != "exp_avg"}
-    alpha, (precond, new_state, local_norm) = yield from together(
-        _step_size_phases(step, param.to(compute_dtype(param.dtype)), lr=lr, eps2=eps2,
-                          scale_parameter=scale_parameter, relative_step=relative_step,
-                          warmup_init=warmup_init, param_layout=param_layout),
+    (alpha, decay), (precond, new_state, local_norm) = yield from together(
+        _step_size_phases(step, param, lr=lr, eps2=eps2, scale_parameter=scale_parameter,
+                          relative_step=relative_step, warmup_init=warmup_init,
+                          param_layout=param_layout, weight_decay=weight_decay),
         second_moment_phases(grad, moments, SECOND_MOMENT, beta2t, eps1, layout=layout))
     clip = yield from clip_divisor_phases(local_norm, clip_threshold,
                                           shape=global_shape(grad, layout), layout=layout)
@@ -255,7 +334,7 @@ def _leaf_step(grad, param, state, step, *, lr, eps, clip_threshold, decay_rate,
     result, m = yield from one_pass(
         kernels.precond_apply_batch, grad, target, precond, final=True, clip=clip, pre=alpha,
         momentum=None if beta1 is None else state["exp_avg"], beta1=beta1,
-        decay=None if weight_decay is None else weight_decay * alpha, out=out,
+        decay=decay, out=out,
     )
     if m is not None:
         new_state["exp_avg"] = m

@@ -273,20 +273,21 @@ def factored_moment(
 
 def factored_moment_phases(row_sum, col_sum, stats, names, decay, *, shape, layout=None):
     """:func:`factored_moment` as a phased step (:func:`funcpar.shard.reduce.run_phased`):
-    phase 1 completes the row and column sums, phase 2 (sharded leaves only) the sum of the
-    new row factor over the rows."""
+    the row and column sums are completed, the factors' EMAs and mean(R) formed in one
+    batched pass (:func:`funcpar.kernels.factored.factor_ema_reference`), then (sharded leaves
+    only) the sum of the new row factor over the rows completed."""
     nd = len(shape)
     row_s, col_s = yield [Partial(row_sum, layout, nd - 1, "factored row mean"),
                           Partial(col_sum, layout, nd - 2, "factored column mean")]
-    row_mean, col_mean = row_s / shape[-1], col_s / shape[-2]
     row, col = to_leaf_coords(stats[names.row], stats[names.col])
-    row, col = ema(row, row_mean, decay), ema(col, col_mean, decay)
+    # The EMAs and mean(R) (or, sharded, this shard's sum of R), batched over the leaves.
+    row, col, part = yield from one_pass(kernels.factor_ema_batch, row_s, col_s, row, col,
+                                         decay, shape[-2], shape[-1], layout is not None)
     if layout is None:
-        mean_r = mean_over_rows(row)
+        mean_r = part
     else:
         # reduce_mean's arithmetic (local sum, completed, over the global count of rows).
-        (r_sum,) = yield [Partial(row.sum(dim=nd - 2, keepdim=True), layout, nd - 2,
-                                  "factored mean of row stats")]
+        (r_sum,) = yield [Partial(part, layout, nd - 2, "factored mean of row stats")]
         mean_r = r_sum / shape[-2]
     factors = Factors(row, col, mean_r)
     row, col = from_leaf_coords(row, col)
@@ -346,10 +347,14 @@ def clip_divisor(
 
 
 def clip_divisor_phases(local_norm, threshold, *, shape, layout=None):
-    """:func:`clip_divisor` as a phased step: one phase (sharded leaves only)."""
-    norm = local_norm
+    """:func:`clip_divisor` as a phased step: the squared norm completed (sharded leaves
+    only), then the divisor formed in one batched pass
+    (:func:`funcpar.kernels.factored.clip_divisor_reference`)."""
+    norm, squared = local_norm, False
     if layout is not None:
-        (sq,) = yield [Partial(local_norm.square(), layout, tuple(range(len(shape))),
-                               "update rms")]
-        norm = sq.sqrt()
-    return (norm / math.sqrt(math.prod(shape)) / threshold).clamp(min=1.0)
+        (norm,) = yield [Partial(local_norm.square(), layout, tuple(range(len(shape))),
+                                 "update rms")]
+        squared = True
+    # max(1, RMS / threshold), batched over the leaves.
+    return (yield from one_pass(kernels.clip_divisor_batch, norm, threshold, math.prod(shape),
+                                squared))

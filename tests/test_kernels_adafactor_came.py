@@ -557,6 +557,60 @@ def test_interp_batched_update_pass_mixed_leaves():
             _check(ma, mb, f"momentum {what}")
 
 
+@interp
+def test_interp_between_pass_work_batched():
+    """The small work between the passes, batched on the fast path (foreach ops, one segment
+    sum), equals each leaf's reference: the factors' EMAs with mean(R) or (sharded) the local
+    sum of R, the clip divisor from a norm or a completed squared norm with a Python or a 0-d
+    float64 threshold (the result's dtype follows the reference's promotion), Adafactor's step
+    size from the parameter or its completed sum of squares, with and without weight decay."""
+    import importlib
+
+    A = importlib.import_module("funcpar.optim.adafactor")  # the module, not the function
+    gen = torch.Generator().manual_seed(9)
+    calls = []
+    for i, s in enumerate(MIXED_SHAPES):
+        g = torch.randn(s, generator=gen)
+        rs, cs = K.sq_row_col_sums_reference(g, 1e-30)
+        row, col = torch.rand(rs.shape, generator=gen), torch.rand(cs.shape, generator=gen)
+        decay = torch.tensor(0.3 + i / 20, dtype=torch.float64) if i % 2 else 0.999
+        calls.append(((rs, cs, row, col, decay, s[-2], s[-1], bool(i % 3 == 1)), {}))
+    with kernel_mode("triton"):
+        got = K.factor_ema_batch(calls)
+    for (args, _), res in zip(calls, got):
+        for a, b, what in zip(res, K.factor_ema_reference(*args), ("R'", "C'", "mean/sum")):
+            assert a.shape == b.shape and a.dtype == b.dtype, what
+            _check(a, b, f"{what} {tuple(args[0].shape)} local_sum={args[7]}")
+    calls = [((torch.rand((), generator=gen) * 40, thr, n, sq), {})
+             for thr in (1.0, torch.tensor(0.5, dtype=torch.float64))
+             for n, sq in ((7, False), (300, True), (1, False), (60, True))]
+    with kernel_mode("triton"):
+        got = K.clip_divisor_batch(calls)
+    for (args, _), a in zip(calls, got):
+        b = K.clip_divisor_reference(*args)
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype)
+        _check(a, b, f"clip divisor {args[1:]}")
+    rho = torch.tensor(1e-2, dtype=torch.float64)
+    params = [torch.randn(s, generator=gen) * (0.01 if i % 3 == 0 else 1.0)
+              for i, s in enumerate(MIXED_SHAPES)]  # RMS(W) below eps2 too: the other branch
+    params[2] = params[2].bfloat16()
+    calls = []
+    for i, p in enumerate(params):
+        sq = None if i % 2 else p.float().square().sum()
+        wd = None if i % 4 == 3 else torch.tensor(0.1 * i, dtype=torch.float64)
+        calls.append(((p, sq, rho, 0.02, p.numel(), wd), {}))
+    with kernel_mode("triton"):
+        got = A._step_size_batch(calls)
+        sqs = A._param_sq_batch([((p,), {}) for p in params])
+    for (args, _), res, p, sq in zip(calls, got, params, sqs):
+        for a, b in zip(res, A._step_size_reference(*args)):
+            assert (a is None) == (b is None)
+            if b is not None:
+                assert a.dtype == b.dtype == torch.float64
+                _check(a, b, f"step size {tuple(p.shape)}")
+        _check(sq, A._param_sq_reference(p), f"param sum of squares {tuple(p.shape)}")
+
+
 def _tree(k: int) -> dict[str, tuple[int, ...]]:
     # k leaves of each kind: factored (two tile widths), 3-D, 1-D (unfactored), 0-d.
     kinds = [(12, 20), (6, 70), (2, 5, 7), (20,), ()]

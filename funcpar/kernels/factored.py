@@ -31,12 +31,22 @@ bit-identical to the pre-kernel implementation. A kernel differs from its refere
 order (tile sums, then a sum of the tile partials) and, on a GPU, by fused multiply-adds: a few
 float32 ulps.
 
-Kernel layout: a leaf is viewed as ``(B, n, m)`` (its last two dims; unfactored leaves as
-``(1, 1, numel)``) and cut into ``BR x BC`` tiles, grid ``(column blocks, row blocks x B)``. Row and
-column sums are written as per-tile partials and summed by torch afterwards (deterministic: no
-atomics, so a step is reproducible). Scalars that live on the host (hyperparameters, the step
-count) are passed by value and those on the device (the clipping scale, ``mean(R)``) by pointer,
-so no pass waits for the device.
+**Batched.** Each pass also has a ``*_batch`` form taking the calls of many leaves (a list of
+``(args, kwargs)``); the optimizers' phased steps ask for passes
+(:class:`funcpar.shard.reduce.Pass`) and :func:`funcpar.shard.reduce.run_phased` hands all
+leaves' calls of a round to one ``*_batch`` call (:func:`execute_batched`): the leaves that take
+the reference run it one by one, exactly as the one-leaf dispatcher would, the others share one
+multi-leaf launch per launch group (same device, dtypes and tile width; see
+``_factored_triton``). The one-leaf dispatchers are the one-call case. The small work between
+the passes (:func:`factor_ema_reference`, :func:`clip_divisor_reference`) is batched the same
+way, with foreach ops and one segment sum on the fast path.
+
+Kernel layout: a leaf is viewed as ``(B, n, m)`` (its last two dims; unfactored leaves flat) and
+cut into ``BR x BC`` tiles; a tile table maps each program to its leaf and tile, a leaf table
+holds each leaf's geometry, flags and tensor addresses. Row and column sums are written as
+per-tile partials and summed by a segment-sum kernel in a fixed order (deterministic: no
+atomics, so a step is reproducible). Per-leaf scalars go as one float32 table built without a
+host sync (host values rounded on the host, device values stacked on the device).
 """
 
 from __future__ import annotations

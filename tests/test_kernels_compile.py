@@ -29,6 +29,13 @@ def test_kernels_compile_for_sm90_without_spills():
          "--only", "sgd_momentum,sgd_nesterov,adamw,adamw_amsgrad,lamb,adamw8bit"],
         capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    names = {line.split()[2] for line in out.stdout.splitlines()[2:]}
+    rows = [line.split() for line in out.stdout.splitlines()[2:]]
+    names = {r[2] for r in rows}
     assert {"sgd_kernel", "adamw_kernel", "lamb_moments_kernel", "lamb_update_kernel",
             "adam8bit_kernel"} <= names, out.stdout
+    # The elementwise kernels' full tiles read and write in 16-byte vectors
+    # (funcpar.kernels._access); columns: ... ld vector/scalar, st vector/scalar.
+    for r in rows:
+        if r[2] in ("sgd_kernel", "adamw_kernel", "lamb_moments_kernel", "lamb_update_kernel"):
+            loads, stores = (int(x.split("/")[0]) for x in r[-2:])
+            assert loads > 0 and stores > 0, (r, out.stdout)

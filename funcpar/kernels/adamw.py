@@ -20,7 +20,7 @@ from typing import NamedTuple, no_type_check
 import torch
 from torch import Tensor
 
-from funcpar.kernels import _launch
+from funcpar.kernels import _access, _launch
 
 __all__ = ["AdamWScalars", "adamw_leaf", "adamw_reference", "adamw_step", "adamw_triton"]
 
@@ -87,23 +87,22 @@ def adamw_reference(
 
 
 def _build():
-    global tl, triton, tile_of
+    global tl, triton, tile_of, full_tile, leaf_load, leaf_store, adamw_tile
     import triton
     import triton.language as tl
 
     tile_of = _launch.leaf_tile()
+    full_tile, leaf_load, leaf_store = _access.access()
 
     @triton.jit
     @no_type_check
-    def adamw_kernel(table, tiles, scal, NCOL: tl.constexpr, BLOCK: tl.constexpr,
-                     P: tl.constexpr, G: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
-                     VM: tl.constexpr, MO: tl.constexpr, VO: tl.constexpr, VMO: tl.constexpr,
-                     U: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
-                     LERP_SMALL: tl.constexpr, WRITE_PARAMS: tl.constexpr):
-        # Program i: tile tiles[i, 1] of leaf tiles[i, 0]; the leaf's row of the table holds
-        # numel, the decay flag and the addresses (in, then out) of its tensors.
-        # dflag 1: weight decay applies to this leaf.
-        _pid, _leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
+    def adamw_tile(row, offs, n, dflag, scal, P: tl.constexpr, G: tl.constexpr,
+                   M: tl.constexpr, V: tl.constexpr, VM: tl.constexpr, MO: tl.constexpr,
+                   VO: tl.constexpr, VMO: tl.constexpr, U: tl.constexpr, AMSGRAD: tl.constexpr,
+                   MAXIMIZE: tl.constexpr, LERP_SMALL: tl.constexpr, WRITE_PARAMS: tl.constexpr,
+                   FULL: tl.constexpr):
+        # The leaf's row of the table holds numel, the decay flag (1: weight decay applies)
+        # and the addresses of p, g, m, v, vmax (in), then out, m', v', vmax'.
         mask = offs < n
         step_size = tl.load(scal)
         bc2_sqrt = tl.load(scal + 1)
@@ -113,11 +112,11 @@ def _build():
         beta2 = tl.load(scal + 5)
         c2 = tl.load(scal + 6)  # 1 - beta2
 
-        g = tl.load(tl.load(row + 3).to(tl.pointer_type(G)) + offs, mask=mask).to(tl.float32)
+        g = leaf_load(row, 3, offs, mask, G, FULL).to(tl.float32)
         if MAXIMIZE:
             g = -g
-        m = tl.load(tl.load(row + 4).to(tl.pointer_type(M)) + offs, mask=mask).to(tl.float32)
-        v = tl.load(tl.load(row + 5).to(tl.pointer_type(V)) + offs, mask=mask).to(tl.float32)
+        m = leaf_load(row, 4, offs, mask, M, FULL).to(tl.float32)
+        v = leaf_load(row, 5, offs, mask, V, FULL).to(tl.float32)
         # torch.lerp's two forms (exact at either end), as fused multiply-adds like torch's.
         if LERP_SMALL:
             m = tl.fma(w1, g - m, m)
@@ -127,28 +126,46 @@ def _build():
         # The update uses the states as stored (rounded to a bf16 state's dtype, say).
         m = m.to(MO).to(tl.float32)
         v = v.to(VO).to(tl.float32)
-        tl.store(tl.load(row + 8).to(tl.pointer_type(MO)) + offs, m.to(MO), mask=mask)
-        tl.store(tl.load(row + 9).to(tl.pointer_type(VO)) + offs, v.to(VO), mask=mask)
+        leaf_store(row, 8, offs, m, mask, MO, FULL)
+        leaf_store(row, 9, offs, v, mask, VO, FULL)
         if AMSGRAD:
-            vm = tl.load(tl.load(row + 6).to(tl.pointer_type(VM)) + offs, mask=mask)
-            v = tl.maximum(vm.to(tl.float32), v).to(VMO).to(tl.float32)
-            tl.store(tl.load(row + 10).to(tl.pointer_type(VMO)) + offs, v.to(VMO), mask=mask)
+            vm = leaf_load(row, 6, offs, mask, VM, FULL).to(tl.float32)
+            v = tl.maximum(vm, v).to(VMO).to(tl.float32)
+            leaf_store(row, 10, offs, v, mask, VMO, FULL)
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         u = -step_size * tl.div_rn(m, denom)
         # p is read only where it is needed: for the decay, or to write p + u.
-        p_ptr = tl.load(row + 2).to(tl.pointer_type(P)) + offs
         if WRITE_PARAMS:
-            p = tl.load(p_ptr, mask=mask).to(tl.float32)
+            p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
         else:
-            p = tl.load(p_ptr, mask=offs < n * dflag, other=0.0).to(tl.float32)
+            p = tl.zeros_like(u)
+            if dflag != 0:
+                p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
         u = tl.where(dflag != 0, u - lr_wd * p, u)
-        out = tl.load(row + 7)
         if WRITE_PARAMS:
             # p + u.to(p.dtype), as apply_updates computes it from the updates.
             u = u.to(U).to(P).to(tl.float32)
-            tl.store(out.to(tl.pointer_type(P)) + offs, (p + u).to(P), mask=mask)
+            leaf_store(row, 7, offs, p + u, mask, P, FULL)
         else:
-            tl.store(out.to(tl.pointer_type(U)) + offs, u.to(U), mask=mask)
+            leaf_store(row, 7, offs, u, mask, U, FULL)
+
+    @triton.jit
+    @no_type_check
+    def adamw_kernel(table, tiles, scal, NCOL: tl.constexpr, BLOCK: tl.constexpr,
+                     P: tl.constexpr, G: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
+                     VM: tl.constexpr, MO: tl.constexpr, VO: tl.constexpr, VMO: tl.constexpr,
+                     U: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                     LERP_SMALL: tl.constexpr, WRITE_PARAMS: tl.constexpr,
+                     ALIGNED: tl.constexpr):
+        # Program i: tile tiles[i, 1] of leaf tiles[i, 0]; the same body compiled twice,
+        # with 16-byte accesses on full tiles (funcpar.kernels._access).
+        pid, _leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
+        if full_tile(tiles, pid, n, BLOCK, ALIGNED):
+            adamw_tile(row, offs, n, dflag, scal, P, G, M, V, VM, MO, VO, VMO, U, AMSGRAD,
+                       MAXIMIZE, LERP_SMALL, WRITE_PARAMS, True)
+        else:
+            adamw_tile(row, offs, n, dflag, scal, P, G, M, V, VM, MO, VO, VMO, U, AMSGRAD,
+                       MAXIMIZE, LERP_SMALL, WRITE_PARAMS, False)
 
     return adamw_kernel
 
@@ -209,7 +226,7 @@ def adamw_triton(
         group.launch(_kernel(), scal, P=T(pd), G=T(gd), M=T(md), V=T(vd),
                      VM=T(vmd if amsgrad else vd), MO=T(mo), VO=T(vo), VMO=T(vmo), U=T(ud),
                      AMSGRAD=amsgrad, MAXIMIZE=maximize, LERP_SMALL=lerp_small,
-                     WRITE_PARAMS=write_params)
+                     WRITE_PARAMS=write_params, ALIGNED=group.aligned)
     return outs, ms, vs, vmaxs
 
 

@@ -27,7 +27,7 @@ from typing import NamedTuple, no_type_check
 import torch
 from torch import Tensor
 
-from funcpar.kernels import _launch
+from funcpar.kernels import _access, _launch
 
 __all__ = [
     "LambScalars",
@@ -119,13 +119,15 @@ def lamb_update_reference(
 
 
 def _build():
-    global tl, triton, lamb_direction_jit, add_combine, tile_of
+    global tl, triton, lamb_direction_jit, add_combine, tile_of, full_tile, leaf_load
+    global leaf_store, lamb_moments_tile, lamb_update_tile
     import triton
     import triton.language as tl
 
     # Not tl.sum: see _launch.combine_fn.
     add_combine = _launch.combine_fn()
     tile_of = _launch.leaf_tile()
+    full_tile, leaf_load, leaf_store = _access.access()
 
     @triton.jit
     @no_type_check
@@ -149,54 +151,83 @@ def _build():
 
     @triton.jit
     @no_type_check
-    def lamb_moments_kernel(table, tiles, scal, partials, NCOL: tl.constexpr,
-                            BLOCK: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
-                            M: tl.constexpr, V: tl.constexpr, MO: tl.constexpr,
-                            VO: tl.constexpr, MOMENTS: tl.constexpr, IN_UPDATE: tl.constexpr,
-                            MAXIMIZE: tl.constexpr):
-        # Leaf row: numel, decay flag, p, g, m, v, m out, v out.
-        pid, _leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
+    def lamb_moments_tile(row, offs, n, dflag, scal, P: tl.constexpr, G: tl.constexpr,
+                          M: tl.constexpr, V: tl.constexpr, MO: tl.constexpr, VO: tl.constexpr,
+                          MOMENTS: tl.constexpr, IN_UPDATE: tl.constexpr,
+                          MAXIMIZE: tl.constexpr, FULL: tl.constexpr):
+        # Leaf row: numel, decay flag, p, g, m, v, m out, v out. Returns the tile's sums of
+        # the squares of the weight and of the direction.
         mask = offs < n
         beta1 = tl.load(scal)
         m_coef = tl.load(scal + 1)
         beta2 = tl.load(scal + 2)
         c2 = tl.load(scal + 3)  # 1 - beta2
-        p = tl.load(tl.load(row + 2).to(tl.pointer_type(P)) + offs, mask=mask).to(tl.float32)
-        g = tl.load(tl.load(row + 3).to(tl.pointer_type(G)) + offs, mask=mask).to(tl.float32)
+        p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
+        g = leaf_load(row, 3, offs, mask, G, FULL).to(tl.float32)
         if MAXIMIZE:
             g = -g
-        m = tl.load(tl.load(row + 4).to(tl.pointer_type(M)) + offs, mask=mask).to(tl.float32)
-        v = tl.load(tl.load(row + 5).to(tl.pointer_type(V)) + offs, mask=mask).to(tl.float32)
+        m = leaf_load(row, 4, offs, mask, M, FULL).to(tl.float32)
+        v = leaf_load(row, 5, offs, mask, V, FULL).to(tl.float32)
         m = tl.fma(g, m_coef, m * beta1).to(MO)  # torch.add(m * b1, g, alpha=c)
         v = (v * beta2 + (c2 * g) * g).to(VO)  # torch.addcmul(v * b2, g, g, value=1 - b2)
-        tl.store(tl.load(row + 6).to(tl.pointer_type(MO)) + offs, m, mask=mask)
-        tl.store(tl.load(row + 7).to(tl.pointer_type(VO)) + offs, v, mask=mask)
+        leaf_store(row, 6, offs, m, mask, MO, FULL)
+        leaf_store(row, 7, offs, v, mask, VO, FULL)
         a, w = lamb_direction_jit(p, m.to(tl.float32), v.to(tl.float32), dflag, scal,
                                   MOMENTS, IN_UPDATE)
         # Masked lanes load zeros: a = 0 / (0 + eps) = 0 and w = 0 add nothing.
-        tl.store(partials + 2 * pid, tl.reduce(w * w, 0, add_combine))
-        tl.store(partials + 2 * pid + 1, tl.reduce(a * a, 0, add_combine))
+        return tl.reduce(w * w, 0, add_combine), tl.reduce(a * a, 0, add_combine)
+
+    @triton.jit
+    @no_type_check
+    def lamb_moments_kernel(table, tiles, scal, partials, NCOL: tl.constexpr,
+                            BLOCK: tl.constexpr, P: tl.constexpr, G: tl.constexpr,
+                            M: tl.constexpr, V: tl.constexpr, MO: tl.constexpr,
+                            VO: tl.constexpr, MOMENTS: tl.constexpr, IN_UPDATE: tl.constexpr,
+                            MAXIMIZE: tl.constexpr, ALIGNED: tl.constexpr):
+        # The same body compiled twice: 16-byte accesses on full tiles (funcpar.kernels._access).
+        pid, _leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
+        if full_tile(tiles, pid, n, BLOCK, ALIGNED):
+            ww, aa = lamb_moments_tile(row, offs, n, dflag, scal, P, G, M, V, MO, VO, MOMENTS,
+                                       IN_UPDATE, MAXIMIZE, True)
+        else:
+            ww, aa = lamb_moments_tile(row, offs, n, dflag, scal, P, G, M, V, MO, VO, MOMENTS,
+                                       IN_UPDATE, MAXIMIZE, False)
+        tl.store(partials + 2 * pid, ww)
+        tl.store(partials + 2 * pid + 1, aa)
+
+    @triton.jit
+    @no_type_check
+    def lamb_update_tile(row, offs, n, dflag, scal, c, P: tl.constexpr, M: tl.constexpr,
+                         V: tl.constexpr, U: tl.constexpr, MOMENTS: tl.constexpr,
+                         IN_UPDATE: tl.constexpr, WRITE_PARAMS: tl.constexpr,
+                         FULL: tl.constexpr):
+        # Leaf row: numel, decay flag, p, m', v', out; c: the leaf's trust-ratio coefficient.
+        mask = offs < n
+        p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
+        m = leaf_load(row, 3, offs, mask, M, FULL).to(tl.float32)
+        v = leaf_load(row, 4, offs, mask, V, FULL).to(tl.float32)
+        a, w = lamb_direction_jit(p, m, v, dflag, scal, MOMENTS, IN_UPDATE)
+        u = (w - p) - c * a
+        if WRITE_PARAMS:
+            u = u.to(U).to(P).to(tl.float32)
+            leaf_store(row, 5, offs, p + u, mask, P, FULL)
+        else:
+            leaf_store(row, 5, offs, u, mask, U, FULL)
 
     @triton.jit
     @no_type_check
     def lamb_update_kernel(table, tiles, scal, coef, NCOL: tl.constexpr, BLOCK: tl.constexpr,
                            P: tl.constexpr, M: tl.constexpr, V: tl.constexpr, U: tl.constexpr,
                            MOMENTS: tl.constexpr, IN_UPDATE: tl.constexpr,
-                           WRITE_PARAMS: tl.constexpr):
-        # Leaf row: numel, decay flag, p, m', v', out.
-        _pid, leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
-        mask = offs < n
-        p = tl.load(tl.load(row + 2).to(tl.pointer_type(P)) + offs, mask=mask).to(tl.float32)
-        m = tl.load(tl.load(row + 3).to(tl.pointer_type(M)) + offs, mask=mask).to(tl.float32)
-        v = tl.load(tl.load(row + 4).to(tl.pointer_type(V)) + offs, mask=mask).to(tl.float32)
-        a, w = lamb_direction_jit(p, m, v, dflag, scal, MOMENTS, IN_UPDATE)
-        u = (w - p) - tl.load(coef + leaf) * a
-        out = tl.load(row + 5)
-        if WRITE_PARAMS:
-            u = u.to(U).to(P).to(tl.float32)
-            tl.store(out.to(tl.pointer_type(P)) + offs, (p + u).to(P), mask=mask)
+                           WRITE_PARAMS: tl.constexpr, ALIGNED: tl.constexpr):
+        pid, leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
+        c = tl.load(coef + leaf)
+        if full_tile(tiles, pid, n, BLOCK, ALIGNED):
+            lamb_update_tile(row, offs, n, dflag, scal, c, P, M, V, U, MOMENTS, IN_UPDATE,
+                             WRITE_PARAMS, True)
         else:
-            tl.store(out.to(tl.pointer_type(U)) + offs, u.to(U), mask=mask)
+            lamb_update_tile(row, offs, n, dflag, scal, c, P, M, V, U, MOMENTS, IN_UPDATE,
+                             WRITE_PARAMS, False)
 
     return lamb_moments_kernel, lamb_update_kernel
 
@@ -248,7 +279,7 @@ def lamb_moments_triton(
         T = _launch.tl_dtype
         group.launch(_kernels()[0], _scalars(s, device), partials, P=T(pd), G=T(gd), M=T(md),
                      V=T(vd), MO=T(mo), VO=T(vo), MOMENTS=s.moments, IN_UPDATE=s.in_update,
-                     MAXIMIZE=s.maximize)
+                     MAXIMIZE=s.maximize, ALIGNED=group.aligned)
         sums[torch.tensor(group.live, device=device)] = _launch.segment_sums(partials, first)
     return ms, vs, sums
 
@@ -283,7 +314,7 @@ def lamb_update_triton(
         T = _launch.tl_dtype
         group.launch(_kernels()[1], _scalars(s, device), group_coef.contiguous(), P=T(pd),
                      M=T(md), V=T(vd), U=T(ud), MOMENTS=s.moments, IN_UPDATE=s.in_update,
-                     WRITE_PARAMS=write_params)
+                     WRITE_PARAMS=write_params, ALIGNED=group.aligned)
     return outs
 
 

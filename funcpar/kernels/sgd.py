@@ -17,7 +17,7 @@ from typing import NamedTuple, no_type_check
 import torch
 from torch import Tensor
 
-from funcpar.kernels import _launch
+from funcpar.kernels import _access, _launch
 
 __all__ = ["SGDScalars", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
 
@@ -70,50 +70,65 @@ def sgd_reference(
 
 
 def _build():
-    global tl, triton, tile_of
+    global tl, triton, tile_of, full_tile, leaf_load, leaf_store, sgd_tile
     import triton
     import triton.language as tl
 
     tile_of = _launch.leaf_tile()
+    full_tile, leaf_load, leaf_store = _access.access()
 
     @triton.jit
     @no_type_check
-    def sgd_kernel(table, tiles, scal, NCOL: tl.constexpr, BLOCK: tl.constexpr,
-                   P: tl.constexpr, G: tl.constexpr, B: tl.constexpr, BO: tl.constexpr,
-                   U: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-                   MAXIMIZE: tl.constexpr, WRITE_PARAMS: tl.constexpr):
-        # Leaf row: numel, decay flag, p, g, b (in), out, b (out).
-        _pid, _leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
+    def sgd_tile(row, offs, n, dflag, scal, P: tl.constexpr, G: tl.constexpr, B: tl.constexpr,
+                 BO: tl.constexpr, U: tl.constexpr, MOMENTUM: tl.constexpr,
+                 NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, WRITE_PARAMS: tl.constexpr,
+                 FULL: tl.constexpr):
+        # Leaf row: numel, decay flag, p, g, b (in), out, b (out). dflag 1: weight decay.
         mask = offs < n
         lr = tl.load(scal)
         wd = tl.load(scal + 1)
-        g = tl.load(tl.load(row + 3).to(tl.pointer_type(G)) + offs, mask=mask).to(tl.float32)
+        g = leaf_load(row, 3, offs, mask, G, FULL).to(tl.float32)
         d = -g if MAXIMIZE else g
-        p_ptr = tl.load(row + 2).to(tl.pointer_type(P)) + offs
         if WRITE_PARAMS:
-            p = tl.load(p_ptr, mask=mask).to(tl.float32)
-        else:
-            p = tl.load(p_ptr, mask=offs < n * dflag, other=0.0).to(tl.float32)
+            p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
+        else:  # p is read only where the decay needs it
+            p = tl.zeros_like(g)
+            if dflag != 0:
+                p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
         d = tl.where(dflag != 0, d + wd * p, d)
         if MOMENTUM:
             mu = tl.load(scal + 2)
             damp1 = tl.load(scal + 3)  # 1 - dampening
             first = tl.load(scal + 4) != 0
-            b = tl.load(tl.load(row + 4).to(tl.pointer_type(B)) + offs, mask=mask)
-            b = tl.where(first, d, mu * b.to(tl.float32) + damp1 * d).to(BO)
-            tl.store(tl.load(row + 6).to(tl.pointer_type(BO)) + offs, b, mask=mask)
+            b = leaf_load(row, 4, offs, mask, B, FULL).to(tl.float32)
+            b = tl.where(first, d, mu * b + damp1 * d).to(BO)
+            leaf_store(row, 6, offs, b, mask, BO, FULL)
             b = b.to(tl.float32)
             if NESTEROV:
                 d = d + mu * b
             else:
                 d = b
         u = -lr * d
-        out = tl.load(row + 5)
         if WRITE_PARAMS:
             u = u.to(U).to(P).to(tl.float32)
-            tl.store(out.to(tl.pointer_type(P)) + offs, (p + u).to(P), mask=mask)
+            leaf_store(row, 5, offs, p + u, mask, P, FULL)
         else:
-            tl.store(out.to(tl.pointer_type(U)) + offs, u.to(U), mask=mask)
+            leaf_store(row, 5, offs, u, mask, U, FULL)
+
+    @triton.jit
+    @no_type_check
+    def sgd_kernel(table, tiles, scal, NCOL: tl.constexpr, BLOCK: tl.constexpr,
+                   P: tl.constexpr, G: tl.constexpr, B: tl.constexpr, BO: tl.constexpr,
+                   U: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                   MAXIMIZE: tl.constexpr, WRITE_PARAMS: tl.constexpr, ALIGNED: tl.constexpr):
+        pid, _leaf, row, offs, n, dflag = tile_of(table, tiles, NCOL, BLOCK)
+        # The same body compiled twice: 16-byte accesses on full tiles (funcpar.kernels._access).
+        if full_tile(tiles, pid, n, BLOCK, ALIGNED):
+            sgd_tile(row, offs, n, dflag, scal, P, G, B, BO, U, MOMENTUM, NESTEROV, MAXIMIZE,
+                     WRITE_PARAMS, True)
+        else:
+            sgd_tile(row, offs, n, dflag, scal, P, G, B, BO, U, MOMENTUM, NESTEROV, MAXIMIZE,
+                     WRITE_PARAMS, False)
 
     return sgd_kernel
 
@@ -153,7 +168,7 @@ def sgd_triton(
         T = _launch.tl_dtype
         group.launch(_kernel(), scal, P=T(pd), G=T(gd), B=T(bd or gd), BO=T(bo), U=T(ud),
                      MOMENTUM=momentum, NESTEROV=nesterov, MAXIMIZE=maximize,
-                     WRITE_PARAMS=write_params)
+                     WRITE_PARAMS=write_params, ALIGNED=group.aligned)
     return outs, new_bufs
 
 

@@ -293,7 +293,9 @@ def _reshard(root, names):
                                           (8, ["pp2xtp2xdp2+zero2"])])
 def test_pp2_to_other_layouts_and_back(pp2, one, world, names):
     root, _ = pp2
-    results = run_ranks(_reshard, world, root, names, backend=None, timeout=1100)
+    # 8 ranks import torch on 2 shared cores: their start alone can exceed the default 120 s.
+    results = run_ranks(_reshard, world, root, names, backend=None, timeout=1100,
+                        start_timeout=600)
     # One process from the same state, with the same loss: the reference for training on.
     step1, like = _build(init_seed=1, loss=lm_loss)
     ref = _train(step1, load(os.path.join(root, "pp2_float64"), like, step=step1),

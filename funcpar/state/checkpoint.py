@@ -10,7 +10,7 @@ one to resume, under any mesh: the checkpoint is resharded from global slices).
     path/rank00000.safetensors   each rank's tensors, keyed by the leaf's dotted name
     path/rank00001.safetensors   ...
     path/index.json              rank 0: per leaf, its kind, global shape, dtype, split spec and
-                                 which global slice each rank's shard is; per file, size+sha256
+                                 which file holds which global slice; per file, size+sha256
     path/COMPLETE                rank 0, written last: the sha256 of index.json
 
 torch.distributed.checkpoint was not used: our layouts nest ZeRO's ``dp`` inside ``tp`` on one
@@ -22,14 +22,24 @@ kill. A leaf is stored in one of three *kinds*:
   same local shape: moments; a dim reduced to 1: ``torch.optim.Adafactor``'s ``row_var`` /
   ``col_var``; one dim fewer: Adafactor / CAME's factored ``*_row`` / ``*_col`` statistics,
   whose layout keeps the parameter's splits on the kept dims and replicates over the axes of
-  the dropped one). Each shard is written once (by the replica whose coordinates on the axes
-  that do not split the leaf are 0) with its per-dim ``(start, length)`` inside each block;
-* ``replicated``: anything else that is identical on every rank (checked at save time by a
-  digest gathered from all ranks): counts, hyperparameters, step, RNG, extras, buffers, states
-  of parameters that are whole everywhere. Rank 0 writes it;
-* ``per_rank``: a leaf that differs between ranks but does not map to a global slice (8-bit
-  quantized blocks and GaLore's low-rank states of a sharded parameter). Every rank writes its
-  own; it loads only into the same mesh (other layouts are refused naming the leaf).
+  the dropped one). Each distinct shard is written once, by the lowest rank holding it (its
+  replicas over the axes that do not split the leaf skip it), with its per-dim
+  ``(start, length)`` inside each block;
+* ``replicated``: anything else that is identical on every rank holding it (checked at save
+  time by a digest gathered from all ranks): counts, hyperparameters, step, RNG, extras,
+  buffers, states of parameters that are whole everywhere. Its first holder writes it;
+* ``per_rank``: a leaf that differs between its holders but does not map to a global slice
+  (8-bit quantized blocks and GaLore's low-rank states of a sharded parameter). Every holder
+  writes its own; it loads only into the same mesh (other layouts are refused naming the leaf).
+
+**Ranks that hold different leaves.** Every leaf is named globally - ``params.<the module's
+dotted name>``, ``opt_state.<path with that name>`` - and the plan of who writes what is made
+from every rank's list of leaves (gathered first), so a rank need not hold every leaf: under
+``pipeline_split`` each rank holds its stages' leaves, the checkpoint gets the union, each
+leaf once with its whole (logical) shape, and a weight tied between two stages once (from its
+first holder; the copies hold the same bits). Nothing here knows about pipelines: a load into
+any layout takes, on each rank, the leaves that rank's ``like`` holds, and a leaf of the
+checkpoint that no rank takes is refused.
 
 Under ``zero_partition`` the optimizer state lives on the ZeRO parts, so its leaves take the
 layouts of ``step.partition.layouts``; otherwise those of ``step.layouts``.
@@ -41,8 +51,10 @@ A save killed at any point leaves the previous checkpoint at ``path`` (or, in th
 between the two renames, at ``.<name>.old``, which :func:`load`'s error names). A directory
 without ``COMPLETE``, or whose index or files do not match their checksums, is refused.
 
-**Loading** assembles each leaf's global tensor from the shards that hold it (one leaf at a
-time: peak extra memory is one whole leaf) and cuts this rank's shard under the new layout.
+**Loading** checks the fit first on every rank (names, kinds, global shapes) and exchanges the
+verdicts, so a misfit raises on every rank together; then it assembles each leaf's global
+tensor from the shards that hold it (one leaf at a time: peak extra memory is one whole leaf)
+and cuts this rank's shard under the new layout.
 """
 
 from __future__ import annotations
@@ -410,9 +422,12 @@ def save(
 ) -> str:
     """Write ``state`` to the checkpoint directory ``path``, sharded and atomically.
 
-    A collective: every rank calls it with its own shards. ``step`` (the composed
-    :class:`~funcpar.train.TrainStep`) gives the params' layouts and the ZeRO plan; or pass
+    A collective: every rank calls it with its own shards (under ``pipeline_split``: its
+    stages' leaves). ``step`` (the composed :class:`~funcpar.train.TrainStep`) gives the
+    params' layouts, the ZeRO plan and the pipeline's stages (recorded in the index); or pass
     ``layouts`` (of ``state.params``) for an unpartitioned run; neither for a single process.
+    Holders of one leaf that disagree on its layout are a ValueError naming the leaf and the
+    ranks, raised on every rank before anything is written.
     ``extra_meta`` (JSON-able) is stored in the index (:func:`read_index`). ``on_file(path)`` is
     called after each file is written and fsynced (progress; tests use it to kill a save
     midway). An existing checkpoint at ``path`` is replaced only once the new one is complete.

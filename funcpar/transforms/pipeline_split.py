@@ -33,6 +33,11 @@ of the same pipeline coordinate), :func:`amp_cast` - see a step over this rank's
 any other. The mesh holds ``pp`` with the other axes (``DeviceMesh.from_env(pp=2, dp=2,
 tp=2)``); the pp fibres (ranks that differ only in their pp coordinate) carry the transfers.
 
+Checkpoints: :func:`funcpar.state.save` / :func:`~funcpar.state.load` take the split state as
+is - every leaf keeps the name it has in one process, so the checkpoint holds each leaf once
+(a tied weight from its first holder) and loads into any layout (docs/CHECKPOINTS.md,
+"Pipelined states").
+
 Not supported: ``compile=True`` (the schedule runs eagerly), overlapping the data-parallel
 gradient reduction with the backward (it runs after the last micro-batch), and parameters
 that are 0-d.

@@ -249,6 +249,49 @@ def test_another_shape_is_refused_naming_the_leaf(pp2):
         load(os.path.join(root, "pp2_float64"), like)
 
 
+def test_save_plan_writes_each_leaf_once():
+    """Who writes what, from every rank's view (3 ranks; no process group needed)."""
+    from funcpar.state.checkpoint import _plan_save
+
+    def sharded(sl, shape=(4, 6)):
+        return {"kind": "sharded", "dtype": "float64", "global_shape": list(shape),
+                "spec": [["tp"], []], "blocks": [1, 1], "slice": sl}
+
+    def whole(digest, shape=(3,)):
+        return {"kind": "tensor", "dtype": "float64", "shape": list(shape), "digest": digest}
+
+    every = [
+        {"w": sharded([[0, 2], [0, 6]]), "tied": whole("a"), "step": whole("s"),
+         "noise": whole("x"), "lr": {"kind": "value", "value": 0.5}},
+        {"w": sharded([[2, 2], [0, 6]]), "step": whole("s"), "noise": whole("y", (2,)),
+         "lr": {"kind": "value", "value": 0.5}},
+        {"w": sharded([[0, 2], [0, 6]]), "tied": whole("a"), "step": whole("s"),
+         "late": whole("z"), "lr": {"kind": "value", "value": 0.5}},
+    ]
+    plan = _plan_save(every)
+    assert list(plan.records) == ["w", "tied", "step", "noise", "lr", "late"]
+    # Two distinct slices: rank 2 holds rank 0's again and skips it.
+    assert plan.writers["w"] == [0, 1]
+    assert [sh["file"] for sh in plan.records["w"]["shards"]] == [
+        "rank00000.safetensors", "rank00001.safetensors"]
+    # A leaf held (equal) by ranks 0 and 2, one held by rank 2 alone: first holders write.
+    assert plan.writers["tied"] == [0] and plan.writers["late"] == [2]
+    assert plan.records["late"] == {"kind": "replicated", "dtype": "float64",
+                                    "global_shape": [3], "file": "rank00002.safetensors"}
+    assert plan.records["noise"]["kind"] == "per_rank" and plan.writers["noise"] == [0, 1]
+    assert plan.records["noise"]["shapes"] == [[3], [2], None]
+    assert "lr" not in plan.writers and plan.records["lr"] == {"kind": "value", "value": 0.5}
+    # Holders that disagree: refused naming the leaf and the ranks.
+    every[2]["w"] = whole("w", (4, 6))
+    with pytest.raises(ValueError, match=r"leaf 'w' is held as sharded on rank 0, sharded on "
+                                         r"rank 1, tensor on rank 2"):
+        _plan_save(every)
+    every[2]["w"] = sharded([[0, 2], [0, 6]], shape=(4, 7))
+    with pytest.raises(ValueError, match=r"leaf 'w' is sharded as \[\[4, 6\].* on rank 0 but "
+                                         r"as \[\[4, 7\].* on rank 2"):
+        _plan_save(every)
+
+
 # ------------------------------------------------------------------- other layouts (slow)
 #: name -> (pp, tp, dp, zero) on 4 ranks, and pp2 x tp2 x dp2 + ZeRO-2 on 8.
 RESHARD = {"pp4": (4, 1, 1, 0), "pp2xtp2": (2, 2, 1, 0), "pp2xdp2+zero2": (2, 1, 2, 2),

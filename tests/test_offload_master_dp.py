@@ -190,3 +190,70 @@ def test_master_offload_fp16_dp2_zero2_and_dp_after_refused():
 def test_master_offload_tp2_dp2_zero2_bit_identical():
     """tp2 x dp2 + ZeRO-2 (4 ranks): the parts of tensor-parallel shards."""
     _check(run_ranks(_compare, 4, 2, 2, 2, backend=None, timeout=400))
+
+
+# -- measurement (not a test): `python tests/test_offload_master_dp.py --dim 256 --layers 4` ---
+
+
+def _measure(cfg_kw, zero, steps):
+    """Per rank, for dp2 (+ ZeRO ``zero``) + amp bf16 + adamw: the bytes resident on the
+    (CPU standing in for the) device between steps - ``state.params`` and the state's tensors
+    that are not meta handles - without offload, with the optimizer state offloaded, and with
+    the masters too; and the store's bytes read / written per step."""
+    from funcpar.models import LlamaConfig
+
+    mesh = DeviceMesh.from_env(dp=2, tp=1)
+    cfg = LlamaConfig(**cfg_kw)
+    ids = torch.randint(0, cfg.vocab_size, (8, 33), generator=torch.Generator().manual_seed(0))
+    batch = (ids[:, :-1], ids[:, 1:])
+    rows = {}
+    for what in (None, ("opt_state",), ("opt_state", "master_params")):
+        torch.manual_seed(0)
+        apply_fn, params, buffers = functionalize(Llama(cfg))
+        opt = OPTIMIZERS["adamw_small_lr"](params)
+        ts = [data_parallel(mesh)] + ([zero_partition(zero, mesh)] if zero else [])
+        ts.append(amp_cast("bf16", keep_fp32="*norm*"))
+        off = offload("cpu", what=what) if what else None
+        step, st = compose(*ts, *([off] if off else []))(
+            make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt))
+        io = []
+        for _ in range(steps):
+            r0 = off.store.bytes_read if off else 0
+            w0 = off.store.bytes_written if off else 0
+            st, _m = step(st, batch)
+            if off:
+                io.append((off.store.bytes_read - r0, off.store.bytes_written - w0))
+        p = sum(_nbytes(x) for x in tree_leaves(st.params))
+        s = sum(_nbytes(x) for x in tree_leaves(st.opt_state) if torch.is_tensor(x)
+                and not x.is_meta)
+        rows["+".join(what) if what else "in-memory"] = (p, s, io[-1] if io else (0, 0),
+                                                          off.store.nbytes() if off else 0)
+    n = sum(x.numel() for x in tree_leaves(params))
+    return n, rows
+
+
+if __name__ == "__main__":
+    import argparse
+    import importlib
+
+    ap = argparse.ArgumentParser(description=_measure.__doc__)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    # Through the module's import name: the ranks unpickle the function by it.
+    mod = importlib.import_module("test_offload_master_dp")
+    cfg_kw = {"dim": a.dim, "n_layers": a.layers, "vocab_size": a.vocab, "n_heads": 8,
+              "max_seq_len": 64}
+    results = run_ranks(mod._measure, 2, cfg_kw, a.zero, a.steps, backend=None, timeout=600)
+    print(f"dp2{f' + zero{a.zero}' if a.zero else ''} + amp bf16 (keep_fp32 norms), adamw, "
+          f"Llama dim {a.dim} x {a.layers} layers, vocab {a.vocab}: "
+          f"{results[0][0]:,} params; bytes per rank")
+    print(f"{'run':28} {'rank':>4} {'params':>12} {'opt state':>12} {'resident':>12} "
+          f"{'store':>12} {'read/step':>12} {'written/step':>12}")
+    for rank, (_, rows) in enumerate(results):
+        for name, (p, s, (r, w), held) in rows.items():
+            print(f"{name:28} {rank:>4} {p:>12,} {s:>12,} {p + s:>12,} {held:>12,} {r:>12,} "
+                  f"{w:>12,}")

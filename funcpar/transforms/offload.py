@@ -40,12 +40,29 @@ float32 masters of the leaves amp_cast computes in half precision go into the st
 ``state.params`` keeps only their compute-dtype copies (bf16/fp16: half the bytes on the
 device). The half-precision leaf's gradient is the in-memory run's float32 gradient rounded by
 nothing: amp_cast's cast backward only upcasts the half-precision gradient, so the offloaded
-step upcasts it right after the backward (before the reductions, the fp16 unscale, the norm
-and the optimizer) and the update, run on the float32 masters read from the store, is the
-in-memory update to the bit; the new compute copies are the new masters cast down. Without
-amp_cast the parameters the step computes with *are* the masters (float32), so there is
-nothing to keep elsewhere: refused, as are data_parallel / zero_partition with masters (their
-gradient reductions would see the half-precision gradients; not done).
+step upcasts it right after the backward - inside the step's overlapped reduction, before
+data_parallel's bucketed all-reduce or ZeRO-2/3's reduce-scatter sees it, whose buckets are
+planned for float32 leaves as in the in-memory run - and before the fp16 unscale, the norm and
+the optimizer. The update, run on the float32 masters read from the store, is the in-memory
+update to the bit; the new compute copies are the new masters cast down. Without amp_cast the
+parameters the step computes with *are* the masters (float32), so there is nothing to keep
+elsewhere: refused. A transform applied after offload that replaces the step's gradient
+reduction (data_parallel) would reduce the half-precision gradients: the first step refuses it
+(ValueError, before the optimizer); zero_partition applied after offload(master_params) is
+refused when it builds its state (the masters would be the half-precision copies); and
+pipeline_split with masters is refused (its stage gradient exchange is not covered).
+
+**Under ZeRO** (offload after zero_partition, as amp_cast must follow it at stage 3 and offload
+follows amp_cast) offload sits *inside* the partition: it rebuilds zero_partition's optimizer
+wrapper around its own offloaded version of the optimizer zero_partition wrapped, so each rank's
+update (on the host, whole or chunk by chunk) takes its parts of the gradients, and the store
+holds only this rank's parts of the optimizer state and of the masters (ZeRO-Offload's
+arrangement, Ren et al. 2021: each data-parallel rank offloads its own partition). At stages 1-2
+the new compute copies of a rank's parts (cast down first: half the bytes) are all-gathered
+whole, as zero_partition gathers the new params; at stage 3 they stay parts, gathered per block
+by zero_partition's forward (in the compute dtype, as with amp_cast alone). Casting before the
+gather is elementwise the same as gathering the float32 masters and casting after, so the
+model sees the in-memory run's compute values to the bit.
 
 **What ``state.opt_state`` holds.** An :class:`OffloadedState` ``(version, tree, masters)``:
 ``version`` a 0-d int64 tensor counting the updates written, ``tree`` the wrapped optimizer's
@@ -53,8 +70,8 @@ state with every stored leaf (a tensor of at least ``min_numel`` entries) replac
 tensor of the same shape and dtype, which takes no memory; smaller leaves (step counts, the
 0-d hyperparameters of :mod:`funcpar.optim.hyperparams`, so ``lr`` stays visible to the step's
 metrics) stay in the tree as they are. ``masters``: ``None``, or a tree like the params with a
-meta handle per stored master. :func:`read_state` / :func:`read_masters` give them back whole
-(for a checkpoint, say).
+meta handle per stored master. :func:`read_state` / :func:`read_masters` read them back (for
+a checkpoint, say): under ZeRO this rank's parts (``read_masters(..., partition=)``).
 
 **Versions keep the step pure.** Leaf ``i`` of version ``v`` is stored under the key
 ``<prefix>.r<rank>.<i>.<name>.s<v % 2>`` (a master: ``...m<i>...``) with tag ``v``: an update
@@ -65,10 +82,12 @@ overwritten). One store directory (and ``prefix``) per training run.
 
 Composition: with :func:`~funcpar.transforms.zero_partition` (stages 1-3; with stage 3 this is
 Colossal-AI's Gemini: parameters partitioned and gathered per block, each rank's optimizer
-state parts on NVMe) in either order (the store then holds this rank's parts: the rank is in
-every key, so ranks can share a directory), with :func:`~funcpar.transforms.data_parallel`
-and :func:`~funcpar.transforms.shard_params`, whose layouts pass through to the wrapped
-optimizer unchanged; masters: see above.
+state parts on NVMe) in either order for the optimizer state alone, after it with masters (the
+store then holds this rank's parts: the rank is in every key, so ranks can share a directory);
+chunked (``chunk_bytes``) in either order too. With :func:`~funcpar.transforms.data_parallel`
+(each rank stores the whole state and masters, which data parallelism replicates) and
+:func:`~funcpar.transforms.shard_params`, whose layouts pass through to the wrapped optimizer
+unchanged. Apply offload last.
 """
 
 from __future__ import annotations
@@ -824,7 +843,10 @@ class _UpcastSync:
     own overlapped reduction (``inner``: data_parallel's bucketed mean, ZeRO-2/3's reduce-
     scatter, or none) sees them. Exact: in the in-memory amp run the same half-precision
     gradient reaches the float32 master leaf through amp_cast's cast backward, which upcasts
-    it, and the reduction runs on that."""
+    it, and the reduction runs on that. The float32 copies made in ``ready`` are kept for
+    ``finish`` (a GradSync may read any gradient there): until the backward ends a flagged
+    entry's gradient takes 6 B (the autograd's bf16 one and this copy), 4 B in the in-memory
+    run."""
 
     def __init__(self, inner: Any, flags: list[bool], seen: list[bool]):
         self.inner, self.flags, self.seen = inner, flags, seen

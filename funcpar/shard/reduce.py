@@ -438,21 +438,27 @@ def together(*steps: Phased) -> Phased:
     numbers of phases; nested ``together`` s schedule the same way.
     """
     results: list[Any] = [None] * len(steps)
-    pending: dict[int, list[Any]] = {}
+    # Per step: its pending request list and that list's class (None once it has returned).
+    pending: list[list[Any]] = [[] for _ in steps]
+    klass: list[int | None] = [None] * len(steps)
 
     def advance(i: int, sent: list[Any] | None) -> None:
         try:
-            pending[i] = list(next(steps[i]) if sent is None else steps[i].send(sent))
+            reqs = list(next(steps[i]) if sent is None else steps[i].send(sent))
         except StopIteration as stop:
-            pending.pop(i, None)
+            klass[i] = None
             results[i] = stop.value
+            return
+        pending[i], klass[i] = reqs, _klass(reqs)
 
     for i in range(len(steps)):
         advance(i, None)
-    while pending:
-        klass = {i: _klass(reqs) for i, reqs in pending.items()}
-        first = min(klass.values())
-        order = [i for i in sorted(pending) if klass[i] == first]
+    while True:
+        live = [k for k in klass if k is not None]
+        if not live:
+            break
+        first = min(live)
+        order = [i for i, k in enumerate(klass) if k == first]
         want = sum(len(pending[i]) for i in order)
         back = yield [r for i in order for r in pending[i]]
         if len(back) != want:

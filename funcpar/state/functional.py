@@ -14,7 +14,8 @@ __all__ = ["ApplyFn", "functionalize"]
 ApplyFn = Callable[..., tuple[Any, dict[str, Tensor]]]
 
 
-def functionalize(module: nn.Module) -> tuple[ApplyFn, dict[str, Tensor], dict[str, Tensor]]:
+def functionalize(module: nn.Module, *, release: bool = False
+                  ) -> tuple[ApplyFn, dict[str, Tensor], dict[str, Tensor]]:
     """``(apply_fn, params, buffers)`` for ``module``, via ``torch.func.functional_call``.
 
     ``params`` and ``buffers`` are flat dicts keyed by the dotted names of
@@ -29,6 +30,22 @@ def functionalize(module: nn.Module) -> tuple[ApplyFn, dict[str, Tensor], dict[s
     example, whether BatchNorm updates its statistics), so a later ``module.eval()`` does not
     change ``apply_fn``: functionalize again for the other mode. ``apply_fn.module`` is the
     module, for transforms that need its structure.
+
+    ``release=True`` hands the tensors over: the module's own parameters and buffers are
+    moved to the ``meta`` device (same shapes, dtypes and strides, no storage) after they are
+    taken, so the returned trees are the only owners of their memory. Without it the module
+    keeps the initial tensors alive for as long as it lives, and once a train step produces
+    new parameters that is one extra copy of the model (4 bytes per float32 parameter) for
+    the whole run. ``apply_fn`` and every transform are unaffected (they swap the tree's
+    tensors in for each call and read only shapes from the module, as for a model built on
+    the meta device, docs/LAZY_INIT.md). The module itself is then a shell: calling it
+    directly is a RuntimeError naming a released tensor, and its ``state_dict()``,
+    ``parameters()`` and tied-weight reads give meta tensors, so use ``release=True`` only
+    where nothing reads the module's tensors afterwards (save checkpoints from the state, or
+    functionalize without it). The caller must also drop its own references to the initial
+    trees (``params``/``buffers`` once ``init_state`` has taken them) for the memory to go.
+    Parameter *objects* stay the same (only their ``.data`` changes), so transforms that key
+    on them (``shard_params``' rules) see the same module.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"functionalize expects an nn.Module, got {type(module).__name__}")
@@ -36,6 +53,8 @@ def functionalize(module: nn.Module) -> tuple[ApplyFn, dict[str, Tensor], dict[s
     buffers = {k: v.detach() for k, v in module.named_buffers()}
     param_names, buffer_names = set(params), set(buffers)
     training = module.training
+    if release:
+        _release(module)
 
     def apply_fn(params: dict[str, Tensor], buffers: dict[str, Tensor], *args, **kwargs):
         if set(params) != param_names:
@@ -57,6 +76,43 @@ def functionalize(module: nn.Module) -> tuple[ApplyFn, dict[str, Tensor], dict[s
     # Transforms (tensor parallel, remat) look at the module's structure through this.
     apply_fn.module = module
     return apply_fn, params, buffers
+
+
+def _release(module: nn.Module) -> None:
+    """Move ``module``'s own parameters and buffers to the meta device (see functionalize),
+    and make a direct call of the module fail with an error that names one of them."""
+    named = [("parameter", n, t) for n, t in module.named_parameters()]
+    named += [("buffer", n, t) for n, t in module.named_buffers()]
+    for kind, name, t in named:  # each tensor once: tied ones are one object
+        if t.is_meta:
+            continue
+        meta = torch.empty_like(t, device="meta")
+        if isinstance(t, nn.Parameter):
+            meta = nn.Parameter(meta, requires_grad=t.requires_grad)
+        try:
+            # Swaps the contents, not the object: the module, ties between its modules and
+            # any reference to the Parameter now see the meta tensor (and its ``.grad``,
+            # none), while the tree's detached view keeps the storage.
+            torch.utils.swap_tensors(t, meta)
+        except RuntimeError as e:
+            raise ValueError(f"functionalize(release=True) cannot release the {kind} "
+                             f"{name!r}: {e}") from e
+    if not named:
+        return
+    kind, name, _ = named[0]
+    prefix, _, attr = name.rpartition(".")
+    owner = module.get_submodule(prefix)
+
+    def check(m, args):  # unannotated: the type-check hook would wrap it, and dynamo trace that
+        # Inside apply_fn, functional_call has swapped the tree's tensors in: not meta.
+        if getattr(owner, attr).is_meta:
+            raise RuntimeError(
+                f"{type(module).__name__} was functionalized with release=True: its {kind} "
+                f"{name!r} (and every other parameter and buffer) is on the meta device. "
+                "Call apply_fn(params, buffers, *inputs) instead of the module, or "
+                "functionalize(module) without release to keep the module usable")
+
+    module.register_forward_pre_hook(check)
 
 
 def _mismatch(what: str, expected: set[str], got: set[str]) -> None:

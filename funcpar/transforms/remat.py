@@ -59,7 +59,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from funcpar.shard.rules import _matches
 from funcpar.state.train_state import TrainState
@@ -123,9 +127,6 @@ def remat(policy: Policy = "blocks", *, every: int = 1
         module = getattr(step.apply_fn, "module", None)
         if module is None:
             raise TypeError("remat needs a step built on functionalize(module)'s apply_fn")
-        if step.compile:
-            raise ValueError("remat under compile=True is not supported: the module state it "
-                             "records for the recompute is not traced by dynamo")
         chosen = remat_modules(module, policy, every)
         return dataclasses.replace(step, apply_fn=_remat_apply(step.apply_fn, chosen)), state
 
@@ -190,46 +191,83 @@ class _Snapshot:
                 object.__setattr__(m, "__dict__", d)
 
 
-def _checkpointed(name: str, module: nn.Module, inner: Callable) -> Callable:
+def _context_fn(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
+    """The checkpoint's ``context_fn`` for ``module``: made when the transform is applied, not
+    while dynamo traces, which takes a function made outside the trace (not a closure made
+    inside it) as the ``context_fn`` of its checkpoint graph."""
+
+    def contexts() -> tuple[Any, Any]:
+        return _contexts(module)
+
+    return contexts
+
+
+def _checkpointed(name: str, inner: Callable, contexts: Callable) -> Callable:
+    """The forward ``inner`` under a non-reentrant checkpoint whose recompute context
+    reinstalls the module state recorded when the forward ran (see :func:`_contexts`)."""
+
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
-        snapshot = _Snapshot(module)
-        calls = [0]
-
-        def run(*a: Any, **k: Any) -> Any:
-            calls[0] += 1
-            if calls[0] == 1:  # the forward itself, in the live state
-                return inner(*a, **k)
-            with snapshot.installed():  # the backward's recompute
-                return inner(*a, **k)
-
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     forward.remat_of = name
     return forward
 
 
+@torch.compiler.disable
+def _contexts(module: nn.Module) -> tuple[Any, Any]:
+    """The checkpoint's ``(forward, recompute)`` contexts. Called at the forward's start.
+
+    * Eagerly (``compile=False``, or a compiled step whose forward dynamo could not trace as
+      one checkpoint graph and ran eagerly): record the module state now and reinstall it
+      around the recompute, which runs in the backward after the transforms' per-call state
+      is gone.
+    * While AOTAutograd traces dynamo's checkpoint graph (``compile=True``): the recompute is
+      part of the compiled backward, a graph over saved tensors that reads no module state,
+      so there is nothing to record; the contexts are those of a plain checkpoint under
+      compile (selective checkpointing's, every op recomputed), which tag the region's ops
+      for the partitioner to recompute.
+
+    Disabled for dynamo: it is Python bookkeeping, and a traced copy would bake one branch in.
+    """
+    if torch._guards.detect_fake_mode() is not None:
+        return create_selective_checkpoint_contexts(_recompute)
+    return contextlib.nullcontext(), _Snapshot(module).installed()
+
+
+def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _remat_apply(apply_fn: Callable, chosen: list[tuple[str, nn.Module]]) -> Callable:
+    contexts = [_context_fn(m) for _, m in chosen]
+
     def apply(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
         saved, handles = [], []
         try:
-            for name, m in chosen:
+            for (name, m), context_fn in zip(chosen, contexts):
                 own = m.__dict__.get("forward")
                 if getattr(own, "remat_of", None) is not None:
                     raise ValueError(f"remat: {name!r} is checkpointed twice (remat applied "
                                      "twice to it)")
-                wrapper = _checkpointed(name, m, own if own is not None else m.forward)
+                wrapper = _checkpointed(name, own if own is not None else m.forward, context_fn)
                 saved.append((m, own))
                 m.forward = wrapper
-                handles.append(m.register_forward_pre_hook(_guard(name, wrapper)))
+                # Not while dynamo traces: it cannot build a hook's handle (nor set an item of
+                # the hook dict), and would split the compiled forward here. No transform that
+                # replaces forwards (shard_params) runs under compile today (torch 2.13).
+                if not torch.compiler.is_compiling():
+                    handles.append(m.register_forward_pre_hook(_guard(name, wrapper)))
             return apply_fn(params, buffers, *args, **kwargs)
         finally:
             for h in handles:
                 h.remove()
             for m, own in saved:
                 if own is None:
-                    del m.forward
+                    # Not ``del m.forward``: dynamo replays a set-then-delete of an instance
+                    # attribute as a delete of one that does not exist (torch 2.13).
+                    m.__dict__.pop("forward", None)
                 else:
                     m.forward = own
 

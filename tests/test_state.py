@@ -16,6 +16,7 @@ from funcpar.state import (
     tree_unflatten,
 )
 from funcpar.state.tree import leaves_like, tree_structure_check
+from funcpar.train import make_train_step
 
 
 def test_tree_helpers():
@@ -115,3 +116,87 @@ def test_train_state_is_a_tree_of_tensors():
     assert all(torch.is_tensor(x) or x is None for x in leaves)
     assert int(state.step) == 0
     assert torch.equal(state.rng, torch.Generator().manual_seed(3).get_state())
+
+
+# ----------------------------------------------------------------- functionalize(release=True)
+def _module_bytes(module):
+    """Bytes of the (non-meta) storages the module's parameters and buffers reach."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*module.parameters(), *module.buffers()] if not t.is_meta}
+    return sum(storages.values())
+
+
+def _tree_bytes(*trees):
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for tree in trees for t in tree.values()}.values())
+
+
+def test_release_moves_the_module_tensors_to_the_trees():
+    torch.manual_seed(0)
+    net = Net().double()
+    expected = sum(t.numel() * t.element_size() for t in [*net.parameters(), *net.buffers()])
+    assert _module_bytes(net) == expected
+    x = torch.randn(8, 5, dtype=torch.float64)
+    kept_fn, kept_params, kept_buffers = functionalize(net)
+    ref_out, ref_buffers = kept_fn(kept_params, kept_buffers, x)
+
+    apply_fn, params, buffers = functionalize(net, release=True)
+    assert _module_bytes(net) == 0  # the module holds no storage any more
+    assert all(t.is_meta for t in [*net.parameters(), *net.buffers()])
+    assert _tree_bytes(params, buffers) == expected  # the trees hold all of it
+    assert {k: (v.shape, v.dtype) for k, v in params.items()} == {
+        k: (p.shape, p.dtype) for k, p in net.named_parameters()}
+    out, new_buffers = apply_fn(params, buffers, x)
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(new_buffers[k], ref_buffers[k]) for k in ref_buffers)
+    with pytest.raises(RuntimeError, match="release=True: its parameter 'lin.weight'"):
+        net(x)  # torch's own error would be "Tensor on device meta is not on ... cpu"
+
+
+def test_release_trains_bit_for_bit():
+    def run(release):
+        torch.manual_seed(0)
+        net = Net().double()
+        apply_fn, params, buffers = functionalize(net, release=release)
+        opt = fo.adamw(lr=0.01)
+        step = make_train_step(apply_fn, torch.nn.functional.cross_entropy, opt)
+        state = init_state(params, buffers, opt)
+        del params, buffers  # the state holds them now
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            batch = (torch.randn(8, 5, dtype=torch.float64, generator=g),
+                     torch.randint(0, 3, (8,), generator=g))
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return net, losses, state
+
+    kept, losses, state = run(False)
+    released, losses_r, state_r = run(True)
+    assert losses_r == losses
+    for a, b in zip(tree_flatten(state_r)[0], tree_flatten(state)[0]):
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b
+    # Without release the module still holds the initial parameters beside the trained ones.
+    assert _module_bytes(kept) > 0 and _module_bytes(released) == 0
+
+
+def test_release_keeps_tied_weights_tied():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids))
+
+    model = Tied()
+    weight = model.emb.weight
+    apply_fn, params, _ = functionalize(model, release=True)
+    assert list(params) == ["emb.weight"]
+    # The same Parameter object, now meta, still shared by both modules.
+    assert model.emb.weight is weight and model.head.weight is weight and weight.is_meta
+    out, _ = apply_fn(params, {}, torch.tensor([1, 2]))
+    w = params["emb.weight"]
+    torch.testing.assert_close(out, w[[1, 2]] @ w.T, rtol=0, atol=0)

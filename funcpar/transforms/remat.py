@@ -29,10 +29,12 @@ attribute values), ZeRO-3 installs gathered parameters, ``amp_cast`` installs ca
 ``keep_fp32`` hooks. The backward's recompute runs after all of that has been undone, so remat
 records, when a chosen module's forward starts, the state of the module and of every module
 under it (parameter and buffer tensors, forward overrides, hooks, attributes) and reinstalls it
-around the recompute. The parameter tensors are recorded *through the autograd saved-tensor
-hooks in force* (as a saved tensor of a small autograd node), so under ZeRO-3 they are not kept
-whole: ZeRO-3's hooks keep the part and gather it again for the recompute, exactly as for any
-other tensor its backward needs, and peak memory keeps ZeRO-3's one-block bound.
+around the recompute (the checkpoint's ``context_fn``, run at the forward's start, records it
+and returns the reinstalling recompute context). The parameter tensors are recorded *through
+the autograd saved-tensor hooks in force* (as a saved tensor of a small autograd node), so
+under ZeRO-3 they are not kept whole: ZeRO-3's hooks keep the part and gather it again for the
+recompute, exactly as for any other tensor its backward needs, and peak memory keeps ZeRO-3's
+one-block bound.
 
 **Composition.** remat changes only the ``apply_fn``; it composes with
 :func:`~funcpar.transforms.shard_params`, :func:`~funcpar.transforms.data_parallel`,
@@ -45,8 +47,17 @@ the replaced forward; applied after, the other transform's forward would replace
 this is a ValueError naming the module at its first call. Whole blocks - the default - are
 never replaced, so ``remat()`` goes anywhere in the chain. Under tensor or sequence
 parallelism the recompute repeats the forward's activation collectives (every rank recomputes
-the same blocks in the same order). Not with ``compile=True`` (refused): the recorded module
-state is Python that dynamo does not trace.
+the same blocks in the same order).
+
+**Under compile=True.** Dynamo makes each checkpoint call its checkpoint higher-order op: the
+forward is traced into the compiled graph and AOTAutograd's partitioner recomputes the region
+inside the compiled backward, which reads no module state, so nothing is recorded (the
+checkpoint's ``context_fn`` sees AOTAutograd tracing and returns the contexts of a plain
+checkpoint under compile). A chosen module dynamo cannot trace as one checkpoint graph (a graph
+break inside it; a side effect it refuses there, like ``shard_params``' per-call cache) runs as
+an eager checkpoint inside the compiled step, with its state recorded and reinstalled as above,
+so the results stay right. The wrong-order check is not made under compile (it needs a hook
+handle, which dynamo cannot build).
 """
 
 from __future__ import annotations

@@ -415,7 +415,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
                       n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq_len)
     # Every rank builds the same whole model from the seed; shard_params then keeps its slices.
     model = Llama(cfg, seed=args.seed, device=device, dtype=DTYPES[args.dtype])
-    apply_fn, params, buffers = functionalize(model)
+    apply_fn, params, buffers = functionalize(model, release=True)  # the trees own the memory
     optimizer = build_optimizer(args, params)
     state = init_state(params, buffers, optimizer, seed=args.seed)
     step = make_train_step(apply_fn, lm_loss, optimizer, compile=args.compile)

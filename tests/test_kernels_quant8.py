@@ -12,6 +12,8 @@ that on at most 0.1 % of the elements, and one code index apart.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from _kernel_helpers import needs_triton
@@ -321,6 +323,9 @@ def _tp_ranks() -> dict:
     """On each tp2 rank: the run in kernel_mode("triton") and in "reference"."""
     from funcpar.shard.mesh import DeviceMesh as Mesh
 
+    # Ranks start from a fork server that may predate the test's environment: set it here,
+    # before the kernels (and Triton) are first built in this process.
+    os.environ["TRITON_INTERPRET"] = "1"
     mesh = Mesh.from_env(tp=2)
 
     def layouts_of(name):
@@ -362,3 +367,19 @@ def test_sharded_kernels_in_galore_on_tp2(interpret):
             assert err <= 1e-6, (rank, k, err)
         assert torch.equal(ref[0]["e"], one["e"]) and torch.equal(ref[0]["b"], one["b"])
         assert torch.equal(kernel[0]["b"], one["b"])
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["reference", "triton"])
+def test_sharded_state_of_another_layout_is_refused(interpret, mode):
+    """A sharded 8-bit state whose absmax or codes do not fit the layout is a ValueError on
+    both paths (the kernels would index out of bounds), before any request is made."""
+    cm, cv = dynamic_map(signed=True), dynamic_map(signed=False)
+    s = Adam8bitScalars(0.9, 0.999, 1e-8, 0.05, "hf")
+    lay, g, m, v = _shards((7, 10), {"tp": Shard(1)}, {"tp": 2}, {}, 8)[0]
+    short = Quantized(m[0], m[1][:-1])
+    with kernel_mode(mode), pytest.raises(ValueError, match="absmax has 8 blocks"):
+        next(adam8bit_phases(g, short, Quantized(*v), cm, cv, 8, s, layout=lay))
+    wrong = Quantized(v[0][:, :-1], v[1])
+    with kernel_mode(mode), pytest.raises(ValueError, match=r"codes of shape \(7, 4\)"):
+        next(adam8bit_phases(g, Quantized(*m), wrong, cm, cv, 8, s, layout=lay))

@@ -318,6 +318,20 @@ def global_segments(layout: Layout, block_size: int, device: torch.device) -> Se
     return _segments(layout, int(block_size), str(device))
 
 
+def _check_states(g: Tensor, m: Quantized, v: Quantized, n_blocks: int, layout: Layout,
+                  block_size: int) -> None:
+    where = getattr(layout, "name", "") or "a leaf"
+    for name, q in (("m", m), ("v", v)):
+        if tuple(q.codes.shape) != tuple(g.shape):
+            raise ValueError(f"8-bit state {name} of {where}: codes of shape "
+                             f"{tuple(q.codes.shape)} for a gradient shard of {tuple(g.shape)}")
+        if q.absmax.numel() != n_blocks:
+            raise ValueError(
+                f"8-bit state {name} of {where}: absmax has {q.absmax.numel()} blocks but the "
+                f"global shape {tuple(layout.global_shape)} in blocks of {block_size} needs "
+                f"{n_blocks}: quantized for another layout?")
+
+
 def adam8bit_phases(
     g: Tensor, m: Quantized, v: Quantized, code_m: Tensor, code_v: Tensor, block_size: int,
     scalars: Adam8bitScalars, *, layout: Reducible | None = None,
@@ -340,18 +354,15 @@ def adam8bit_phases(
         if not isinstance(layout, Layout):
             _global_blocks(g, layout, block_size)  # raises the TypeError naming the need
         segs = global_segments(layout, block_size, g.device)
+        # The kernels index with these: a mismatch must be an error, not a stray read.
+        _check_states(g, m, v, segs.n_blocks, layout, block_size)
         direction, am_m, am_v = adam8bit_absmax_triton(g, m, v, code_m, code_v, segs, scalars)
         am_m, am_v = yield [MaxPartial(am_m, layout, None, ABSMAX),
                             MaxPartial(am_v, layout, None, ABSMAX)]
         mc, vc = adam8bit_requantize_triton(g, m, v, code_m, code_v, segs, scalars, am_m, am_v)
         return direction, Quantized(mc, am_m), Quantized(vc, am_v)
     block, nb = _global_blocks(g, layout, block_size)
-    for name, q in (("m", m), ("v", v)):
-        if q.absmax.numel() != nb:
-            raise ValueError(
-                f"8-bit state {name} of {getattr(layout, 'name', '') or 'a leaf'}: absmax has "
-                f"{q.absmax.numel()} blocks but the global shape {tuple(layout.global_shape)} "
-                f"in blocks of {block_size} needs {nb}: quantized for another layout?")
+    _check_states(g, m, v, nb, layout, block_size)
     m_f, v_f, direction = adam8bit_math(
         dequantize_global_reference(m.codes, m.absmax, block, code_m, g.dtype),
         dequantize_global_reference(v.codes, v.absmax, block, code_v, g.dtype), g, scalars)

@@ -5,6 +5,9 @@ Every comparison here is exact (``torch.equal``, ``==`` on records): reusing the
 clip the very tensor it would have computed with the same ops in the same order, so nothing
 may differ by even one bit, and the messages must be the unshared step's minus exactly the
 clip's norm all-reduces.
+
+``python tests/test_clip_once.py`` prints the second step's collectives per case, with and
+without sharing (the numbers in docs/DISTRIBUTED_OPTIM.md).
 """
 
 from __future__ import annotations
@@ -181,7 +184,9 @@ def test_compiled_step_reuses_the_norm(norms_computed):
 
 # --------------------------------------------------------------------------- several ranks
 def _case(name):
-    """``(step, state)`` of a 2-rank case (rank function side)."""
+    """``(step, state)`` of a case (rank function side)."""
+    if name == "one process":
+        return build(1, 1, "adamw")
     if name == "tp2":
         return build(2, 1, "adamw")
     if name == "pp2":
@@ -250,3 +255,23 @@ def test_two_ranks_messages_and_bits():
 def test_four_ranks_zero2_messages_and_bits():
     results = run_ranks(_measure, 4, ["tp2xdp2+zero2"], timeout=600)
     _check(results, "tp2xdp2+zero2", reuses=True)
+
+
+def _totals(recs):
+    norm = [r for r in recs if "global_norm" in r.purpose]
+    ar = [r for r in recs if r.op == "all_reduce"]
+    return (f"{len(recs)} / {sum(r.nbytes for r in recs):,} B, all_reduce {len(ar)} / "
+            f"{sum(r.nbytes for r in ar):,} B, global_norm {len(norm)} / "
+            f"{sum(r.nbytes for r in norm):,} B")
+
+
+if __name__ == "__main__":
+    cases = [("one process", 1), ("tp2", 2), ("tp2xdp2+zero2", 4), ("pp2", 2),
+             ("dp2+zero1", 2)]
+    print("collectives of the 2nd step on rank 0 (reference Llama, chain(clip 0.5, adamw), "
+          "float64): unshared -> shared")
+    for name, world in cases:
+        res = _measure([name]) if world == 1 else run_ranks(_measure, world, [name],
+                                                            timeout=600)[0]
+        plain, shared = res[name, False][0][1], res[name, True][0][1]
+        print(f"{name}: {_totals(plain)} -> {_totals(shared)}")

@@ -33,7 +33,9 @@ data-parallel axis and precision - and derives, without running it:
     gathered leaf);
   - norms: the ``grad_norm`` metric and each ``clip_by_global_norm`` sum the squares with one
     all-reduce per mesh axis per distinct set of splitting axes
-    (:func:`~funcpar.shard.reduce.total_sum_of_squares`);
+    (:func:`~funcpar.shard.reduce.total_sum_of_squares`), except the first clip, which takes
+    the metric's norm (``TrainStep.share_grad_norm``; not under ZeRO-1, whose optimizer sees
+    partitioned views of the gradients);
   - fp16: one all-reduce (max) per mesh axis for the agreed inf/nan check.
 
   Not modeled: an optimizer's own reductions beyond clipping (factored statistics of Adafactor
@@ -460,7 +462,13 @@ class Plan:
         _norm(rows, dtypes, glay, self.mesh, "norm: grad_norm metric")
         opt_lay = (step.partition.part_layouts(self.state.params)
                    if step.partition is not None else step.layouts)
-        for _ in range(self.clip_norms):
+        # The first clip (the presets put it first in the chain) sees the step's own gradients
+        # and takes the metric's norm (TrainStep.share_grad_norm), except under ZeRO-1, whose
+        # optimizer sees partitioned views of them.
+        shared = step.share_grad_norm and getattr(step.partition, "stage", None) != 1
+        for k in range(self.clip_norms):
+            if k == 0 and shared:
+                continue
             _norm(rows, dtypes, opt_lay, self.mesh, "norm: clip_by_global_norm")
 
     # ---------------------------------------------------------------------------- text

@@ -13,7 +13,7 @@ from funcpar.optim.base import (
     update_params,
 )
 from funcpar.optim.came import CAMEState, came
-from funcpar.optim.clip import clip_by_global_norm, global_norm
+from funcpar.optim.clip import clip_by_global_norm, global_norm, reuse_global_norm
 from funcpar.optim.galore import (
     GaLoreAdafactorState,
     GaLoreAdamWState,
@@ -69,6 +69,7 @@ __all__ = [
     "linear",
     "linear_warmup",
     "matrices_only",
+    "reuse_global_norm",
     "set_hyperparams",
     "sgd",
     "state_bytes",

@@ -609,8 +609,9 @@ def gemini(
 
     Gemini's chunk manager moves parameters and optimizer state between device and host by
     measured memory use; here the placement is static: the whole optimizer state offloaded,
-    parameters partitioned on the device (offloading fp32 master parameters is not done, see
-    docs/OFFLOAD.md).
+    parameters partitioned on the device (the fp32 master parameters stay on the device here;
+    a manual composition can offload them too, ``offload(what=("opt_state",
+    "master_params"))`` after amp_cast, see docs/OFFLOAD.md).
     """
     if zero_stage != 3:
         raise ValueError(f"gemini is ZeRO-3 by construction (GeminiPlugin partitions "

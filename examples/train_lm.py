@@ -249,8 +249,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--sequence-parallel splits activations over tp: it needs --tp > 1")
     if args.remat < 0:
         p.error(f"--remat must be >= 0, got {args.remat}")
-    if args.remat and args.compile:
-        p.error("--remat does not work with --compile yet (remat refuses compile=True)")
     if args.plan and args.preset is None:
         p.error("--plan prints a preset's plan: it needs --preset")
     if args.preset is not None and args.remat:
@@ -319,10 +317,6 @@ def build_mesh(args: argparse.Namespace) -> DeviceMesh:
     if args.batch_size % mesh.size("dp"):
         raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by the "
                          f"data-parallel size {mesh.size('dp')}")
-    if mesh.size("tp") > 1 and args.compile:
-        # shard_params swaps the modules' forwards for one call, which torch.compile's traced
-        # call does not survive (torch 2.13: "'Embedding' object has no attribute 'forward'").
-        raise SystemExit("error: --compile does not work with --tp > 1 yet; it does with --dp")
     return mesh
 
 
@@ -418,6 +412,8 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     apply_fn, params, buffers = functionalize(model, release=True)  # the trees own the memory
     optimizer = build_optimizer(args, params)
     state = init_state(params, buffers, optimizer, seed=args.seed)
+    n_params = sum(p.numel() for p in params.values())
+    del params, buffers  # the state holds them; the transforms below replace them (shards)
     step = make_train_step(apply_fn, lm_loss, optimizer, compile=args.compile)
     if args.preset is not None:
         step, state = build_preset(args, mesh)(step, state)
@@ -436,7 +432,6 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         data_pos = int(read_index(found, verify_files=False)["extra_meta"].get("data_pos",
                                                                                 start_step))
         say(f"resumed from {found} at step {start_step}", flush=True)
-    n_params = sum(p.numel() for p in params.values())
     pp = (f"pp {args.pp} ({args.schedule}, {args.microbatches} micro-batches) x "
           if args.pp > 1 else "")
     where = f"{device}" if mesh.world_size == 1 else (

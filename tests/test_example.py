@@ -304,7 +304,6 @@ def test_remat_and_preset_flags_give_the_plain_run(tmp_path, data_cache, capsys)
 
 def test_remat_and_preset_flag_errors(capsys):
     for argv, message in (
-        (["--remat", "1", "--compile"], "--remat does not work with --compile yet"),
         (["--plan"], "--plan prints a preset's plan: it needs --preset"),
         (["--preset", "ddp", "--zero", "2"], "--preset ddp has no ZeRO"),
         (["--preset", "zero", "--zero", "3"], "--preset zero is LowLevelZeroPlugin"),

@@ -191,7 +191,9 @@ def _swapped(plan: ShardingPlan, forwards: dict[nn.Module, Callable]) -> Iterato
     finally:
         for m, fwd in saved:
             if fwd is None:
-                del m.forward
+                # Not `del m.forward`: dynamo (torch 2.13) replays set-then-del of an attribute
+                # as a del of a missing one, which broke compile=True under shard_params.
+                m.__dict__.pop("forward", None)
             else:
                 m.forward = fwd
         for m, attr, value in whole:

@@ -8,10 +8,11 @@ device, the dtypes and the tile shape), not once per leaf, in the manner of
 
 * a leaf is viewed as ``(B, n, m)``: a factored leaf as its leading dims times its last two, an
   unfactored one *flat*, as ``ceil(numel / BC)`` rows of ``BC`` (the tail masked by ``numel``);
-* the leaves of a group are cut into ``BR x BC`` tiles (``BR * BC = 4096`` elements, ``BC`` one
-  of :data:`BC_CLASSES` chosen from ``m``: the tile shape is a compile-time constant, so it is
-  part of the group key); a *tile table* (int32 ``(leaf, b * row blocks + row block, column
-  block)`` per program, cached on the device per shapes) tells program ``i`` what to do;
+* the leaves of a group are cut into ``BR x BC`` tiles (at most 4096 elements, fewer rows for
+  a group of short leaves; ``BC`` one of :data:`BC_CLASSES` chosen from ``m``: the tile shape is
+  a compile-time constant, so the width is part of the group key); a *tile table* (int32
+  ``(leaf, b * row blocks + row block, column block)`` per program, cached on the device per
+  shapes) tells program ``i`` what to do;
 * a *leaf table* (int64, one row per leaf, rebuilt per call: the tensors are new every step)
   holds the leaf's geometry, its flags and the raw addresses of its tensors; the kernel casts
   an address back to a typed pointer, so leaves of any sizes share a launch without a copy;
@@ -297,6 +298,7 @@ class _Plan(NamedTuple):
     """What a launch over leaves of these views needs that depends on their shapes only."""
 
     tiles: Tensor  # int32 [programs, 3]: (leaf, b * n_rb + row block, column block)
+    br: int  # rows per tile (the kernel's BR)
     n_rb: tuple[int, ...]
     n_cb: tuple[int, ...]
     first: tuple[int, ...]  # first program of each leaf (+ the total)
@@ -322,7 +324,9 @@ def _seg_tables(groups: list[tuple[int, int, int, int]], device: str) -> tuple[T
 
 @functools.lru_cache(maxsize=128)
 def _plan(views: tuple[_View, ...], bc: int, device: str) -> _Plan:
-    br = _TILE // bc
+    # Rows per tile: as many as fit 4096 elements, but no more than the group's tallest leaf
+    # needs (a group of small leaves takes small tiles: no launch of mostly masked lanes).
+    br = min(_TILE // bc, 1 << max(0, (max(v.n for v in views) - 1).bit_length()))
     n_rb = tuple(-(-v.n // br) for v in views)
     n_cb = tuple(-(-v.m // bc) for v in views)
     counts = torch.tensor([v.b * r * c for v, r, c in zip(views, n_rb, n_cb)], dtype=torch.int64)
@@ -347,7 +351,7 @@ def _plan(views: tuple[_View, ...], bc: int, device: str) -> _Plan:
         rc_groups += [(v.b * v.n, c, row_part[-1], row_out[-1]),
                       (v.b * v.m, r, col_part[-1], col_out[-1])]
         norm_groups.append((1, int(counts[j]), int(first[j]), j))
-    return _Plan(tiles.contiguous().to(device), n_rb, n_cb, tuple(int(x) for x in first),
+    return _Plan(tiles.contiguous().to(device), br, n_rb, n_cb, tuple(int(x) for x in first),
                  tuple(row_part), tuple(col_part), tuple(row_out), tuple(col_out), pos, out,
                  _seg_tables(rc_groups, device), _seg_tables(norm_groups, device))
 
@@ -458,7 +462,7 @@ def _row_col_launch(kernel: Any, g_list: list[Tensor], extra_ptrs: list[list[int
             for j, (v, g, ptrs) in enumerate(zip(views, g_list, extra_ptrs))]
     scal = _scalar_table(scal_rows, device)
     _launch_main(kernel, plan, rows, scal, device, part, G=_launch.tl_dtype(g_list[0].dtype),
-                 BR=_TILE // views[0].bc, BC=views[0].bc)
+                 BR=plan.br, BC=views[0].bc)
     sums = _segsum(plan.rc_segs, part, plan.rc_out_size, device)
     out = []
     for j, (v, g) in enumerate(zip(views, g_list)):
@@ -518,7 +522,7 @@ def _norm_many(gs: list[Tensor], factored: bool, per_leaf: list[tuple[list[int],
             for j, (v, g, (ptrs, _s)) in enumerate(zip(views, gs, per_leaf))]
     scal = _scalar_table([s for _p, s in per_leaf], device)
     _launch_main(_norm_kernel, plan, rows, scal, device, part, G=_launch.tl_dtype(gs[0].dtype),
-                 BR=_TILE // views[0].bc, BC=views[0].bc)
+                 BR=plan.br, BC=views[0].bc)
     norms = _segsum(plan.norm_segs, part, len(gs), device).sqrt()
     return [norms[j] for j in range(len(gs))]
 
@@ -615,7 +619,7 @@ def precond_apply_many(calls: Sequence[tuple[Tensor, Tensor | None, Any, dict[st
                 for j, (v, (flags, ptrs)) in enumerate(zip(views, rows_ptrs))]
         T = _launch.tl_dtype
         _launch_main(_apply_kernel, plan, rows, _scalar_table(scal, device), device,
-                     X=T(x_dt), P=T(p_dt or x_dt), OUT_DT=T(out_dt), OUT=mode, BR=_TILE // bc,
+                     X=T(x_dt), P=T(p_dt or x_dt), OUT_DT=T(out_dt), OUT=mode, BR=plan.br,
                      BC=bc)
         del keep  # (alive until the launch: the table holds raw addresses)
         for i, r in zip(idx, outs):

@@ -54,7 +54,13 @@ BC_CLASSES = (16, 64, 256)
 _FLAT_BC = 256
 # Segment sums: SB segments per program, LB partials of each per step.
 _SB, _LB = 32, 32
-_NUM_WARPS = 4
+# 16 warps: 8 elements of a 4096-element tile per thread. Compiled for sm_90
+# (benchmarks/compile_kernels.py) at 4 warps (32 per thread) the passes took 197-255
+# registers and the bf16 update pass spilled 40-96 B per thread to local memory; at 16 the
+# most is 104 registers and nothing spills. Occupancy at 104 registers: one 16-warp program per
+# SM (untimed: no GPU yet; fewer elements per tile would raise it at the cost of more row and
+# column partials).
+_NUM_WARPS = 16
 
 # Leaf-table columns shared by every kernel (then each kernel's pointers from column _PTR).
 _N, _M, _NUMEL, _NRB, _NCB, _FLAGS, _OFF_A, _OFF_B, _PTR = range(9)

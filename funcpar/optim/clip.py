@@ -102,10 +102,8 @@ def _key(tree: Tree, pairs: list[tuple[Tensor, Any]]) -> _Known | None:
 
 
 def _active_split() -> Any:
-    # The split reduce.total_sum_of_squares will sum over (None outside tree_split_over): a
-    # norm is reusable only under the same one. Read from reduce's context variable, which
-    # has no public accessor.
-    return _reduce._TREE_SPLIT.get()
+    # A norm is reusable only under the same tree split (None outside tree_split_over).
+    return _reduce.active_tree_split()
 
 
 def _same(a: _Known, b: _Known) -> bool:

@@ -38,6 +38,7 @@ __all__ = [
     "Partial",
     "Pass",
     "Reducible",
+    "active_tree_split",
     "global_shape",
     "local_sum_of_squares",
     "norm",
@@ -247,6 +248,13 @@ def tree_split_over(
         yield
     finally:
         _TREE_SPLIT.reset(token)
+
+
+def active_tree_split() -> Any:
+    """The :func:`tree_split_over` in force (mesh, axes, leaves held elsewhere), or ``None``:
+    what :func:`total_sum_of_squares` will sum over besides the leaves' own layouts. A norm
+    computed under one split stands for the same tree only under the same split."""
+    return _TREE_SPLIT.get()
 
 
 def _split_total(split: _TreeSplit, total: Tensor, missing: int, purpose: str) -> Tensor:

@@ -138,7 +138,7 @@ def _build():
         if WRITE_PARAMS:
             p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
         else:
-            p = tl.zeros_like(u)
+            p = tl.full(u.shape, 0.0, tl.float32)  # not tl.zeros_like: see _launch.combine_fn
             if dflag != 0:
                 p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
         u = tl.where(dflag != 0, u - lr_wd * p, u)

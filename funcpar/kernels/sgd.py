@@ -92,7 +92,7 @@ def _build():
         if WRITE_PARAMS:
             p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
         else:  # p is read only where the decay needs it
-            p = tl.zeros_like(g)
+            p = tl.full(g.shape, 0.0, tl.float32)  # not tl.zeros_like: see _launch.combine_fn
             if dflag != 0:
                 p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
         d = tl.where(dflag != 0, d + wd * p, d)

@@ -91,17 +91,20 @@ def test_functionalize_errors():
         functionalize(lambda x: x)
 
 
+class Tied(nn.Module):
+    """An embedding and a head sharing one weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
 def test_tied_weights_appear_once():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(10, 4)
-            self.head = nn.Linear(4, 10, bias=False)
-            self.head.weight = self.emb.weight
-
-        def forward(self, ids):
-            return self.head(self.emb(ids))
-
     apply_fn, params, _ = functionalize(Tied())
     assert list(params) == ["emb.weight"]
     new_w = torch.randn(10, 4)
@@ -181,16 +184,6 @@ def test_release_trains_bit_for_bit():
 
 
 def test_release_keeps_tied_weights_tied():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(10, 4)
-            self.head = nn.Linear(4, 10, bias=False)
-            self.head.weight = self.emb.weight
-
-        def forward(self, ids):
-            return self.head(self.emb(ids))
-
     model = Tied()
     weight = model.emb.weight
     apply_fn, params, _ = functionalize(model, release=True)

@@ -15,7 +15,8 @@ launch), masked as before. The two compiled bodies compute the same values.
 
 ``leaf_load(row, col, offs, mask, TY, FULL)`` reads the tensor whose address is in column
 ``col`` of the leaf's table row as ``TY``; ``leaf_store`` writes one; ``full_tile`` says which
-body a program runs.
+body a program runs; ``param_load`` and ``update_store`` are the parameter read and the
+update (or new parameter) write that the AdamW, SGD and Lamb steps share.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ __all__ = ["access"]
 
 
 def _build() -> Any:
-    global tl
+    # Module globals: under the interpreter a jit function finds those it calls there.
+    global tl, leaf_load, leaf_store
     import triton
     import triton.language as tl
 
@@ -57,9 +59,37 @@ def _build() -> Any:
         else:
             tl.store(ptr + offs, value.to(TY), mask=mask)
 
-    return full_tile, leaf_load, leaf_store
+    @triton.jit
+    @no_type_check
+    def param_load(row, col, offs, mask, dflag, like, P: tl.constexpr,
+                   WRITE_PARAMS: tl.constexpr, FULL: tl.constexpr):
+        # The parameter in float32, read only where it is needed: to write p + u, or for a
+        # leaf with weight decay (dflag 1); zeros otherwise. Not tl.zeros_like: a standard
+        # library function, see _launch.combine_fn.
+        if WRITE_PARAMS:
+            p = leaf_load(row, col, offs, mask, P, FULL).to(tl.float32)
+        else:
+            p = tl.full(like.shape, 0.0, tl.float32)
+            if dflag != 0:
+                p = leaf_load(row, col, offs, mask, P, FULL).to(tl.float32)
+        return p
+
+    @triton.jit
+    @no_type_check
+    def update_store(row, col, offs, p, u, mask, P: tl.constexpr, U: tl.constexpr,
+                     WRITE_PARAMS: tl.constexpr, FULL: tl.constexpr):
+        # The update u (as U), or the new parameter p + u.to(U).to(P), as apply_updates
+        # computes it from the updates (GradientTransformation.apply).
+        if WRITE_PARAMS:
+            u = u.to(U).to(P).to(tl.float32)
+            leaf_store(row, col, offs, p + u, mask, P, FULL)
+        else:
+            leaf_store(row, col, offs, u, mask, U, FULL)
+
+    return full_tile, leaf_load, leaf_store, param_load, update_store
 
 
-#: ``access()``: ``(full_tile, leaf_load, leaf_store)`` in the current mode, bound by a kernel
+#: ``access()``: ``(full_tile, leaf_load, leaf_store, param_load, update_store)`` in the
+#: current mode, bound by a kernel
 #: module to globals of those names before it defines its kernels (as ``_launch.leaf_tile``).
 access = _launch.lazy_kernels(_build)

@@ -87,12 +87,13 @@ def adamw_reference(
 
 
 def _build():
-    global tl, triton, tile_of, full_tile, leaf_load, leaf_store, adamw_tile
+    global tl, triton, tile_of, full_tile, leaf_load, leaf_store, param_load, update_store
+    global adamw_tile
     import triton
     import triton.language as tl
 
     tile_of = _launch.leaf_tile()
-    full_tile, leaf_load, leaf_store = _access.access()
+    full_tile, leaf_load, leaf_store, param_load, update_store = _access.access()
 
     @triton.jit
     @no_type_check
@@ -134,20 +135,9 @@ def _build():
             leaf_store(row, 10, offs, v, mask, VMO, FULL)
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         u = -step_size * tl.div_rn(m, denom)
-        # p is read only where it is needed: for the decay, or to write p + u.
-        if WRITE_PARAMS:
-            p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
-        else:
-            p = tl.full(u.shape, 0.0, tl.float32)  # not tl.zeros_like: see _launch.combine_fn
-            if dflag != 0:
-                p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
+        p = param_load(row, 2, offs, mask, dflag, u, P, WRITE_PARAMS, FULL)
         u = tl.where(dflag != 0, u - lr_wd * p, u)
-        if WRITE_PARAMS:
-            # p + u.to(p.dtype), as apply_updates computes it from the updates.
-            u = u.to(U).to(P).to(tl.float32)
-            leaf_store(row, 7, offs, p + u, mask, P, FULL)
-        else:
-            leaf_store(row, 7, offs, u, mask, U, FULL)
+        update_store(row, 7, offs, p, u, mask, P, U, WRITE_PARAMS, FULL)
 
     @triton.jit
     @no_type_check

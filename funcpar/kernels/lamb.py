@@ -120,14 +120,14 @@ def lamb_update_reference(
 
 def _build():
     global tl, triton, lamb_direction_jit, add_combine, tile_of, full_tile, leaf_load
-    global leaf_store, lamb_moments_tile, lamb_update_tile
+    global leaf_store, update_store, lamb_moments_tile, lamb_update_tile
     import triton
     import triton.language as tl
 
     # Not tl.sum: see _launch.combine_fn.
     add_combine = _launch.combine_fn()
     tile_of = _launch.leaf_tile()
-    full_tile, leaf_load, leaf_store = _access.access()
+    full_tile, leaf_load, leaf_store, _param_load, update_store = _access.access()
 
     @triton.jit
     @no_type_check
@@ -207,12 +207,7 @@ def _build():
         m = leaf_load(row, 3, offs, mask, M, FULL).to(tl.float32)
         v = leaf_load(row, 4, offs, mask, V, FULL).to(tl.float32)
         a, w = lamb_direction_jit(p, m, v, dflag, scal, MOMENTS, IN_UPDATE)
-        u = (w - p) - c * a
-        if WRITE_PARAMS:
-            u = u.to(U).to(P).to(tl.float32)
-            leaf_store(row, 5, offs, p + u, mask, P, FULL)
-        else:
-            leaf_store(row, 5, offs, u, mask, U, FULL)
+        update_store(row, 5, offs, p, (w - p) - c * a, mask, P, U, WRITE_PARAMS, FULL)
 
     @triton.jit
     @no_type_check

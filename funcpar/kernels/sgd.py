@@ -70,12 +70,13 @@ def sgd_reference(
 
 
 def _build():
-    global tl, triton, tile_of, full_tile, leaf_load, leaf_store, sgd_tile
+    global tl, triton, tile_of, full_tile, leaf_load, leaf_store, param_load, update_store
+    global sgd_tile
     import triton
     import triton.language as tl
 
     tile_of = _launch.leaf_tile()
-    full_tile, leaf_load, leaf_store = _access.access()
+    full_tile, leaf_load, leaf_store, param_load, update_store = _access.access()
 
     @triton.jit
     @no_type_check
@@ -89,12 +90,7 @@ def _build():
         wd = tl.load(scal + 1)
         g = leaf_load(row, 3, offs, mask, G, FULL).to(tl.float32)
         d = -g if MAXIMIZE else g
-        if WRITE_PARAMS:
-            p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
-        else:  # p is read only where the decay needs it
-            p = tl.full(g.shape, 0.0, tl.float32)  # not tl.zeros_like: see _launch.combine_fn
-            if dflag != 0:
-                p = leaf_load(row, 2, offs, mask, P, FULL).to(tl.float32)
+        p = param_load(row, 2, offs, mask, dflag, g, P, WRITE_PARAMS, FULL)
         d = tl.where(dflag != 0, d + wd * p, d)
         if MOMENTUM:
             mu = tl.load(scal + 2)
@@ -108,12 +104,7 @@ def _build():
                 d = d + mu * b
             else:
                 d = b
-        u = -lr * d
-        if WRITE_PARAMS:
-            u = u.to(U).to(P).to(tl.float32)
-            leaf_store(row, 5, offs, p + u, mask, P, FULL)
-        else:
-            leaf_store(row, 5, offs, u, mask, U, FULL)
+        update_store(row, 5, offs, p, -lr * d, mask, P, U, WRITE_PARAMS, FULL)
 
     @triton.jit
     @no_type_check

@@ -24,7 +24,12 @@ def _gone(pid: int) -> bool:
 
 
 def _typechecked() -> bool:
-    return any(type(f).__module__.startswith("jaxtyping") for f in sys.meta_path)
+    """The jaxtyping hook is installed, and funcpar's modules (preloaded by the forkserver in a
+    rank) are instrumented by it: a checked function is a wrapper."""
+    hooked = any(type(f).__module__.startswith("jaxtyping") for f in sys.meta_path)
+    from funcpar.optim.projector import fit_projector
+
+    return hooked and hasattr(fit_projector, "__wrapped__")
 
 
 def _report(scale, *, offset):

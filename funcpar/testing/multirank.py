@@ -18,7 +18,7 @@ It never hangs and never leaves a rank behind:
 * every rank is killed and reaped on the way out, whatever happened; a rank whose parent dies
   kills itself within a second.
 
-Ranks are forked from a forkserver that has imported torch once (spawn where there is no
+Ranks are forked from a forkserver that has imported torch and funcpar once (spawn where there is no
 forkserver), so a run costs a fraction of a second after the first. When this process checks
 types with jaxtyping's import hook (pytest with ``--jaxtyping-packages``) the ranks install it
 for the same packages (with funcpar's checker), so code run on the ranks is checked too.
@@ -27,6 +27,7 @@ for the same packages (with funcpar's checker), so code run on the ranks is chec
 from __future__ import annotations
 
 import io
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -42,6 +43,9 @@ from typing import Any
 __all__ = ["RankError", "RanksTimeout", "free_port", "run_ranks"]
 
 _PRELOAD = ["torch", "torch.distributed"]
+_RANK_PRELOAD = "funcpar.testing.rank_preload"
+#: Read by :mod:`funcpar.testing.rank_preload` (named here: importing it runs the preload).
+rank_preload_env = "FUNCPAR_RANK_PRELOAD"
 _CHECKER = "funcpar.typecheck.checker"
 
 
@@ -74,12 +78,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context() -> Any:
+def _context(hooks: list[tuple[list[str], str]]) -> Any:
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
         # Only takes effect if the forkserver is not running yet; then every rank starts with
-        # torch already imported.
-        ctx.set_forkserver_preload(_PRELOAD)
+        # torch and funcpar already imported, funcpar checked by this process's hooks (read by
+        # the preload module from the environment the forkserver inherits).
+        os.environ[rank_preload_env] = json.dumps(hooks)
+        ctx.set_forkserver_preload([*_PRELOAD, _RANK_PRELOAD])
         return ctx
     return multiprocessing.get_context("spawn")
 
@@ -210,9 +216,9 @@ def run_ranks(
             f"importable module): {err}"
         ) from err
 
-    ctx = _context()
-    port = free_port()
     hooks = _typecheck_hooks()
+    ctx = _context(hooks)
+    port = free_port()
     procs, conns = [], []
     try:
         for rank in range(world_size):

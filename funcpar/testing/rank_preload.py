@@ -1,0 +1,44 @@
+"""Imported once by :func:`funcpar.testing.run_ranks`'s forkserver, so that ranks start warm.
+
+Every rank is forked from the forkserver; whatever the forkserver has imported, a rank has
+without paying for it. Importing funcpar instrumented by jaxtyping's import hook (what pytest's
+``--jaxtyping-packages`` asks for) costs ~6 s of CPU per process on this project's CI machine,
+against ~1.5 s plain: paid once here instead of once per rank, it was most of a multi-rank
+test's time.
+
+The hooks to install come from ``$FUNCPAR_RANK_PRELOAD`` (JSON ``[[modules, checker], ...]``,
+set by ``run_ranks`` from the hooks of the process that starts the forkserver), so the
+preloaded modules are checked exactly as a cold rank's would be. Without the variable this
+module imports funcpar unchecked. A failure here is harmless: the forkserver ignores a preload
+that raises ImportError, and a rank imports whatever is missing itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+ENV = "FUNCPAR_RANK_PRELOAD"
+
+#: funcpar's packages a rank imports (their ``__init__`` imports their modules). Optional
+#: dependencies (datasets, transformers) stay lazy: only the tests that need them pay for them.
+PACKAGES = (
+    "funcpar.state", "funcpar.shard", "funcpar.kernels", "funcpar.optim", "funcpar.offload",
+    "funcpar.train", "funcpar.init", "funcpar.models", "funcpar.pipeline",
+    "funcpar.transforms", "funcpar.presets",
+)
+
+
+def _preload() -> None:
+    hooks = json.loads(os.environ.get(ENV) or "[]")
+    if hooks:
+        from jaxtyping import install_import_hook
+
+        for modules, checker in hooks:
+            install_import_hook(modules, checker)
+    for name in PACKAGES:
+        importlib.import_module(name)
+
+
+_preload()

@@ -10,8 +10,11 @@ float32: <= 1e-5 against the float32 single-process run (AdamW there with eps 1e
 funcpar/testing/reference.py), measured <= 7.2e-6; the 8-bit variant within its quantization
 error (below).
 
-By default one representative layout per world size runs for every optimizer (one spawn each),
-and the float32 case on tp2xdp2+zero3; ``-m slow`` runs the whole float64 matrix.
+By default one representative layout per world size runs (one spawn each), with every optimizer
+family on each (SGD, AdamW, Adafactor, CAME, Lamb, GaLore) and every optimizer variant on one of
+them, plus the float32 case on tp2xdp2+zero3 for AdamW (small eps), Adafactor, CAME and 8-bit
+GaLore (the tolerances that float32 itself sets); ``-m slow`` runs
+the rest of the float64 and float32 matrices (every optimizer on every layout).
 """
 
 import dataclasses
@@ -41,19 +44,32 @@ TOLERANCE = {torch.float64: {"galore_adamw8bit": 1e-9},
              torch.float32: {"galore_adamw8bit": 1e-2}}
 DEFAULT_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 MATRIX_LAYOUTS = [lay for lay in LAYOUTS if lay != "dp2"]  # dp2 alone: test_tensor_parallel
-DEFAULT = {2: ["dp2+zero3"], 4: ["tp2xdp2+zero2"]}
+# The default subset: (dtype, layout) -> optimizers. Every family on each representative
+# layout, every float64 variant on one of them; the slow tests run every other pair.
+DEFAULT = {
+    (torch.float64, "dp2+zero3"): ["sgd", "adamw", "adafactor_momentum", "adafactor_torch",
+                                   "came", "lamb", "galore_adamw"],
+    (torch.float64, "tp2xdp2+zero2"): ["sgd", "adamw", "adafactor", "adafactor_relative",
+                                       "came", "lamb", "galore_adamw8bit", "galore_adafactor"],
+    (torch.float32, "tp2xdp2+zero3"): ["adamw_small_lr", "adafactor_torch", "came",
+                                       "galore_adamw8bit"],
+}
+assert set(MATRIX_OPTIMIZERS) == {o for (dt, _), os in DEFAULT.items() if dt == torch.float64
+                                  for o in os}
 
 
-def _run(layouts, optimizers, dtype):
+def _run(pairs, dtype):
     return {(lay, o): train(*LAYOUTS[lay][1:3], o, dtype, zero=LAYOUTS[lay][3])
-            for lay in layouts for o in optimizers}
+            for lay, o in pairs}
 
 
-def _check(world, layouts, dtype=torch.float64):
-    optimizers = MATRIX_OPTIMIZERS if dtype == torch.float64 else FLOAT32_OPTIMIZERS
+def _check(world, pairs, dtype=torch.float64):
+    """Each ``(layout, optimizer)`` of ``pairs`` on ``world`` ranks (one spawn) against one
+    process."""
+    optimizers = sorted({o for _, o in pairs})
     refs = {o: train(1, 1, o, dtype) for o in optimizers}
-    for rank, res in enumerate(run_ranks(_run, world, layouts, optimizers, dtype, backend=None,
-                                         timeout=600)):
+    for rank, res in enumerate(run_ranks(_run, world, pairs, dtype, backend=None, timeout=900)):
+        assert sorted(res) == sorted(pairs)
         for (lay, o), (losses, params) in res.items():
             tol = TOLERANCE[dtype].get(o, DEFAULT_TOLERANCE[dtype])
             assert loss_rel(losses, refs[o][0]) <= tol, (rank, lay, o)
@@ -62,20 +78,33 @@ def _check(world, layouts, dtype=torch.float64):
         assert refs[o][0][-1] < refs[o][0][0], o
 
 
+def _default_pairs(dtype, world):
+    return [(lay, o) for (dt, lay), os in DEFAULT.items()
+            if dt == dtype and LAYOUTS[lay][0] == world for o in os]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_optimizers_exact_on_representative_layouts(world):
-    _check(world, DEFAULT[world])
+    _check(world, _default_pairs(torch.float64, world))
 
 
 def test_optimizers_exact_in_float32_on_tp2xdp2_zero3():
-    _check(4, ["tp2xdp2+zero3"], torch.float32)
+    _check(4, _default_pairs(torch.float32, 4), torch.float32)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-def test_optimizers_exact_on_every_layout(world):
-    _check(world, [lay for lay in MATRIX_LAYOUTS
-                   if LAYOUTS[lay][0] == world and lay not in DEFAULT[world]])
+@pytest.mark.parametrize(("world", "dtype"), [(2, torch.float64), (4, torch.float64),
+                                             (4, torch.float32)], ids=["2", "4", "4-float32"])
+def test_optimizers_exact_on_every_layout(world, dtype):
+    """The matrix's pairs that the default tests leave out (float32: on tp2xdp2+zero3)."""
+    if dtype == torch.float64:
+        layouts, optimizers = MATRIX_LAYOUTS, MATRIX_OPTIMIZERS
+    else:
+        layouts, optimizers = ["tp2xdp2+zero3"], FLOAT32_OPTIMIZERS
+    done = set(_default_pairs(dtype, world))
+    pairs = [(lay, o) for lay in layouts if LAYOUTS[lay][0] == world for o in optimizers
+             if (lay, o) not in done]
+    _check(world, pairs, dtype)
 
 
 def _nbytes(tree):

@@ -429,22 +429,30 @@ def _run(opt, params, grads, mode, fused):
 E2E_TOL = {"params": 1e-6, "state": 1e-5}
 
 
+# ~2 s each in the interpreter. By default the configurations with every option on (momentum,
+# weight decay, a clip) and the fused applies; -m slow adds the plainer ones.
+_E2E_CASES = [
+    *[pytest.param(f"adafactor {i}", lambda c=c: adafactor(**c), False, id=f"adafactor {i}",
+                   marks=() if c.get("beta1") else pytest.mark.slow)
+      for i, c in enumerate(ADAFACTOR_CONFIGS)],
+    *[pytest.param(f"came {i}", lambda c=c: came(**c), False, id=f"came {i}",
+                   marks=() if c.get("clip_threshold") else pytest.mark.slow)
+      for i, c in enumerate(CAME_CONFIGS)],
+    *[pytest.param(f"{name} fused apply", INNER[name], True, id=f"{name} fused apply")
+      for name in sorted(INNER)],
+]
+
+
 @interp
-def test_interp_optimizers_triton_vs_reference():
+@pytest.mark.parametrize(("name", "make", "fused"), _E2E_CASES)
+def test_interp_optimizers_triton_vs_reference(name, make, fused):
     _poison()
     shapes = dict(SHAPES, wide=(9, 70))
     params, grads = _data(shapes, torch.float32, steps=3)
-    opts = [adafactor(**c) for c in ADAFACTOR_CONFIGS] + [came(**c) for c in CAME_CONFIGS]
-    for i, opt in enumerate(opts):
-        p_ref, s_ref = _run(opt, params, grads, "reference", False)
-        p_tri, s_tri = _run(opt, params, grads, "triton", False)
-        assert _tree_rel(p_tri, p_ref) <= E2E_TOL["params"], (i, _tree_rel(p_tri, p_ref))
-        assert _tree_rel(s_tri, s_ref) <= E2E_TOL["state"], (i, _tree_rel(s_tri, s_ref))
-    for name in sorted(INNER):  # the fused apply
-        p_ref, s_ref = _run(INNER[name](), params, grads, "reference", True)
-        p_tri, s_tri = _run(INNER[name](), params, grads, "triton", True)
-        assert _tree_rel(p_tri, p_ref) <= E2E_TOL["params"], name
-        assert _tree_rel(s_tri, s_ref) <= E2E_TOL["state"], name
+    p_ref, s_ref = _run(make(), params, grads, "reference", fused)
+    p_tri, s_tri = _run(make(), params, grads, "triton", fused)
+    assert _tree_rel(p_tri, p_ref) <= E2E_TOL["params"], (name, _tree_rel(p_tri, p_ref))
+    assert _tree_rel(s_tri, s_ref) <= E2E_TOL["state"], (name, _tree_rel(s_tri, s_ref))
 
 
 @interp
@@ -618,7 +626,8 @@ def _tree(k: int) -> dict[str, tuple[int, ...]]:
 
 
 @interp
-@pytest.mark.parametrize("name", ["adafactor", "adafactor beta1", "came"])
+@pytest.mark.parametrize("name", ["adafactor", pytest.param("adafactor beta1",
+                                                            marks=pytest.mark.slow), "came"])
 def test_interp_launches_per_step_do_not_grow_with_leaves(name, monkeypatch):
     """One optimizer step launches each pass once per launch group, not once per leaf: the
     launches of a step over 1 leaf of each kind and over 4 of each (5 vs 20 leaves) are the

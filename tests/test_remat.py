@@ -21,6 +21,7 @@
   bytes the compiled forward saves for its backward fall; a block that dynamo cannot trace
   as one checkpoint graph runs as an eager checkpoint inside the compiled step and is still
   exact (its recompute reinstalls the call's state: checked against a released module).
+  ``-m slow``: the same compiled comparison on tp2 (remat after shard_params, float64).
 """
 
 from __future__ import annotations
@@ -406,11 +407,12 @@ print(json.dumps([(loss_rel(r["remat"][0], r["plain"][0]), max_rel(r["remat"][1]
 """
 
 
+@pytest.mark.slow
 def test_compiled_remat_under_tp2():
     """tp2 (2 gloo ranks, in a subprocess as above), compiled, remat after shard_params
-    against the same without remat, 3 AdamW steps in float64: rel <= 1e-10. Also the test
-    that compile=True works under shard_params at all (it failed before shard_params stopped
-    deleting the swapped forwards with ``del``). (The blocks run
+    against the same without remat, 3 AdamW steps in float64: rel <= 1e-10. Also a test that
+    compile=True works under shard_params (it failed before shard_params stopped deleting the
+    swapped forwards with ``del``). Slow: four compilations on two ranks, 20-40 s. (The blocks run
     as eager checkpoints there: shard_params' per-call cache is a side effect dynamo refuses
     inside a checkpoint graph, so the comparison is compiled against partly eager)."""
     run = subprocess.run([sys.executable, "-c", _TP2_COMPILED], capture_output=True,

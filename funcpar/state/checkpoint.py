@@ -49,7 +49,10 @@ rank 0 writes the index and ``COMPLETE`` last, fsyncs the directory, then rename
 place (an existing checkpoint at ``path`` is first renamed to ``.<name>.old`` and removed after).
 A save killed at any point leaves the previous checkpoint at ``path`` (or, in the instant
 between the two renames, at ``.<name>.old``, which :func:`load`'s error names). A directory
-without ``COMPLETE``, or whose index or files do not match their checksums, is refused.
+without ``COMPLETE``, or whose index or files do not match their checksums, is refused. The
+index is checked for structure before use (:func:`_check_index`): only plain file names it
+lists are opened, and a malformed one is a :class:`CheckpointError`. The checksums give
+integrity, not authenticity: whoever can write the directory can recompute them.
 
 **Loading** checks the fit first on every rank (names, kinds, global shapes) and exchanges the
 verdicts, so a misfit raises on every rank together; then it assembles each leaf's global
@@ -61,8 +64,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -452,10 +458,17 @@ def save(
         except TypeError as err:
             meta_err = f"extra_meta is not JSON-serialisable: {err}"
     if rank == 0 and meta_err is None:
-        if os.path.exists(final) and not os.path.exists(os.path.join(final, INDEX)) \
-                and os.listdir(final):
-            meta_err = (f"{final} exists and is not a funcpar checkpoint; refusing to replace "
-                        "it")
+        # A directory holding only what a save writes (a damaged checkpoint: index or marker
+        # deleted, a rank file missing) is replaced like an intact one; anything else there
+        # (a file a save never writes) means it is not ours to delete.
+        foreign = (sorted(set(os.listdir(final)) - set(_checkpoint_files(final)))
+                   if os.path.isdir(final) and not os.path.exists(os.path.join(final, INDEX))
+                   else [])
+        if os.path.exists(final) and not os.path.isdir(final):
+            meta_err = f"{final} exists and is not a directory; refusing to replace it"
+        elif foreign:
+            meta_err = (f"{final} exists and is not a funcpar checkpoint (it holds "
+                        f"{foreign[:3]}, which a save never writes); refusing to replace it")
         else:
             shutil.rmtree(tmp, ignore_errors=True)  # a killed save's leftovers
             os.makedirs(tmp)
@@ -512,12 +525,18 @@ def save(
 
 # ------------------------------------------------------------------------------------- load
 def read_index(path: str | os.PathLike, *, verify_files: bool = True) -> dict[str, Any]:
-    """The checkpoint's index, after checking that it is complete and intact.
+    """The checkpoint's index, after checking that it is complete, intact and well-formed.
 
     Raises :class:`CheckpointError` for a missing directory (naming the ``.old`` copy an
-    interrupted replacement left), a missing ``COMPLETE`` marker (a half-written save), an
-    index whose sha256 is not the marker's, or (``verify_files``) a rank file missing or of
-    another size or sha256.
+    interrupted replacement left), a missing ``COMPLETE`` marker (a half-written save), a
+    missing or unreadable index, an index whose sha256 is not the marker's, a malformed index
+    (not JSON, a key missing or of the wrong type, a file name that is not a plain name inside
+    the checkpoint directory, a shard outside its leaf: :func:`_check_index`), or
+    (``verify_files``) a rank file missing or of another size or sha256.
+
+    The marker's sha256 detects damage (integrity), not tampering: whoever can write the
+    directory can recompute it. The checks on the index's contents make a tampered index fail
+    cleanly (no file outside the directory is read), not be detected.
     """
     final, _, old = _siblings(os.fspath(path))
     if not os.path.isdir(final):
@@ -530,27 +549,134 @@ def read_index(path: str | os.PathLike, *, verify_files: bool = True) -> dict[st
         raise CheckpointError(
             f"{final} has no {COMPLETE} marker: it is half-written (a save was interrupted) "
             "or not a funcpar checkpoint; refusing to load it")
-    with open(os.path.join(final, INDEX), "rb") as f:
-        raw = f.read()
-    with open(marker) as f:
-        want = f.read().strip()
+    try:
+        with open(os.path.join(final, INDEX), "rb") as f:
+            raw = f.read()
+        with open(marker) as f:
+            want = f.read().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{final}: cannot read {INDEX} or {COMPLETE}: {err}") from err
     got = hashlib.sha256(raw).hexdigest()
     if got != want:
         raise CheckpointError(f"{final}/{INDEX} is corrupt: sha256 {got[:16]}... but "
                               f"{COMPLETE} records {want[:16]}...")
-    index = json.loads(raw)
+    try:
+        index = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{final}/{INDEX} is not valid JSON: {err}") from err
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{final}/{INDEX} holds a {type(index).__name__}, not an object")
     if index.get("format") not in READABLE:
         raise CheckpointError(f"{final}: format {index.get('format')!r}, expected {FORMAT!r}")
+    _check_index(final, index)
     if verify_files:
-        for fname, fi in index["files"].items():
-            fp = os.path.join(final, fname)
-            if not os.path.exists(fp):
-                raise CheckpointError(f"{final}: file {fname} is missing")
-            size = os.path.getsize(fp)
-            if size != fi["size"] or _sha256_file(fp) != fi["sha256"]:
-                raise CheckpointError(f"{final}: file {fname} is corrupt (size {size}, "
-                                      f"expected {fi['size']}, or its sha256 differs)")
+        _check_files(final, index, digest=True)
     return index
+
+
+def _check_files(final: str, index: dict[str, Any], *, digest: bool) -> None:
+    """Every rank file of ``index`` present with its recorded size (and ``digest``: sha256)."""
+    for fname, fi in index["files"].items():
+        fp = os.path.join(final, fname)
+        if not os.path.isfile(fp):
+            raise CheckpointError(f"{final}: file {fname} is missing")
+        size = os.path.getsize(fp)
+        if size != fi["size"] or (digest and _sha256_file(fp) != fi["sha256"]):
+            raise CheckpointError(f"{final}: file {fname} is corrupt (size {size}, "
+                                  f"expected {fi['size']}, or its sha256 differs)")
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name that can only mean a file directly inside the checkpoint directory."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
+            and "/" not in name and os.sep not in name
+            and (os.altsep is None or os.altsep not in name))
+
+
+def _ints(x: Any, n: int | None = None, low: int = 0) -> bool:
+    """``x`` is a list of ints >= ``low`` (of length ``n`` when given); bools are not ints."""
+    return (isinstance(x, list) and (n is None or len(x) == n)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in x))
+
+
+def _check_index(final: str, index: dict[str, Any]) -> None:
+    """CheckpointError naming the index and what is wrong, for any index :func:`load` could
+    not read cleanly: so that a damaged or hand-edited index never surfaces as a KeyError or
+    TypeError mid-load, and no file name in it reaches outside the checkpoint directory."""
+    where = f"{final}/{INDEX}"
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{where} is malformed: {what}")
+
+    ws = index.get("world_size")
+    if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
+        raise bad(f"'world_size' is {ws!r}, not a positive int")
+    st = index.get("step")
+    if st is not None and (not isinstance(st, int) or isinstance(st, bool)):
+        raise bad(f"'step' is {st!r}, not an int or null")
+    for key in ("leaves", "files"):
+        if not isinstance(index.get(key), dict):
+            raise bad(f"{key!r} is {type(index.get(key)).__name__}, not an object")
+    if not isinstance(index.get("extra_meta", {}), dict):
+        raise bad("'extra_meta' is not an object")
+    if index.get("mesh") is not None and not isinstance(index["mesh"], dict):
+        raise bad("'mesh' is not an object or null")
+    files = index["files"]
+    for fname, fi in files.items():
+        if not _plain_name(fname):
+            raise bad(f"file name {fname!r} is not a plain name inside the checkpoint "
+                      "directory (no path separators, '.' or '..')")
+        if not (isinstance(fi, dict) and _ints([fi.get("size")])
+                and isinstance(fi.get("sha256"), str)):
+            raise bad(f"files[{fname!r}] is {fi!r}, not {{'size': int, 'sha256': str}}")
+
+    def known(name: str, fname: Any) -> None:
+        if fname not in files:
+            raise bad(f"leaf {name!r} names file {fname!r}, which is not one of the "
+                      f"checkpoint's files {sorted(files)}")
+
+    for name, rec in index["leaves"].items():
+        kind = rec.get("kind") if isinstance(rec, dict) else None
+        if kind == "value":
+            if "value" not in rec:
+                raise bad(f"leaf {name!r} (a value) has no 'value'")
+            continue
+        if kind not in ("sharded", "replicated", "per_rank"):
+            raise bad(f"leaf {name!r} has kind {kind!r}; expected value, sharded, replicated "
+                      "or per_rank")
+        if not isinstance(rec.get("dtype"), str):
+            raise bad(f"leaf {name!r} has no dtype string")
+        if kind == "per_rank":
+            shapes = rec.get("shapes")
+            if not (isinstance(shapes, list)
+                    and all(s is None or _ints(s) for s in shapes)):
+                raise bad(f"leaf {name!r} (per_rank) has shapes {shapes!r}, not a list of "
+                          "int lists or nulls")
+            continue
+        shape = rec.get("global_shape")
+        if not _ints(shape):
+            raise bad(f"leaf {name!r} has global_shape {shape!r}, not a list of ints >= 0")
+        if kind == "replicated":
+            known(name, rec.get("file", _rank_file(0)))
+            continue
+        nd = len(shape)
+        blocks = rec.get("blocks")
+        if not _ints(blocks, nd, 1) or any(s % k for s, k in zip(shape, blocks)):
+            raise bad(f"leaf {name!r} has blocks {blocks!r}, not {nd} ints that divide its "
+                      f"global shape {shape}")
+        shards = rec.get("shards")
+        if not isinstance(shards, list) or not shards:
+            raise bad(f"leaf {name!r} (sharded) has no list of shards")
+        for sh in shards:
+            if not isinstance(sh, dict):
+                raise bad(f"leaf {name!r} has shard {sh!r}, not an object")
+            known(name, sh.get("file"))
+            slc = sh.get("slice")
+            if not (isinstance(slc, list) and len(slc) == nd
+                    and all(_ints(iv, 2) and iv[0] + iv[1] <= s // k
+                            for iv, s, k in zip(slc, shape, blocks))):
+                raise bad(f"leaf {name!r} has shard slice {slc!r}, not {nd} [start, length] "
+                          f"pairs inside its blocks of {shape} / {blocks}")
 
 
 def _block_view(t: Tensor, blocks: list[int], slc: list[list[int]]) -> Tensor:
@@ -570,6 +696,10 @@ def _assemble(rec: dict[str, Any], name: str, read: Callable[[str, str], Tensor]
         if out is None:
             out = torch.empty(shape, dtype=part.dtype)
         pairs = [s for k, (_, n) in zip(rec["blocks"], sh["slice"]) for s in (k, n)]
+        if part.numel() != math.prod(pairs) or part.dtype != out.dtype:
+            raise CheckpointError(f"checkpoint leaf {name!r}: the shard in {sh['file']} has "
+                                  f"{part.numel()} {part.dtype} elements, its index slice "
+                                  f"{sh['slice']} takes {math.prod(pairs)} {out.dtype}")
         _block_view(out, rec["blocks"], sh["slice"]).copy_(part.reshape(pairs))
         covered += part.numel()
     total = 1
@@ -645,7 +775,7 @@ def load(
     (another model or optimizer), a leaf no rank of ``like`` holds, another global shape (both
     shapes named), a ``per_rank`` leaf on another mesh.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     if not isinstance(like, TrainState):
         raise TypeError(f"load takes a TrainState to fill (like=), got {type(like).__name__}")
@@ -685,9 +815,15 @@ def load(
     handles: dict[str, Any] = {}
 
     def read(fname: str, key: str) -> Tensor:
-        if fname not in handles:
-            handles[fname] = safe_open(os.path.join(final, fname), framework="pt")
-        return handles[fname].get_tensor(key)
+        # File names come from the checked index (plain names listed in its files); a rank
+        # file that does not hold what the index says is a CheckpointError, not a library one.
+        try:
+            if fname not in handles:
+                handles[fname] = safe_open(os.path.join(final, fname), framework="pt")
+            return handles[fname].get_tensor(key)
+        except (OSError, SafetensorError) as err:
+            raise CheckpointError(f"{final}: cannot read leaf {key!r} from {fname}: "
+                                  f"{err}") from err
 
     out = []
     for n, x in zip(names, leaves):
@@ -719,24 +855,48 @@ def load(
 
 def latest_checkpoint(directory: str | os.PathLike) -> str | None:
     """The complete checkpoint under ``directory`` with the highest step (``directory``
-    itself when it is one), or None. Half-written ones (no ``COMPLETE``) are skipped."""
+    itself when it is one), or None.
+
+    Hidden entries (a save's ``.partial``/``.old`` directories) and directories holding no
+    checkpoint file are passed over in silence. A directory that holds checkpoint files but
+    is not a complete, intact checkpoint (no ``COMPLETE`` or ``index.json``, a malformed index,
+    a rank file missing or of another size) is skipped with a ``UserWarning`` naming it and
+    why, so that a resume that falls back to an older step says so. A later :func:`save` to
+    that path replaces it. Rank files' sha256 are not recomputed here (:func:`load` does).
+    """
     directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(os.path.join(directory, COMPLETE)):
         return directory
     best, best_step = None, -1
     if not os.path.isdir(directory):
         return None
-    for entry in os.listdir(directory):
+    for entry in sorted(os.listdir(directory)):
         p = os.path.join(directory, entry)
-        if entry.startswith(".") or not os.path.exists(os.path.join(p, COMPLETE)):
+        if entry.startswith(".") or not os.path.isdir(p) or not _checkpoint_files(p):
             continue
         try:
-            s = read_index(p, verify_files=False)["step"]
-        except (CheckpointError, OSError, ValueError):
+            index = read_index(p, verify_files=False)
+            _check_files(p, index, digest=False)
+        except (CheckpointError, OSError) as err:
+            warnings.warn(f"latest_checkpoint: skipping {p}, which is not a complete "
+                          f"checkpoint: {err}", stacklevel=2)
             continue
+        s = index["step"]
         if s is not None and s > best_step:
             best, best_step = p, s
     return best
+
+
+_RANK_FILE = re.compile(r"rank\d{5}\.safetensors")
+
+
+def _checkpoint_files(path: str) -> list[str]:
+    """The entries of directory ``path`` that a save writes (index, marker, rank files)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    return [n for n in names if n in (INDEX, COMPLETE) or _RANK_FILE.fullmatch(n)]
 
 
 # ------------------------------------------------------------------------------------ export

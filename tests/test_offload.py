@@ -285,7 +285,7 @@ def test_nvme_offload_bit_identical(tmp_path, optim):
     handles = [x for x in tree_leaves(state2.opt_state.tree) if torch.is_tensor(x)]
     assert any(x.is_meta for x in handles)
     assert all(x.is_meta or x.numel() < 2 for x in handles)
-    files = os.listdir(tmp_path)
+    files = [f for f in os.listdir(tmp_path) if f != ".funcpar-store-rank00000.lock"]
     assert files and all(f.startswith("opt.r0.") and f.endswith(".fpt") for f in files)
     # read_state gives back exactly the in-memory run's optimizer state.
     back = read_state(state2.opt_state, off.store)

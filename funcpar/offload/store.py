@@ -19,15 +19,26 @@ Two stores with one interface (``put`` / ``prefetch`` / ``get`` / ``flush`` / ``
   not (tmpfs, some overlay filesystems) the store falls back to buffered I/O and says so in
   ``store.io_mode``.
 
-**File format.** One file per key, ``<dir>/<key>.fpt``: a 4096-byte header (magic, then JSON:
-key, dtype, shape, byte count, CRC-32 of the data, the caller's integer ``tag``) followed by the
-tensor's bytes, padded to a multiple of 4096 (``O_DIRECT`` transfers whole blocks). A file is
+**File format.** One file per key, ``<dir>/<key>.fpt``: a 4096-byte header (magic
+``FUNCPAR-TENSOR-2``, then JSON: key, dtype, shape, byte count, the caller's integer ``tag``, the
+checksum's name and value) followed by the tensor's bytes, padded to a multiple of 4096
+(``O_DIRECT`` transfers whole blocks). The checksum runs over the data and then over the
+header's key, dtype, shape, byte count, tag and algorithm, so an edited shape or dtype fails
+as a flipped data byte does. A file is
 written under a temporary name and renamed into place, so a crash mid-write leaves the previous
 version of the key intact. Every read checks the magic, the size and the CRC-32 (zlib's, about
 6 GB/s on one core here: cheap next to the disk) and raises :class:`StoreError` naming the key
 and the path for a missing, truncated or corrupt file, or for a tag other than the expected
 one. A full disk (``ENOSPC``) during a write-behind raises :class:`StoreError` at the next
-``get``/``flush`` of the store, naming the key, the path and the bytes it needed.
+``get``/``flush``/``check`` of the store, naming the key, the path and the bytes it needed.
+
+**The directory.** Opening a store creates ``<dir>/.funcpar-store-rank<r>.lock`` holding the
+process's pid and host (``r``: the distributed rank, 0 outside one; ranks of one run share a
+directory, their keys carry the rank). A directory that cannot be created or written is a
+:class:`StoreError` at open; a lock held by another live process on this host (or by any
+process on another host, which cannot be checked) is refused naming its pid; a lock whose pid
+is gone is taken over. Stores of one process share its lock (their ``prefix`` keeps their keys
+apart); ``close`` of the last one removes it.
 """
 
 from __future__ import annotations
@@ -38,7 +49,9 @@ import json
 import mmap
 import os
 import re
+import socket
 import threading
+import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -51,7 +64,14 @@ __all__ = ["BLOCK", "CHECKSUMS", "CpuStore", "NvmeStore", "StoreError", "TensorS
 
 DIRECT_MIN = 1 << 20  # tensors from this size are read into their own memory, not a buffer
 BLOCK = 4096  # header size and alignment of every transfer (O_DIRECT's logical block bound)
-_MAGIC = b"FUNCPAR-TENSOR-1\n"
+_MAGIC = b"FUNCPAR-TENSOR-2\n"  # /2: the checksum covers the header's fields too
+_OLD_MAGIC = b"FUNCPAR-TENSOR-1\n"
+#: The header fields the checksum covers (after the data): all that decide what a read returns.
+_COVERED = ("key", "dtype", "shape", "nbytes", "tag", "checksum")
+_LOCK = ".funcpar-store-{owner}.lock"
+#: Lock path -> number of this process's open stores sharing it (see NvmeStore._take_lock).
+_HELD: dict[str, int] = {}
+_HELD_LOCK = threading.Lock()
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 
 # Checksum name -> f(data, running value) -> value. CRC32C from the optional ``crc32c`` package
@@ -79,6 +99,31 @@ def _check_key(key: str) -> str:
         raise ValueError(f"a store key is 1-200 characters of [A-Za-z0-9._-] starting with a "
                          f"letter or digit, got {key!r}")
     return key
+
+
+def _covered(header: dict) -> bytes:
+    """The header's fields as the checksum covers them (canonical JSON), so that an edited
+    shape, dtype, tag or key fails the check as a flipped data byte does."""
+    return json.dumps([header[k] for k in _COVERED], separators=(",", ":")).encode()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _owner() -> str:
+    """The lock's owner name: the distributed rank (ranks of one run share a directory, their
+    keys carry the rank), 0 outside a distributed run."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return f"rank{rank:05d}"
 
 
 def _round_up(n: int) -> int:
@@ -133,6 +178,9 @@ class TensorStore:
 
     def keys(self) -> list[str]:
         raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise a write behind that has already failed (without waiting for the others)."""
 
     def flush(self) -> None:
         pass
@@ -301,7 +349,14 @@ class NvmeStore(TensorStore):
                              f"{sorted(CHECKSUMS)}; crc32c needs `pip install crc32c`)")
         self.checksum, self._crc = checksum, CHECKSUMS[checksum]
         self.directory = os.fspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
+        self._closed = True  # until the lock is held: close() then releases nothing
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as err:
+            raise StoreError(f"NvmeStore: cannot create the directory {self.directory}: "
+                             f"{err}", "", self.directory) from err
+        self.lock_path = os.path.abspath(os.path.join(self.directory,
+                                                      _LOCK.format(owner=_owner())))
         self.direct, self.io_mode = (_probe_direct(self.directory) if o_direct
                                      else (False, "buffered (o_direct=False)"))
         self.fsync, self.max_inflight = bool(fsync), int(max_inflight)
@@ -316,7 +371,80 @@ class NvmeStore(TensorStore):
         self.zero_copy = 0  # transfers made straight from/to the caller's memory (tests)
         self._writes: dict[str, concurrent.futures.Future] = {}
         self._reads: dict[str, concurrent.futures.Future] = {}
+        self._take_lock()  # last: a refused store holds nothing (close() has nothing to do)
         self._closed = False
+
+    # -- the directory lock ---------------------------------------------------------------
+
+    def _take_lock(self) -> None:
+        """Own the directory (per rank): a lock file holding this process's pid and host.
+
+        Refused (StoreError naming the pid) while another live process holds it: two runs in
+        one directory would read each other's state. A lock whose pid is gone (a killed run)
+        is taken over. Stores of this process share its lock (counted in ``_HELD``; they
+        tell their keys apart by ``prefix``, as offload applied twice in one test does).
+        Creating the lock file is also the check that the directory is writable, so a
+        read-only directory fails here, not at the first write-behind.
+        """
+        me = f"{os.getpid()} {socket.gethostname()}\n"
+        for _ in range(3):
+            try:
+                fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = self._lock_holder()
+                if holder is None:  # stale (or unreadable): take it over
+                    _unlink(self.lock_path)
+                    continue
+                pid, host = holder
+                if (pid, host) == (os.getpid(), socket.gethostname()):
+                    with _HELD_LOCK:
+                        _HELD[self.lock_path] = _HELD.get(self.lock_path, 0) + 1
+                    return
+                raise StoreError(
+                    f"NvmeStore: {self.directory} is in use by process {pid} on {host} (lock "
+                    f"{self.lock_path}); one store directory per run. If that process is not "
+                    "a funcpar run, delete the lock file", "", self.lock_path) from None
+            except OSError as err:
+                raise StoreError(f"NvmeStore: cannot write in {self.directory} (creating "
+                                 f"{self.lock_path}: {err}); the store needs a writable "
+                                 "directory", "", self.directory) from err
+            try:
+                os.write(fd, me.encode())
+            finally:
+                os.close(fd)
+            with _HELD_LOCK:
+                _HELD[self.lock_path] = 1
+            return
+        raise StoreError(f"NvmeStore: could not take the lock {self.lock_path} (another "
+                         "process keeps re-creating it)", "", self.lock_path)
+
+    def _lock_holder(self) -> tuple[int, str] | None:
+        """``(pid, host)`` of a live holder of the lock, None when it is stale. A holder on
+        another host cannot be checked and counts as live."""
+        try:
+            with open(self.lock_path) as f:
+                pid_s, host = f.read().split()
+            pid = int(pid_s)
+        except (OSError, ValueError):
+            return None
+        if host == socket.gethostname() and not _pid_alive(pid):
+            return None
+        return pid, host
+
+    def _release_lock(self) -> None:
+        with _HELD_LOCK:
+            left = _HELD.get(self.lock_path, 1) - 1
+            if left > 0:
+                _HELD[self.lock_path] = left
+                return
+            _HELD.pop(self.lock_path, None)
+        try:
+            with open(self.lock_path) as f:
+                mine = f.read().split()[:1] == [str(os.getpid())]
+        except OSError:
+            return
+        if mine:
+            _unlink(self.lock_path)
 
     # -- buffers --------------------------------------------------------------------------
 
@@ -417,7 +545,7 @@ class NvmeStore(TensorStore):
                 del data, src
                 if not self.direct and n % BLOCK:  # buffered: pad the file with zeros
                     os.ftruncate(fd, BLOCK + _round_up(n))
-                header["crc"] = crc
+                header["crc"] = self._crc(_covered(header), crc)
                 head = _MAGIC + json.dumps(header).encode() + b"\n"
                 if len(head) > BLOCK:
                     raise StoreError(f"tensor {key!r}: header of {len(head)} bytes exceeds "
@@ -434,17 +562,32 @@ class NvmeStore(TensorStore):
         except OSError as err:
             _unlink(tmp)
             if err.errno == errno.ENOSPC:
-                raise StoreError(f"disk full writing tensor {key!r} to {path}: it needs "
-                                 f"{BLOCK + _round_up(n)} bytes "
-                                 f"(free space under {self.directory} is exhausted)",
-                                 key, path) from err
-            raise StoreError(f"writing tensor {key!r} to {path} failed: {err}", key,
-                             path) from err
+                failed = StoreError(f"disk full writing tensor {key!r} to {path}: it needs "
+                                    f"{BLOCK + _round_up(n)} bytes "
+                                    f"(free space under {self.directory} is exhausted)",
+                                    key, path)
+            else:
+                failed = StoreError(f"writing tensor {key!r} to {path} failed: {err}", key,
+                                    path)
+            raise failed from err
         except BaseException:
             _unlink(tmp)
             raise
         finally:
             self._give(buf)
+
+    def check(self) -> None:
+        """Raise the error of a write behind that has already failed (naming its key and
+        path), without waiting for the writes still running; each failure is raised once,
+        here or by the ``get``/``flush`` that meets it. The offload transform calls it at the
+        start and end of every update, so a write that fails fast (a read-only or full
+        directory) is reported by the step that wrote it or the next one."""
+        with self._lock:
+            failed = next((k for k, f in self._writes.items()
+                           if f.done() and f.exception() is not None), None)
+            fut = None if failed is None else self._writes.pop(failed)
+        if fut is not None:
+            fut.result()
 
     def _wait_key(self, key: str) -> None:
         """Finish any operation on ``key``: a write (raising its error), a prefetch (dropped:
@@ -575,9 +718,12 @@ class NvmeStore(TensorStore):
             os.close(fd)
             if buf is not None:
                 self._give(buf)
+        crc = crc_fn(_covered(header), crc)
         if crc != header["crc"]:
             raise StoreError(f"tensor {key!r}: file {path} is corrupt ({header['checksum']} "
-                             f"{crc:#010x}, header says {header['crc']:#010x})", key, path)
+                             f"{crc:#010x}, header says {header['crc']:#010x}; the checksum "
+                             "covers the data and the header's key, dtype, shape, size and "
+                             "tag)", key, path)
         if out is not None:
             return header, out
         return header, dest[:n].view(dtype).reshape(header["shape"])
@@ -585,6 +731,11 @@ class NvmeStore(TensorStore):
     @staticmethod
     def _header(key: str, path: str, block: memoryview) -> dict:
         raw = bytes(block)
+        if raw.startswith(_OLD_MAGIC):
+            raise StoreError(f"tensor {key!r}: file {path} is of format 1 (an older funcpar, "
+                             "whose checksum did not cover the header): not read; the store "
+                             "is a run's scratch space, start it in a fresh directory", key,
+                             path)
         if not raw.startswith(_MAGIC):
             raise StoreError(f"tensor {key!r}: file {path} is corrupt (bad magic: not a "
                              "funcpar tensor file)", key, path)
@@ -592,7 +743,7 @@ class NvmeStore(TensorStore):
         try:
             header = json.loads(line)
             _ = (header["dtype"], header["shape"], int(header["nbytes"]), int(header["crc"]),
-                 int(header["tag"]), str(header["checksum"]))
+                 int(header["tag"]), str(header["checksum"]), _covered(header))
         except (ValueError, KeyError, TypeError) as err:
             raise StoreError(f"tensor {key!r}: file {path} has a corrupt header ({err})", key,
                              path) from None
@@ -626,6 +777,7 @@ class NvmeStore(TensorStore):
         try:
             self.flush()
         finally:
+            self._release_lock()
             with self._lock:
                 reads = list(self._reads.values())
                 self._reads.clear()
@@ -640,9 +792,14 @@ class NvmeStore(TensorStore):
         return iter(self.keys())
 
     def __del__(self) -> None:
+        if getattr(self, "_closed", True):  # closed, or its __init__ refused it
+            return
         try:
             self.close()
-        except Exception:
+        except StoreError as err:  # never lost: a failed write-behind nobody flushed
+            warnings.warn(f"NvmeStore({self.directory!r}) dropped without close(): {err}",
+                          RuntimeWarning, stacklevel=1)
+        except Exception:  # interpreter shutdown: builtins may be gone
             pass
 
 

@@ -332,6 +332,13 @@ def _held(name: str, x: Any, lay: Any) -> dict[str, Any]:
             return {"kind": "value", "value": _json_value(name, x)}
         except TypeError as err:  # raised by every rank after the gather, not by this one alone
             return {"kind": "invalid", "error": str(err)}
+    if x.is_meta:  # no data here to save: refused on every rank, naming where it lives
+        return {"kind": "invalid", "error": (
+            f"checkpoint: leaf {name!r} is a meta tensor (shape {tuple(x.shape)}), which holds "
+            "no data: an optimizer state moved out by the offload transform lives in its "
+            "store (read it back with funcpar.transforms.offload.read_state, and the fp32 "
+            "masters with read_masters, into a plain state and save that; docs/OFFLOAD.md), "
+            "and a lazily-initialized state must be materialized first")}
     dtype = str(x.dtype).removeprefix("torch.")
     if lay is not None:
         return {"kind": "sharded", "dtype": dtype, "global_shape": list(lay.global_shape),

@@ -228,6 +228,7 @@ def offloaded(inner: GradientTransformation, store: TensorStore, *, prefix: str 
         return _meta(p)
 
     def check(state: Any) -> None:
+        store.check()  # a write of an earlier update that failed: reported before reading
         if not isinstance(state, OffloadedState):
             raise TypeError(f"an offloaded optimizer takes an OffloadedState, got "
                             f"{type(state).__name__}: was the state built by this optimizer's "
@@ -249,9 +250,12 @@ def offloaded(inner: GradientTransformation, store: TensorStore, *, prefix: str 
             updates, new = inner.update(grads, tree, params, layouts=layouts)
             if device.type != "cpu":
                 updates = _to(updates, device)
-            return updates, OffloadedState(_version(state) + 1, save(new, int(state.version) + 1))
-        updates, new_tree, _ = chunked(grads, state, params, layouts, None, False)
-        return updates, OffloadedState(_version(state) + 1, new_tree)
+            new_state = OffloadedState(_version(state) + 1, save(new, int(state.version) + 1))
+        else:
+            updates, new_tree, _ = chunked(grads, state, params, layouts, None, False)
+            new_state = OffloadedState(_version(state) + 1, new_tree)
+        store.check()  # this update's writes that already failed (fast: read-only, full)
+        return updates, new_state
 
     def apply(grads: Tree, state: Any, params: Tree, *, layouts: Tree = None):
         """New params and state. The in-memory step's ``update_params(inner, ...)`` is
@@ -484,7 +488,13 @@ def offloaded(inner: GradientTransformation, store: TensorStore, *, prefix: str 
         return tree_unflatten(pspec, [_to(u, p.device)
                                       for u, p in zip(u_leaves, p_leaves)]), new_tree, None
 
-    return GradientTransformation(init, update, apply)
+    def checked_apply(grads: Tree, state: Any, params: Tree, *, layouts: Tree = None):
+        out = apply(grads, state, params, layouts=layouts)
+        store.check()  # this update's writes that already failed (fast: read-only, full)
+        return out
+
+    checked_apply.__doc__ = apply.__doc__
+    return GradientTransformation(init, update, checked_apply)
 
 
 # -- helpers of the chunked update --------------------------------------------------------------

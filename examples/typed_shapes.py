@@ -13,8 +13,8 @@ lists the sizes each axis name was bound to, rather than a broadcasting accident
 functions later.
 
 funcpar's own public functions carry the same annotations. They are checked when funcpar is
-imported through jaxtyping's import hook, as done below before the first funcpar import (the
-test suite does it with ``--jaxtyping-packages=funcpar,funcpar.typecheck.checker``), so a user's
+imported through its type-check import hook (``funcpar.typecheck_hook``), as done below before
+the first funcpar import (the test suite's conftest.py does the same), so a user's
 training code that passes, say, targets one token longer than the logits fails at
 ``funcpar.models.lm_loss`` with the argument named.
 """
@@ -32,9 +32,13 @@ from jaxtyping import Float, Int, jaxtyped
 from torch import Tensor
 
 # Instrument funcpar before it is first imported: every annotated function it defines is then
-# wrapped with funcpar's checker (beartype with int accepted as float). Under pytest with the
-# project's options funcpar is instrumented already, and this is a no-op for imported modules.
-with jaxtyping.install_import_hook("funcpar", "funcpar.typecheck.checker"):
+# checked with funcpar's checker (beartype with int accepted as float; array shapes through
+# jaxtyping). jaxtyping's own hook works too (jaxtyping.install_import_hook("funcpar",
+# "funcpar.typecheck.checker")), wrapping every function, at ~2.5x the run time. Under pytest
+# funcpar is instrumented already, and this is a no-op for imported modules.
+from funcpar.typecheck_hook import install_import_hook
+
+with install_import_hook("funcpar"):
     from funcpar.models import Llama, LlamaConfig, lm_loss
 
 

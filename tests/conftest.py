@@ -1,5 +1,11 @@
-import pytest
-import torch
+# Every annotated function of funcpar is type-checked during the tests (shapes and dtypes by
+# jaxtyping, the rest by beartype): the hook must be in place before the first funcpar import.
+from funcpar.typecheck_hook import install_import_hook
+
+install_import_hook("funcpar")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -18,10 +18,10 @@ It never hangs and never leaves a rank behind:
 * every rank is killed and reaped on the way out, whatever happened; a rank whose parent dies
   kills itself within a second.
 
-Ranks are forked from a forkserver that has imported torch and funcpar once (spawn where there is no
-forkserver), so a run costs a fraction of a second after the first. When this process checks
-types with jaxtyping's import hook (pytest with ``--jaxtyping-packages``) the ranks install it
-for the same packages (with funcpar's checker), so code run on the ranks is checked too.
+Ranks are forked from a forkserver that has imported torch and funcpar once (spawn where there
+is no forkserver), so a run costs a fraction of a second after the first. When this process
+checks types with an import hook (the test suite's, from :mod:`funcpar.typecheck_hook`, or
+jaxtyping's) the ranks install the same hooks, so code run on the ranks is checked too.
 """
 
 from __future__ import annotations
@@ -40,13 +40,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from funcpar.typecheck_hook import active_hooks, install_hooks
+
 __all__ = ["RankError", "RanksTimeout", "free_port", "run_ranks"]
 
 _PRELOAD = ["torch", "torch.distributed"]
 _RANK_PRELOAD = "funcpar.testing.rank_preload"
 #: Read by :mod:`funcpar.testing.rank_preload` (named here: importing it runs the preload).
 rank_preload_env = "FUNCPAR_RANK_PRELOAD"
-_CHECKER = "funcpar.typecheck.checker"
 
 
 class RankError(RuntimeError):
@@ -78,7 +79,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context(hooks: list[tuple[list[str], str]]) -> Any:
+def _context(hooks: list[tuple[str, list[str]]]) -> Any:
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
         # Only takes effect if the forkserver is not running yet; then every rank starts with
@@ -88,21 +89,6 @@ def _context(hooks: list[tuple[list[str], str]]) -> Any:
         ctx.set_forkserver_preload([*_PRELOAD, _RANK_PRELOAD])
         return ctx
     return multiprocessing.get_context("spawn")
-
-
-def _typecheck_hooks() -> list[tuple[list[str], str]]:
-    """The packages this process instruments with jaxtyping's import hook, to repeat on ranks.
-
-    The hook keeps its modules but not the name of its typechecker, so ranks use funcpar's
-    (:data:`funcpar.typecheck.checker`, the one pytest is configured with).
-    """
-    hooks = []
-    for finder in sys.meta_path:
-        if type(finder).__module__.startswith("jaxtyping"):
-            modules = getattr(finder, "modules", None)
-            if modules:
-                hooks.append((list(modules), _CHECKER))
-    return hooks
 
 
 def _watch_parent() -> None:
@@ -123,7 +109,7 @@ def _rank_main(
     world_size: int,
     port: int,
     backend: str | None,
-    hooks: list[tuple[list[str], str]],
+    hooks: list[tuple[str, list[str]]],
     payload: bytes,
     conn: Any,
 ) -> None:
@@ -148,11 +134,7 @@ def _rank_main(
 
         # Ranks share the host's cores; one thread each avoids oversubscription.
         torch.set_num_threads(1)
-        if hooks:
-            from jaxtyping import install_import_hook
-
-            for modules, checker in hooks:
-                install_import_hook(modules, checker)
+        install_hooks(hooks)
         fn, args, kwargs = pickle.loads(payload)
         conn.send(("ready",))
         try:
@@ -216,7 +198,7 @@ def run_ranks(
             f"importable module): {err}"
         ) from err
 
-    hooks = _typecheck_hooks()
+    hooks = active_hooks()
     ctx = _context(hooks)
     port = free_port()
     procs, conns = [], []

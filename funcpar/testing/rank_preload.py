@@ -1,13 +1,13 @@
 """Imported once by :func:`funcpar.testing.run_ranks`'s forkserver, so that ranks start warm.
 
 Every rank is forked from the forkserver; whatever the forkserver has imported, a rank has
-without paying for it. Importing funcpar instrumented by jaxtyping's import hook (what pytest's
-``--jaxtyping-packages`` asks for) costs ~6 s of CPU per process on this project's CI machine,
+without paying for it. Importing funcpar instrumented by a type-check import hook (the test
+suite's) cost ~6 s of CPU per process on this project's CI machine with jaxtyping's hook,
 against ~1.5 s plain: paid once here instead of once per rank, it was most of a multi-rank
 test's time.
 
-The hooks to install come from ``$FUNCPAR_RANK_PRELOAD`` (JSON ``[[modules, checker], ...]``,
-set by ``run_ranks`` from the hooks of the process that starts the forkserver), so the
+The hooks to install come from ``$FUNCPAR_RANK_PRELOAD`` (JSON of
+:func:`funcpar.typecheck_hook.active_hooks` in the process that starts the forkserver), so the
 preloaded modules are checked exactly as a cold rank's would be. Without the variable this
 module imports funcpar unchecked. A failure here is harmless: the forkserver ignores a preload
 that raises ImportError, and a rank imports whatever is missing itself.
@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
+
+from funcpar.typecheck_hook import install_hooks
 
 ENV = "FUNCPAR_RANK_PRELOAD"
 
@@ -31,12 +33,7 @@ PACKAGES = (
 
 
 def _preload() -> None:
-    hooks = json.loads(os.environ.get(ENV) or "[]")
-    if hooks:
-        from jaxtyping import install_import_hook
-
-        for modules, checker in hooks:
-            install_import_hook(modules, checker)
+    install_hooks(json.loads(os.environ.get(ENV) or "[]"))
     for name in PACKAGES:
         importlib.import_module(name)
 

@@ -8,6 +8,7 @@ from funcpar.transforms.offload import offload
 from funcpar.transforms.pipeline_split import pipeline_split
 from funcpar.transforms.remat import remat
 from funcpar.transforms.shard_params import logits_of, shard_params
+from funcpar.transforms.skip_nonfinite import skip_nonfinite
 from funcpar.transforms.zero_partition import zero_partition
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "pipeline_split",
     "remat",
     "shard_params",
+    "skip_nonfinite",
     "zero_partition",
 ]

@@ -41,6 +41,7 @@ __all__ = [
     "apply_updates",
     "chain",
     "check_grads",
+    "check_state",
     "identity",
     "map_leaves",
     "update_params",
@@ -115,7 +116,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 def apply_updates(params: Tree, updates: Tree) -> Tree:
     """``params + updates`` leaf-wise, keeping each parameter's dtype."""
-    check_grads(params, updates, what="updates")
+    check_grads(params, updates, what="updates", same_dtype=False)
     return tree_map(lambda p, u: p if u is None else (p + u.to(p.dtype)), params, updates)
 
 
@@ -129,8 +130,17 @@ def update_params(
     return apply_updates(params, updates), state
 
 
-def check_grads(params: Tree, grads: Tree, *, what: str = "grads") -> None:
-    """Clear errors for a grads tree that cannot belong to ``params``."""
+def check_grads(params: Tree, grads: Tree, *, what: str = "grads",
+                same_dtype: bool = True) -> None:
+    """Clear errors for a grads tree that cannot belong to ``params``: another structure, a
+    leaf that is not a tensor, of another shape, or (``same_dtype``) of another dtype.
+
+    The dtype rule: a gradient has its parameter's dtype. float64 gradients of float32
+    parameters (or bf16 of float32) are refused naming the leaf and both dtypes, rather than
+    promoted in some optimizers and rejected deep inside others; cast them (or the params)
+    first. Mixed precision keeps the rule: ``amp_cast``'s gradients are those of its float32
+    masters, and offloaded masters' gradients are upcast before the optimizer. Updates
+    (``apply_updates``) may differ: they are cast to the parameter's dtype."""
     if params is None:
         raise ValueError(f"params are required to check {what}: pass update(grads, state, params)")
     _p_leaves, p_spec = tree_flatten(params)
@@ -148,6 +158,55 @@ def check_grads(params: Tree, grads: Tree, *, what: str = "grads") -> None:
                 f"{what} leaf {name!r} has shape {tuple(g.shape)} but the parameter has "
                 f"{tuple(p.shape)}"
             )
+        if same_dtype and torch.is_tensor(p) and g.dtype != p.dtype:
+            raise TypeError(
+                f"{what} leaf {name!r} has dtype {g.dtype} but the parameter has {p.dtype}: "
+                f"gradients must have their parameter's dtype (cast them, or the params)"
+            )
+
+
+def check_state(params: Tree, state: Tree, init: Callable[[Tree], Tree], seen: set[Any], *,
+                who: str = "optimizer") -> None:
+    """Refuse an optimizer state built for parameters of other shapes (a state for (1, 4)
+    given params of (3, 4)): ValueError naming the state leaf, its shape and the shape
+    ``init`` gives it for these params.
+
+    The expected state is ``init`` run on meta copies of ``params`` (shapes and dtypes, no
+    memory, no compute), so the rule is exactly the optimizer's own, factored statistics and
+    8-bit blocks included. Checked once per structure: ``seen`` (the caller's cache) holds the
+    keys (tree structures and shapes of params and state) already found consistent, so a
+    training loop pays one flatten of each tree per update after the first.
+    :func:`~funcpar.optim.inject_hyperparams` (through which every optimizer is built) calls
+    it when every leaf is whole (``layouts`` None): under sharded layouts an optimizer may
+    shape its state for the whole leaves, which ``init`` on local shards cannot reproduce
+    (GaLore fits and checks its own state for its layouts)."""
+    p_leaves, p_spec = tree_flatten(params)
+    s_leaves, s_spec = tree_flatten(state)
+    key = (p_spec, s_spec, tuple(_shape_of(x) for x in p_leaves),
+           tuple(_shape_of(x) for x in s_leaves))
+    if key in seen:
+        return
+    meta = tree_unflatten(p_spec, [torch.empty_like(x, device="meta") if torch.is_tensor(x)
+                                   else x for x in p_leaves])
+    want_leaves, want_spec = tree_flatten(init(meta))
+    if want_spec != s_spec:
+        tree_structure_check(init(meta), state, what=f"{who} state",
+                             against="the state its init builds for these params")
+        raise ValueError(f"{who} state tree {s_spec} is not the one its init builds for these "
+                         f"params ({want_spec}): it was built for other params or settings")
+    for (name, x), want in zip(named_leaves(state), want_leaves):
+        if torch.is_tensor(x) and torch.is_tensor(want) and x.shape != want.shape:
+            raise ValueError(
+                f"{who} state leaf {name!r} has shape {tuple(x.shape)}, but for these params "
+                f"its init gives {tuple(want.shape)}: the state was built for parameters of "
+                "other shapes (another model, or a checkpoint of one)")
+    if len(seen) > 64:  # bounded: a long run sees few structures, chunked offload a few more
+        seen.clear()
+    seen.add(key)
+
+
+def _shape_of(x: Any) -> Any:
+    return tuple(x.shape) if torch.is_tensor(x) else None
 
 
 def check_floating(params: Tree, *, who: str) -> None:

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from funcpar.optim.base import GradientTransformation
-from funcpar.state.tree import Tree
+from funcpar.optim.base import GradientTransformation, check_state
+from funcpar.state.tree import Tree, tree_leaves
 
 __all__ = ["HyperState", "get_hyperparams", "inject_hyperparams", "set_hyperparams"]
 
@@ -63,10 +63,23 @@ def inject_hyperparams(
         hp.update({k: _value(v, state.count) for k, v in dynamic.items() if callable(v)})
         return hp
 
+    checked: set = set()  # structures whose state shapes fit the params (check_state's cache)
+
     def update(grads, state: HyperState, params=None, *, layouts=None):
         hp = hyperparams(state)
+        _check_state(params if params is not None else grads, state, hp, layouts)
         updates, inner = factory(**static, **hp).update(grads, state.inner, params, layouts=layouts)
         return updates, HyperState(state.count + 1, hp, inner)
+
+    def _check_state(params, state: HyperState, hp: dict[str, Tensor], layouts) -> None:
+        # Every optimizer is built here, so this is the one place that refuses a state built
+        # for other shapes (a checkpoint of another model, say) before any update math. Only
+        # with every leaf whole: under sharded layouts an optimizer may shape its state for
+        # the whole leaves, which init (local shapes only) cannot know (GaLore checks its own).
+        if layouts is not None and any(x is not None for x in tree_leaves(layouts)):
+            return
+        check_state(params, state.inner, lambda p: factory(**static, **hp).init(p), checked,
+                    who=getattr(factory, "__name__", "optimizer").strip("_"))
 
     # Whether the optimizer has a fused apply does not depend on the hyperparameters' values.
     if factory(**static, **current(torch.zeros((), dtype=torch.int64))).apply is None:
@@ -74,6 +87,7 @@ def inject_hyperparams(
 
     def apply(grads, state: HyperState, params, *, layouts=None):
         hp = hyperparams(state)
+        _check_state(params, state, hp, layouts)
         new_params, inner = factory(**static, **hp).apply(grads, state.inner, params,
                                                           layouts=layouts)
         return new_params, HyperState(state.count + 1, hp, inner)

@@ -171,16 +171,9 @@ TP_STEPS = 4  # each step is ~1.5 s in the interpreter on two ranks
 
 def _lamb_run(tp):
     """The reference run's first TP_STEPS steps of Lamb on tp ranks: (losses, whole params)."""
-    from funcpar.shard.layout import unshard_tree
-    from funcpar.testing.reference import batches, build
+    from funcpar.testing.reference import batches, build, run
 
-    step, state = build(tp, 1, "lamb", torch.float32)
-    losses = []
-    for batch in batches()[:TP_STEPS]:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    params = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
-    return losses, params
+    return run(*build(tp, 1, "lamb", torch.float32), batches()[:TP_STEPS])
 
 
 def lamb_tp2_under_triton():

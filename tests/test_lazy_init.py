@@ -44,13 +44,13 @@ from funcpar.init import (
     values,
 )
 from funcpar.models import Llama, LlamaConfig, lm_loss
-from funcpar.shard.layout import Layout, Shard, shard_tensor, unshard_tree
+from funcpar.shard.layout import Layout, Shard, shard_tensor
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import Rule, llama_rules
 from funcpar.state import functionalize, init_state
 from funcpar.state.tree import named_leaves
 from funcpar.testing import run_ranks
-from funcpar.testing.reference import CFG, LAYOUTS, OPTIMIZERS, batches, loss_rel, max_rel
+from funcpar.testing.reference import CFG, LAYOUTS, OPTIMIZERS, batches, loss_rel, max_rel, run
 from funcpar.train import make_train_step
 from funcpar.transforms import amp_cast, compose, data_parallel, shard_params, zero_partition
 
@@ -345,13 +345,7 @@ def train_lazy(tp, dp, zero, lazily):
     """TRAIN_STEPS of AdamW from the seed-1 lazy init; (losses, whole params) on every rank."""
     mesh = DeviceMesh.from_env(dp=dp, tp=tp)
     build = build_lazy if lazily else build_full
-    step, state = build(mesh, tp, dp, zero)
-    losses = []
-    for batch in batches()[:TRAIN_STEPS]:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    params = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
-    return losses, params
+    return run(*build(mesh, tp, dp, zero), batches()[:TRAIN_STEPS])
 
 
 def test_train_from_lazy_tp2xdp2_zero3_matches_one_process():

@@ -32,13 +32,12 @@ from funcpar.presets import (
 )
 from funcpar.presets.presets import Preset
 from funcpar.shard.comm import comm_log, summarize
-from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import llama_rules
 from funcpar.state import functionalize, init_state
 from funcpar.state.tree import tree_leaves
 from funcpar.testing import run_ranks
-from funcpar.testing.reference import CFG, STEPS, batches, build, train
+from funcpar.testing.reference import CFG, STEPS, batches, build, run, train
 from funcpar.train import make_train_step
 from funcpar.transforms import compose, offload
 from funcpar.transforms.offload import read_state
@@ -57,12 +56,7 @@ def _model(dtype=torch.float64):
 
 def _run(step, state, steps=STEPS):
     """``steps`` steps of the reference batches: (losses, whole params)."""
-    losses = []
-    for batch in batches()[:steps]:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    params = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
-    return losses, params
+    return run(step, state, batches()[:steps])
 
 
 def _step_comm(step, state):

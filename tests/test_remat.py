@@ -40,13 +40,12 @@ from torch import nn
 
 import funcpar.optim as fo
 from funcpar.models import Llama, LlamaConfig, lm_loss
-from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import llama_rules
 from funcpar.state import functionalize, init_state
 from funcpar.state.tree import tree_flatten
 from funcpar.testing import run_ranks
-from funcpar.testing.reference import CFG, OPTIMIZERS, batches
+from funcpar.testing.reference import CFG, OPTIMIZERS, batches, run
 from funcpar.train import make_train_step
 from funcpar.train.step import loss_and_grads
 from funcpar.transforms import (
@@ -75,12 +74,7 @@ def _step(cfg=CFG, dtype=torch.float64, optim="adamw", compile=False):
 
 
 def _train(step, state):
-    losses = []
-    for batch in batches()[:STEPS]:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    params = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
-    return losses, params
+    return run(step, state, batches()[:STEPS])
 
 
 @functools.cache

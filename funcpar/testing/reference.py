@@ -141,8 +141,14 @@ def train(tp, dp, optim, dtype=torch.float64, *, zero=0, vocab_parallel_loss=Tru
     pipeline the params are this rank's stages' leaves (whole over tp and dp)."""
     step, state = build(tp, dp, optim, dtype, zero=zero, vocab_parallel_loss=vocab_parallel_loss,
                         sequence_parallel=sequence_parallel, **pipeline)
+    return run(step, state, batches())
+
+
+def run(step, state, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``step`` over the batches of ``data`` from ``state``: (losses, whole params), the params
+    gathered over the layout's shards (a pipeline rank's own stages' leaves)."""
     losses = []
-    for batch in batches():
+    for batch in data:
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     params = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)

@@ -91,7 +91,7 @@ def test_malformed_index_is_a_checkpoint_error(tmp_path):
         assert "index.json" in str(err.value), what
     path = save(state, tmp_path / "ck")
     os.remove(os.path.join(path, "index.json"))
-    with pytest.raises(CheckpointError, match="cannot read index.json"):
+    with pytest.raises(CheckpointError, match="has a COMPLETE marker but no index.json"):
         load(path, state)
 
 
@@ -122,7 +122,8 @@ def test_resume_by_directory_warns_and_a_save_replaces_the_damaged_one(tmp_path)
         save(_state(seed=s, step=s), tmp_path / f"step_{s:08d}")
     newest = str(tmp_path / "step_00000006")
     os.remove(os.path.join(newest, "index.json"))
-    with pytest.warns(UserWarning, match=r"skipping .*step_00000006.*index\.json"):
+    with pytest.warns(UserWarning, match=r"skipping .*step_00000006, which is not a complete "
+                                          r"checkpoint: .*but no index\.json"):
         found = latest_checkpoint(tmp_path)
     assert found == str(tmp_path / "step_00000003")
     again = _state(seed=9, step=6)

@@ -556,6 +556,9 @@ def read_index(path: str | os.PathLike, *, verify_files: bool = True) -> dict[st
         raise CheckpointError(
             f"{final} has no {COMPLETE} marker: it is half-written (a save was interrupted) "
             "or not a funcpar checkpoint; refusing to load it")
+    if not os.path.isfile(os.path.join(final, INDEX)):
+        raise CheckpointError(f"{final} has a {COMPLETE} marker but no {INDEX}: the checkpoint "
+                              "is damaged (its index was deleted or lost)")
     try:
         with open(os.path.join(final, INDEX), "rb") as f:
             raw = f.read()

@@ -2,7 +2,8 @@
 at open naming the path; a write behind that fails is reported by the step that wrote or the
 next one; the checksum covers the header's shape, dtype and tag; a store directory held by
 another live process is refused naming its pid (a dead holder's lock is taken over); saving an
-offloaded state is refused naming offload, and the way that works (read_state) round-trips.
+offloaded state without its step is refused naming offload, and with it the state is read back
+from the store (fp32 masters as the params) and a resume from it repeats the straight run.
 
 A one-Linear model keeps each case well under a second.
 """
@@ -23,7 +24,8 @@ from funcpar.optim import adamw
 from funcpar.state import functionalize, init_state, load, save
 from funcpar.state.tree import tree_leaves
 from funcpar.train import make_train_step
-from funcpar.transforms.offload import offload, read_state
+from funcpar.transforms import amp_cast, compose
+from funcpar.transforms.offload import offload, read_masters, read_state
 
 
 def _mse(out, target):
@@ -131,19 +133,81 @@ def test_a_live_holder_is_refused_a_dead_one_taken_over(tmp_path):
 
 
 def test_saving_an_offloaded_state(tmp_path):
+    step0, straight, off0 = _step_state(tmp_path / "store0")
+    for i in range(4):
+        straight, _ = step0(straight, _batch(i))
     step, state, off = _step_state(tmp_path / "store")
-    state, _ = step(state, _batch(0))
+    for i in range(2):
+        state, _ = step(state, _batch(i))
     with pytest.raises(TypeError, match=r"leaf 'opt_state\..*' is a meta tensor .*offload "
-                                        r"transform lives in its store .*read_state"):
-        save(state, tmp_path / "ck")
-    # The documented way: the optimizer state read back into a plain state, saved, loaded
-    # into the state the run builds before offload, and offloaded again.
-    plain = state._replace(opt_state=read_state(state.opt_state, off.store))
-    path = save(plain, tmp_path / "ck")
+                                        r"transform lives in its store \(pass step="):
+        save(state, tmp_path / "ck")  # without the step, nothing says where the data are
+    path = save(state, tmp_path / "ck", step=step)
+    # Saved as a run without offload holds it: load into such a state, offload it again, and
+    # train on: the same bits as the run that never stopped.
     torch.manual_seed(1)
-    _apply, params, buffers = functionalize(torch.nn.Linear(32, 16))
-    fresh = init_state(params, buffers, adamw(lr=1e-2))
+    apply_fn, params, buffers = functionalize(torch.nn.Linear(32, 16))
+    opt = adamw(lr=1e-2)
+    fresh = init_state(params, buffers, opt)
     back = load(path, fresh)
-    for a, b in zip(tree_leaves(back), tree_leaves(plain)):
+    plain = read_state(state.opt_state, off.store)
+    for a, b in zip(tree_leaves(back.opt_state), tree_leaves(plain)):
         assert torch.equal(a, b) if torch.is_tensor(a) else a == b
+    off3 = offload("nvme", path=tmp_path / "store3")
+    step3, resumed = off3(make_train_step(apply_fn, _mse, opt), back)
+    for i in range(2, 4):
+        resumed, _ = step3(resumed, _batch(i))
+    for a, b in zip(tree_leaves(resumed.params), tree_leaves(straight.params)):
+        assert torch.equal(a, b)
+    for o in (off0, off, off3):
+        o.store.close()
+
+
+def test_saving_offloaded_masters(tmp_path):
+    # With the fp32 masters in the store the checkpoint holds them as the params (the state
+    # of amp_cast without offload), not the bf16 compute copies the step holds.
+    torch.manual_seed(0)
+    apply_fn, params, buffers = functionalize(torch.nn.Linear(32, 16))
+    opt = adamw(lr=1e-2)
+    off = offload("nvme", ("opt_state", "master_params"), path=tmp_path / "store")
+    step, state = compose(amp_cast("bf16"), off)(make_train_step(apply_fn, _mse, opt),
+                                                  init_state(params, buffers, opt))
+    state, _ = step(state, _batch(0))
+    assert state.params["weight"].dtype == torch.bfloat16
+    path = save(state, tmp_path / "ck", step=step)
+    back = load(path, init_state(params, buffers, opt))
+    masters = read_masters(state.params, state.opt_state, off.store)
+    assert back.params["weight"].dtype == torch.float32
+    assert torch.equal(back.params["weight"], masters["weight"])
+    assert torch.equal(back.params["weight"].bfloat16(), state.params["weight"])
     off.store.close()
+
+
+def _zero2_saves(root):
+    from funcpar.shard.mesh import DeviceMesh
+    from funcpar.transforms import data_parallel, zero_partition
+
+    mesh = DeviceMesh.from_env(dp=2, tp=1)
+    for name, off in (("plain", None), ("offloaded", offload("nvme", path=f"{root}/store"))):
+        torch.manual_seed(0)
+        apply_fn, params, buffers = functionalize(torch.nn.Linear(32, 16))
+        opt = adamw(lr=1e-2)
+        ts = [data_parallel(mesh), zero_partition(2, mesh)] + ([off] if off else [])
+        step, state = compose(*ts)(make_train_step(apply_fn, _mse, opt),
+                                   init_state(params, buffers, opt))
+        for i in range(2):
+            state, _ = step(state, _batch(i))
+        save(state, f"{root}/{name}", step=step)
+        if off is not None:
+            off.store.close()
+
+
+def test_saving_an_offloaded_zero2_state(tmp_path):
+    from funcpar.testing import run_ranks
+
+    run_ranks(_zero2_saves, 2, str(tmp_path), backend=None, timeout=120)
+    _apply, params, buffers = functionalize(torch.nn.Linear(32, 16))
+    like = init_state(params, buffers, adamw(lr=1e-2))
+    plain, offloaded = (load(tmp_path / n, like) for n in ("plain", "offloaded"))
+    for a, b in zip(tree_leaves(plain), tree_leaves(offloaded)):
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b

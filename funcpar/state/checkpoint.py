@@ -336,9 +336,9 @@ def _held(name: str, x: Any, lay: Any) -> dict[str, Any]:
         return {"kind": "invalid", "error": (
             f"checkpoint: leaf {name!r} is a meta tensor (shape {tuple(x.shape)}), which holds "
             "no data: an optimizer state moved out by the offload transform lives in its "
-            "store (read it back with funcpar.transforms.offload.read_state, and the fp32 "
-            "masters with read_masters, into a plain state and save that; docs/OFFLOAD.md), "
-            "and a lazily-initialized state must be materialized first")}
+            "store (pass step=, the offloaded step, and save reads it from there; or read it "
+            "with funcpar.transforms.offload.read_state; docs/OFFLOAD.md), and a "
+            "lazily-initialized state must be materialized first")}
     dtype = str(x.dtype).removeprefix("torch.")
     if lay is not None:
         return {"kind": "sharded", "dtype": dtype, "global_shape": list(lay.global_shape),
@@ -440,7 +440,10 @@ def save(
     params' layouts, the ZeRO plan and the pipeline's stages (recorded in the index); or pass
     ``layouts`` (of ``state.params``) for an unpartitioned run; neither for a single process.
     Holders of one leaf that disagree on its layout are a ValueError naming the leaf and the
-    ranks, raised on every rank before anything is written.
+    ranks, raised on every rank before anything is written. Under ``offload`` pass the
+    offloaded ``step``: the optimizer state (and fp32 masters) are read back from its store and
+    saved as a run without offload holds them (load into a state built without offload, then
+    apply offload); without it a meta leaf is refused (TypeError naming it and offload).
     ``extra_meta`` (JSON-able) is stored in the index (:func:`read_index`). ``on_file(path)`` is
     called after each file is written and fsynced (progress; tests use it to kill a save
     midway). An existing checkpoint at ``path`` is replaced only once the new one is complete.
@@ -452,6 +455,13 @@ def save(
         raise TypeError(f"save takes a TrainState, got {type(state).__name__}")
     final, tmp, old = _siblings(os.fspath(path))
     rank, world = _rank_world()
+    # Leaves kept out of memory by the step (offload's store) are read back by it: the
+    # offloaded optimizer's update carries ``plain_state``, the state as it would be without
+    # offload, which is what the checkpoint holds (load it into a state built without offload).
+    plain = getattr(getattr(getattr(step, "optimizer", None), "update", None), "plain_state",
+                    None)
+    if plain is not None:
+        state = plain(state)
     lays = leaf_layouts(state, step=step, layouts=layouts)
     leaves = _named(state)
     # Every rank's view of its leaves first (under a pipeline each holds only its stages'), so

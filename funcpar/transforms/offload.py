@@ -788,6 +788,26 @@ def offload(
             # copies, with masters) are gathered after it, on the params' device.
             opt = _partitioned(opt, zero)
         changes: dict[str, Any] = {"optimizer": opt}
+
+        def plain_state(st: TrainState) -> TrainState:
+            """``st`` with its optimizer state (and fp32 masters, as the params) read back
+            from the store: the state the run would hold without offload, for
+            :func:`funcpar.state.save` (which calls this through the step's optimizer)."""
+            if not isinstance(st.opt_state, OffloadedState):
+                return st
+            params = st.params
+            if plan is not None:
+                if zero is not None and zero.stage < 3:
+                    raise ValueError(
+                        "save of a state with offloaded fp32 master params under "
+                        f"zero_partition(stage={zero.stage}) is not supported: the store holds "
+                        "this rank's parts of the masters, the checkpoint wants the whole "
+                        "params; use stage 3, or offload the optimizer state alone")
+                params = read_masters(params, st.opt_state, store, prefix=prefix)
+            return st._replace(params=params,
+                               opt_state=read_state(st.opt_state, store, prefix=prefix))
+
+        opt.update.plain_state = plain_state  # what save looks for (a function attribute)
         params = state.params
         if plan is not None:
             dtype, flags = plan

@@ -2,8 +2,9 @@
 
 Acceptance (issue 8): the optimizer state on NVMe (files in tmp_path) gives bit-identical
 parameters to the in-memory run (after 4 steps: every state slot written and read twice),
-for adamw and adafactor, in one process and under dp2 + zero2 (adafactor there: ``-m slow``). Bit-identical is the right tolerance: the offloaded update runs the same
-optimizer on the same values on the same device; the store only moves bytes.
+for adamw and adafactor, in one process and under dp2 + zero2 (adafactor there: ``-m slow``).
+Bit-identical is the right tolerance: the offloaded update runs the same optimizer on the same
+values on the same device; the store only moves bytes.
 """
 
 from __future__ import annotations

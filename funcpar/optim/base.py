@@ -22,10 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import Tensor
 
 from funcpar.state.tree import (
+    NAMESPACE,
     Tree,
     leaves_like,
     named_leaves,
@@ -194,7 +196,7 @@ def check_state(params: Tree, state: Tree, init: Callable[[Tree], Tree], seen: s
                              against="the state its init builds for these params")
         raise ValueError(f"{who} state tree {s_spec} is not the one its init builds for these "
                          f"params ({want_spec}): it was built for other params or settings")
-    for (name, x), want in zip(named_leaves(state), want_leaves):
+    for name, x, want in zip(_field_names(state), s_leaves, want_leaves):
         if torch.is_tensor(x) and torch.is_tensor(want) and x.shape != want.shape:
             raise ValueError(
                 f"{who} state leaf {name!r} has shape {tuple(x.shape)}, but for these params "
@@ -203,6 +205,19 @@ def check_state(params: Tree, state: Tree, init: Callable[[Tree], Tree], seen: s
     if len(seen) > 64:  # bounded: a long run sees few structures, chunked offload a few more
         seen.clear()
     seen.add(key)
+
+
+def _field_names(tree: Tree) -> list[str]:
+    """Dotted leaf names with named-tuple fields spelled out (``exp_avg.w``, where
+    :func:`named_leaves` says ``1.w``): for error messages."""
+    out = []
+    for acc in optree.tree_accessors(tree, none_is_leaf=True, namespace=NAMESPACE):
+        parts = []
+        for e in acc:
+            attr = next(a for a in ("field", "key", "entry") if hasattr(e, a))
+            parts.append(str(getattr(e, attr)))
+        out.append(".".join(parts))
+    return out
 
 
 def _shape_of(x: Any) -> Any:

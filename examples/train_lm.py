@@ -69,6 +69,7 @@ from funcpar.transforms import (
     pipeline_split,
     remat,
     shard_params,
+    skip_nonfinite,
     zero_partition,
 )
 
@@ -186,6 +187,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     par.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                      help="compute precision (amp_cast): float32 master params and optimizer; "
                           "fp16 with dynamic loss scaling and skipped steps on inf/nan")
+    par.add_argument("--nonfinite", default="skip", choices=("skip", "stop", "off"),
+                     help="a step whose gradients hold inf/nan (skip_nonfinite): skip it and "
+                          "count it (default), skip it and stop the run after --max-nonfinite "
+                          "such steps in a row, or apply it (off: one nan ruins every weight)")
+    par.add_argument("--max-nonfinite", type=int, default=3, metavar="K",
+                     help="with --nonfinite stop: the K-th non-finite step in a row stops the run")
     par.add_argument("--remat", type=int, default=0, metavar="K",
                      help="activation checkpointing of every K-th transformer block (1: all "
                           "blocks; 0: off): less activation memory for one more forward")
@@ -249,6 +256,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--sequence-parallel splits activations over tp: it needs --tp > 1")
     if args.remat < 0:
         p.error(f"--remat must be >= 0, got {args.remat}")
+    if args.max_nonfinite < 1:
+        p.error(f"--max-nonfinite must be >= 1, got {args.max_nonfinite}")
     if args.plan and args.preset is None:
         p.error("--plan prints a preset's plan: it needs --preset")
     if args.preset is not None and args.remat:
@@ -341,6 +350,15 @@ def manual_transforms(args: argparse.Namespace, mesh: DeviceMesh, cfg: LlamaConf
     return transforms
 
 
+def nonfinite_guard(args: argparse.Namespace, mesh: DeviceMesh) -> list:
+    """``--nonfinite``: the guard goes after every other transform (it wraps fp16's scaler)."""
+    if args.nonfinite == "off":
+        return []
+    policy = "raise" if args.nonfinite == "stop" else "skip"
+    return [skip_nonfinite(policy, max_consecutive=args.max_nonfinite,
+                           mesh=mesh if mesh.world_size > 1 else None)]
+
+
 def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
     """``--preset``: the Colossal-AI-named preset over this run's mesh, as a transform (the
     optimizer already clips, so no max_norm)."""
@@ -419,6 +437,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         step, state = build_preset(args, mesh)(step, state)
     else:
         step, state = compose(*manual_transforms(args, mesh, cfg))(step, state)
+    step, state = compose(*nonfinite_guard(args, mesh))(step, state)
     # Resuming: the state is loaded into this run's layout (resharded from the saved global
     # slices); the loader is deterministic from the seed, so the data position (batches
     # consumed, kept in the checkpoint's metadata) restores the data order.
@@ -468,7 +487,9 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     tail_mean = sum(r["loss"] for r in tail) / len(tail)
     say(f"done: {args.steps} steps in {elapsed:.1f}s "
         f"({args.steps * loader.tokens_per_batch / elapsed:,.0f} tok/s) | "
-        f"loss first {first:.4f} last {last:.4f} (mean of last {len(tail)}: {tail_mean:.4f})",
+        f"loss first {first:.4f} last {last:.4f} (mean of last {len(tail)}: {tail_mean:.4f})"
+        + (f" | {int(state.extras['skipped_steps'])} step(s) skipped on inf/nan gradients"
+           if int(state.extras.get("skipped_steps", 0)) else ""),
         flush=True)
     if args.comm_report:
         shown = [r for r in comm_records if r.step is not None and r.step <= args.comm_report]

@@ -62,6 +62,8 @@ def test_thirty_steps_learn_and_log(tmp_path, data_cache, capsys):
     # Warm-up: the lr rises over the first 5 steps, then decays.
     lrs = [r["lr"] for r in rows]
     assert lrs[0] < lrs[4] and lrs[-1] < lrs[5]
+    # --nonfinite skip (the default) guards every step; none was skipped here.
+    assert int(out["state"].extras["skipped_steps"]) == 0 and "skipped" in history[-1]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -101,6 +101,8 @@ def test_errors():
     step, state = _build(skip_nonfinite())
     with pytest.raises(ValueError, match="already applied"):
         skip_nonfinite()(step, state)
+    with pytest.raises(ValueError, match="apply amp_cast first, then skip_nonfinite"):
+        amp_cast("fp16")(step, state)  # it would replace the guard
 
 
 class _Scale(torch.nn.Module):

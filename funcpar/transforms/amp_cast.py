@@ -171,6 +171,10 @@ def amp_cast(
             taken = [k for k in ("loss_scale", "good_steps") if k in extras]
             if taken:
                 raise ValueError(f"amp_cast: state.extras already holds {taken}")
+            if step.loss_scaler is not None:  # it would be replaced, its guard lost
+                raise ValueError(f"amp_cast('fp16'): the step already has a loss scaler "
+                                 f"({type(step.loss_scaler).__name__}, e.g. skip_nonfinite's): "
+                                 "apply amp_cast first, then skip_nonfinite (which wraps fp16's)")
             world = _world_size()
             if world > 1 and mesh is None:
                 raise ValueError(f"amp_cast('fp16') under {world} processes needs mesh= (the "

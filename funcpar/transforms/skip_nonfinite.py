@@ -33,7 +33,7 @@ wraps fp16's loss scaler: the scaling, the skip and the scale's backoff stay fp1
 guard adds only its counts and the ``raise`` policy (fp16 skips a step with an overflow anyway;
 whether the scale or the gradients caused it, ``max_consecutive`` overflows in a row stop the
 run). Any other loss scaler already set is wrapped the same way. ``amp_cast("fp16")`` applied
-*after* this transform would replace the guard: apply ``skip_nonfinite`` after ``amp_cast``.
+*after* this transform is refused (it would replace the guard): apply it before.
 Under more than one process ``mesh=`` (the mesh of the parallel transforms) is required,
 refused without one, as for fp16.
 """

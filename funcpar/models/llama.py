@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-__all__ = ["Llama", "LlamaConfig", "RMSNorm", "lm_loss", "rotary_cos_sin"]
+from funcpar.models.moe import MoE, MoEStats
+
+__all__ = ["Llama", "LlamaConfig", "MoEOutput", "RMSNorm", "lm_loss", "moe_lm_loss",
+           "rotary_cos_sin"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,14 @@ class LlamaConfig:
 
     ``n_kv_heads=None`` means ``n_heads`` (plain multi-head attention). ``ffn_hidden=None``
     gives Llama's SwiGLU width: ``8/3 * dim`` rounded up to a multiple of 32.
+
+    Mixture of Experts (:mod:`funcpar.models.moe`): with ``n_experts > 0`` every
+    ``moe_every``-th block (blocks ``moe_every - 1, 2 moe_every - 1, ...``) has an MoE
+    feed-forward of ``n_experts`` SwiGLU experts of width ``hidden``, ``top_k`` of them per token,
+    ``capacity_factor`` (None: dropless) and router noise ``router_noise`` (std of the logits'
+    noise, in training mode). The model then returns a :class:`MoEOutput` whose
+    ``router_loss = aux_loss_weight * sum(load-balancing losses) + z_loss_weight * sum(z-losses)``
+    over the MoE blocks; :func:`moe_lm_loss` adds it to the language-model loss.
     """
 
     vocab_size: int = 256
@@ -53,6 +65,13 @@ class LlamaConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    n_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float | None = 1.25
+    router_noise: float = 0.0
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
@@ -79,6 +98,30 @@ class LlamaConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"LlamaConfig.{name} must be finite and > 0, got {value!r}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"LlamaConfig.n_experts must be an int >= 0, got {self.n_experts!r}")
+        if not self.n_experts:
+            return
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"LlamaConfig.top_k ({self.top_k}) must be in "
+                             f"[1, n_experts={self.n_experts}]")
+        if not 1 <= self.moe_every <= self.n_layers:
+            raise ValueError(f"LlamaConfig.moe_every ({self.moe_every}) must be in "
+                             f"[1, n_layers={self.n_layers}]: no block would be MoE")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError("LlamaConfig.capacity_factor must be > 0 or None (dropless), got "
+                             f"{self.capacity_factor!r}")
+        for name in ("router_noise", "aux_loss_weight", "z_loss_weight"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"LlamaConfig.{name} must be finite and >= 0, got {value!r}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` has an MoE feed-forward."""
+        return self.n_experts > 0 and (layer + 1) % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -200,6 +243,36 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class MoEBlock(Block):
+    """A block whose feed-forward is :class:`~funcpar.models.moe.MoE`; returns ``(y, stats)``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__(cfg)
+        self.mlp = MoE(cfg.dim, cfg.hidden, cfg.n_experts, top_k=cfg.top_k,
+                       capacity_factor=cfg.capacity_factor, noise_std=cfg.router_noise)
+
+    def forward(
+        self,
+        x: Float[Tensor, "batch seq dim"],
+        cos: Float[Tensor, "positions head_dim"],
+        sin: Float[Tensor, "positions head_dim"],
+    ) -> tuple[Float[Tensor, "batch seq dim"], MoEStats]:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        y, stats = self.mlp(self.post_attention_layernorm(h))
+        return h + y, stats
+
+
+class MoEOutput(NamedTuple):
+    """What an MoE :class:`Llama` returns: the logits, the weighted router loss to add to the
+    training loss, and per MoE block (in model order) its kept assignments per expert and its
+    dropped assignments."""
+
+    logits: Float[Tensor, "batch seq vocab"]
+    router_loss: Float[Tensor, ""]
+    tokens_per_expert: Int[Tensor, "moe_blocks experts"]
+    dropped: Int[Tensor, " moe_blocks"]
+
+
 class Llama(nn.Module):
     """Token ids ``[batch, seq]`` to next-token logits ``[batch, seq, vocab]``.
 
@@ -228,7 +301,8 @@ class Llama(nn.Module):
             self.embed_tokens = nn.Embedding(
                 cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim)
             )
-            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.layers = nn.ModuleList(
+                MoEBlock(cfg) if cfg.is_moe(i) else Block(cfg) for i in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.to_empty(device="cpu")
@@ -248,10 +322,13 @@ class Llama(nn.Module):
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.fill_(1.0)
                 continue
-            s = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            s = residual_std if name.endswith(("o_proj.weight", "down_proj.weight",
+                                               "experts.down_proj")) else std
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
 
-    def forward(self, tokens: Int[Tensor, "batch seq"]) -> Float[Tensor, "batch seq vocab"]:
+    def forward(
+        self, tokens: Int[Tensor, "batch seq"]
+    ) -> Float[Tensor, "batch seq vocab"] | MoEOutput:
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.cfg.max_seq_len}")
@@ -259,9 +336,21 @@ class Llama(nn.Module):
         cos, sin = rotary_cos_sin(
             t, self.cfg.head_dim, self.cfg.rope_theta, dtype=x.dtype, device=x.device
         )
+        stats = []
         for block in self.layers:
-            x = block(x, cos, sin)
-        return self.lm_head(self.norm(x))
+            if isinstance(block, MoEBlock):
+                x, s = block(x, cos, sin)
+                stats.append(s)
+            else:
+                x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if not stats:
+            return logits
+        cfg = self.cfg
+        router_loss = (cfg.aux_loss_weight * sum(s.aux_loss for s in stats)
+                       + cfg.z_loss_weight * sum(s.z_loss for s in stats))
+        return MoEOutput(logits, router_loss, torch.stack([s.tokens_per_expert for s in stats]),
+                         torch.stack([s.dropped for s in stats]))
 
 
 def lm_loss(
@@ -278,6 +367,12 @@ def lm_loss(
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=ignore_index
     )
+
+
+def moe_lm_loss(out: MoEOutput, targets: Int[Tensor, "batch seq"]) -> Float[Tensor, ""]:
+    """``lm_loss(out.logits, targets) + out.router_loss``: the training loss of an MoE
+    :class:`Llama` (the router losses' weights are the config's)."""
+    return lm_loss(out.logits, targets) + out.router_loss.to(_compute_dtype(out.logits.dtype))
 
 
 # Declares what lm_loss computes, so that tensor parallelism may swap in the vocab-parallel

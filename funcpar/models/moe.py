@@ -140,9 +140,10 @@ def combine(
     (``first``: the global index of the first local expert, for an expert-parallel shard)."""
     out = torch.zeros_like(x)
     for e in range(experts.gate_proj.shape[0]):
+        # An expert with no token still runs (on no rows): the weights stay in the autograd
+        # graph, so their gradient hooks fire on every rank alike (data_parallel's buckets
+        # are launched from them, in an order that must agree across ranks).
         mine = (expert == e + first).nonzero().squeeze(-1)
-        if mine.numel() == 0:
-            continue  # no token for this expert: its weights get a zero gradient
         rows = token[mine]
         y = experts(e, x[rows]) * gate[mine, None].to(x.dtype)
         out = out.index_add(0, rows, y)
@@ -183,8 +184,11 @@ class MoE(nn.Module):
         flat = r.kept.reshape(-1)
         a = flat.nonzero().squeeze(-1)
         token = torch.div(a, self.top_k, rounding_mode="floor")
-        y = combine(self.experts, x.reshape(-1, d), token, r.expert.reshape(-1)[a],
-                    r.gate.reshape(-1)[a])
+        # ``self.dispatch`` is :func:`combine` on one process; expert parallelism installs an
+        # all_to_all version for the duration of a call (funcpar.transforms.expert_parallel).
+        dispatch = self.__dict__.get("dispatch", combine)
+        y = dispatch(self.experts, x.reshape(-1, d), token, r.expert.reshape(-1)[a],
+                     r.gate.reshape(-1)[a])
         counts = torch.bincount(r.expert.reshape(-1)[a], minlength=self.n_experts)
         stats = MoEStats(r.aux_loss, r.z_loss, counts, (~flat).sum())
         return y.reshape(b, t, d), stats

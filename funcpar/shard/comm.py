@@ -1,7 +1,8 @@
 """Collectives over one mesh axis, each recorded with what asked for it.
 
 Thin wrappers over torch.distributed: :func:`all_reduce`, :func:`all_gather` (uneven pieces
-included), :func:`reduce_scatter`, :func:`broadcast`, :func:`send` / :func:`recv`, and
+included), :func:`reduce_scatter`, :func:`all_to_all` (uneven splits, expert parallelism),
+:func:`broadcast`, :func:`send` / :func:`recv`, and
 :func:`batch_p2p` (asynchronous sends and receives posted together, for pipeline stages).
 Each takes the mesh, the axis to communicate over and a ``purpose`` (the leaf name or what
 asked), and is functional: it returns a new tensor and leaves its input alone
@@ -13,7 +14,8 @@ axis, bytes, purpose) to the process-local :data:`comm_log` while it is enabled,
 open :meth:`CommLog.capture`. ``bytes`` follows nccl-tests' convention - the size of the largest
 buffer of the operation on this rank: the tensor for all_reduce / broadcast / send / recv, the
 gathered output for all_gather, the full input for reduce_scatter (uneven pieces padded to the
-largest one, as they travel). :func:`comm_report` prints a table per step.
+largest one, as they travel), the larger of the send and receive buffers for all_to_all.
+:func:`comm_report` prints a table per step.
 
 These are not autograd functions: a differentiable collective (Megatron's f/g operators) wraps
 them in a ``torch.autograd.Function`` so that its traffic is recorded too.
@@ -38,6 +40,7 @@ __all__ = [
     "Pending",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "batch_p2p",
     "broadcast",
     "chunk_sizes",
@@ -296,6 +299,33 @@ def all_gather(
         return out if d == 0 else out.movedim(0, d).contiguous()
 
     return Pending(work, None, finish) if async_op else finish()
+
+
+def all_to_all(
+    t: Tensor,
+    mesh: DeviceMesh,
+    axis: str,
+    send_sizes: Sequence[int],
+    recv_sizes: Sequence[int],
+    *,
+    purpose: str = "",
+) -> Tensor:
+    """Rows ``t[sum(send_sizes[:j]) : sum(send_sizes[:j+1])]`` go to the rank at coordinate
+    ``j`` of ``axis``; the result is what every rank sent here, concatenated in coordinate order
+    (``recv_sizes[j]`` rows from rank ``j``). Splits may be uneven and empty."""
+    k = mesh.size(axis)
+    send_sizes, recv_sizes = [int(s) for s in send_sizes], [int(s) for s in recv_sizes]
+    if len(send_sizes) != k or len(recv_sizes) != k or sum(send_sizes) != t.shape[0]:
+        raise ValueError(f"all_to_all over {axis} ({purpose}): send sizes {send_sizes} and "
+                         f"receive sizes {recv_sizes} do not fit {k} ranks and {t.shape[0]} rows")
+    if k == 1:
+        return t
+    import torch.distributed as dist
+
+    out = t.new_empty((sum(recv_sizes), *t.shape[1:]))
+    comm_log.record("all_to_all", mesh, axis, max(_nbytes(t), _nbytes(out)), purpose, t.dtype)
+    dist.all_to_all_single(out, t.contiguous(), recv_sizes, send_sizes, group=mesh.group(axis))
+    return out
 
 
 def reduce_scatter(

@@ -4,6 +4,7 @@ from funcpar.init.lazy import materialize
 from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.compose import compose
 from funcpar.transforms.data_parallel import data_parallel
+from funcpar.transforms.expert_parallel import expert_parallel
 from funcpar.transforms.offload import offload
 from funcpar.transforms.pipeline_split import pipeline_split
 from funcpar.transforms.remat import remat
@@ -15,6 +16,7 @@ __all__ = [
     "amp_cast",
     "compose",
     "data_parallel",
+    "expert_parallel",
     "logits_of",
     "materialize",
     "offload",

@@ -1,0 +1,222 @@
+"""``expert_parallel``: the experts of every MoE block spread over a mesh axis.
+
+``step, state = expert_parallel(mesh, axis="ep")(step, state)`` (GShard, Lepikhin et al. 2020,
+arXiv 2006.16668; DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv 2201.05596): each of the ``ep``
+ranks holds ``E / ep`` consecutive experts of every :class:`~funcpar.models.moe.MoE` block -
+the stacked leaves ``experts.{gate,up,down}_proj`` get the layout ``{ep: Shard(0)}`` - and its
+own slice of the batch, as a data-parallel rank does. In each MoE block a rank routes its own
+tokens (the router is replicated), then
+
+1. sends each kept assignment's token row to the rank holding its expert, and the expert index
+   with it: :func:`funcpar.shard.comm.all_to_all` with uneven splits (the counts travel first,
+   one small all_to_all);
+2. runs its local experts on the rows it received;
+3. sends the outputs back with the reverse splits, where each is scaled by its gate and added
+   to its token.
+
+The all_to_all is differentiable (its backward is the reverse all_to_all), so after the backward
+an expert's gradient on its owner is the sum over the ep group of every rank's contribution.
+
+**Gradients.** With ``L = mean_r L_r`` over the ``ep`` ranks (and over ``dp`` by
+``data_parallel``): a replicated leaf's gradient is averaged over ``ep`` (an all-reduce); an
+expert leaf's gradient already holds ``sum_r dL_r/dw`` and is divided by ``ep``. The expert
+leaves are then reduced over the *expert-data-parallel* group, the ``dp`` axis, by
+``data_parallel`` like every other leaf, so the replicated leaves are averaged over ``ep x dp``
+and the experts over ``dp``: Colossal-AI's "moe data parallel" group. The loss reported is the
+mean over ``ep``.
+
+Routing is per sequence (:mod:`funcpar.models.moe`), so the router's choices, the capacity and
+the router losses do not depend on how the batch is split: the step equals the one-process
+step on the global batch, up to the order of floating-point sums. Every optimizer's reductions
+consult the layouts (``Shard(0)`` over ``ep`` on the experts), so they stay exact as well.
+
+**Composition.** Apply ``expert_parallel`` before ``zero_partition`` (which then partitions the
+expert shards over ``dp``, their own data-parallel group) and in any order with
+``data_parallel``, ``amp_cast`` and ``remat``. ``pipeline_split`` and ``shard_params``
+(tensor parallelism) are refused for now (docs/MOE.md, "Not yet").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from funcpar.models.moe import Experts, MoE, combine
+from funcpar.shard import comm
+from funcpar.shard.layout import Layout, Shard, shard_tensor
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.state.train_state import TrainState
+from funcpar.train.step import TrainStep
+from funcpar.transforms.data_parallel import bucketed_mean, split_batch
+
+__all__ = ["expert_leaves", "expert_parallel"]
+
+_EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
+
+
+class _AllToAll(torch.autograd.Function):
+    """:func:`comm.all_to_all` whose backward sends the gradients back the reverse way."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, mesh: DeviceMesh, axis: str, send: list[int],
+                recv: list[int], purpose: str) -> Tensor:
+        ctx.args = mesh, axis, send, recv, purpose
+        return comm.all_to_all(x, mesh, axis, send, recv, purpose=purpose)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        mesh, axis, send, recv, purpose = ctx.args
+        back = comm.all_to_all(grad, mesh, axis, recv, send, purpose=f"{purpose} grad")
+        return back, None, None, None, None, None
+
+
+def expert_leaves(module: torch.nn.Module) -> dict[str, MoE]:
+    """``{leaf name: its MoE block}`` for the stacked expert leaves of every MoE block."""
+    out = {}
+    for name, m in module.named_modules():
+        if isinstance(m, MoE):
+            for leaf in _EXPERT_LEAVES:
+                out[f"{name}.experts.{leaf}" if name else f"experts.{leaf}"] = m
+    return out
+
+
+def _dispatch(mesh: DeviceMesh, axis: str, who: str) -> Callable[..., Tensor]:
+    """The expert-parallel replacement of :func:`~funcpar.models.moe.combine`."""
+    ep, rank = mesh.size(axis), mesh.rank(axis)
+
+    def dispatch(
+        experts: Experts,
+        x: Float[Tensor, "n dim"],
+        token: Int[Tensor, " a"],
+        expert: Int[Tensor, " a"],
+        gate: Float[Tensor, " a"],
+    ) -> Float[Tensor, "n dim"]:
+        local = experts.gate_proj.shape[0]
+        # Assignments in expert order, so each destination's rows are contiguous (and each
+        # token's contributions are added in the one-process order: by expert).
+        order = torch.argsort(expert, stable=True)
+        token, expert, gate = token[order], expert[order], gate[order]
+        send = torch.bincount(torch.div(expert, local, rounding_mode="floor"), minlength=ep)
+        recv = comm.all_to_all(send[:, None], mesh, axis, [1] * ep, [1] * ep,
+                               purpose=f"{who}: token counts")[:, 0]
+        send_l, recv_l = send.tolist(), recv.tolist()
+        rows = _AllToAll.apply(x[token], mesh, axis, send_l, recv_l, f"{who}: tokens")
+        got = comm.all_to_all(expert, mesh, axis, send_l, recv_l, purpose=f"{who}: expert ids")
+        n = got.shape[0]
+        ones = torch.ones(n, dtype=x.dtype, device=x.device)
+        y = combine(experts, rows, torch.arange(n, device=x.device), got, ones,
+                    first=rank * local)
+        back = _AllToAll.apply(y, mesh, axis, recv_l, send_l, f"{who}: expert outputs")
+        return torch.zeros_like(x).index_add(0, token, back * gate[:, None].to(x.dtype))
+
+    return dispatch
+
+
+@contextlib.contextmanager
+def _installed(blocks: dict[str, MoE], mesh: DeviceMesh, axis: str) -> Iterator[None]:
+    for name, m in blocks.items():
+        m.dispatch = _dispatch(mesh, axis, name or "moe")
+    try:
+        yield
+    finally:
+        for m in blocks.values():
+            m.__dict__.pop("dispatch", None)
+
+
+def expert_parallel(
+    mesh: DeviceMesh, *, axis: str = "ep", bucket_mb: float = 25.0
+) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
+    """The expert-parallel transform over ``axis`` (see the module docstring)."""
+    if axis not in mesh.axis_names:
+        raise ValueError(f"expert_parallel: the mesh has no axis {axis!r}: its axes are "
+                         f"{mesh.axis_names}")
+    _check_world(mesh)
+    ep = mesh.size(axis)
+    bucket_bytes = int(bucket_mb * 2**20)
+
+    def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
+        module = getattr(step.apply_fn, "module", None)
+        if module is None:
+            raise TypeError("expert_parallel needs a step built on functionalize(module)'s "
+                            "apply_fn")
+        leaves = expert_leaves(module)
+        if not leaves:
+            raise ValueError("expert_parallel: the model has no MoE block (funcpar.models.moe"
+                             ".MoE), so no expert leaf to split over "
+                             f"{axis!r}; set LlamaConfig.n_experts > 0")
+        _refuse(step, state)
+        blocks = {name: m for name, m in module.named_modules() if isinstance(m, MoE)}
+        for name, m in blocks.items():
+            if m.n_experts % ep:
+                raise ValueError(f"expert_parallel: {name!r} has {m.n_experts} experts, not "
+                                 f"divisible by {axis}={ep}")
+        missing = [n for n in leaves if n not in state.params]
+        if missing:
+            raise ValueError(f"expert_parallel: expert leaves {missing} are not in the params")
+        layouts = dict(step.layouts) if step.layouts is not None else {
+            n: None for n in state.params}
+        params = dict(state.params)
+        for n in leaves:
+            lay = Layout(mesh, params[n].shape, {axis: Shard(0)}, name=n)
+            layouts[n], params[n] = lay, shard_tensor(params[n], lay)
+        inner_batch, inner_grads, inner_loss = step.local_batch, step.sync_grads, step.sync_loss
+        replicated = [n for n in state.params if n not in leaves]
+
+        def local_batch(batch: Any) -> Any:
+            batch = inner_batch(batch) if inner_batch is not None else batch
+            return split_batch(batch, mesh, axis)
+
+        def sync_grads(grads: dict[str, Tensor]) -> dict[str, Tensor]:
+            grads = inner_grads(grads) if inner_grads is not None else grads
+            out = dict(grads)
+            out.update(bucketed_mean({n: grads[n] for n in replicated}, mesh, axis,
+                                     bucket_bytes))
+            for n in leaves:
+                out[n] = grads[n] / ep  # the all_to_all's backward summed the ep group
+            return out
+
+        def sync_loss(loss: Tensor) -> Tensor:
+            loss = inner_loss(loss) if inner_loss is not None else loss
+            return comm.all_reduce(loss, mesh, axis, purpose="ep loss") / ep
+
+        def apply_fn(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
+            with _installed(blocks, mesh, axis):
+                return step.apply_fn(params, buffers, *args, **kwargs)
+
+        apply_fn.module = module
+        new_step = dataclasses.replace(step, apply_fn=apply_fn, layouts=layouts,
+                                       local_batch=local_batch, sync_grads=sync_grads,
+                                       sync_loss=sync_loss)
+        return new_step, state._replace(params=params, opt_state=step.optimizer.init(params))
+
+    return transform
+
+
+def _check_world(mesh: DeviceMesh) -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != mesh.world_size:
+        raise ValueError(f"expert_parallel: the mesh {mesh.shape} covers {mesh.world_size} ranks "
+                         f"but the world has {dist.get_world_size()}: ep x the other axes must "
+                         "equal the world size")
+
+
+def _refuse(step: TrainStep, state: TrainState) -> None:
+    if int(state.step) != 0:
+        raise ValueError(f"expert_parallel takes a fresh state (step 0), got step "
+                         f"{int(state.step)}; reshard trained states through a checkpoint")
+    if step.partition is not None:
+        raise ValueError("apply expert_parallel before zero_partition: the partition cuts the "
+                         "expert shards over their data-parallel group")
+    if step.layouts is not None:
+        raise ValueError("expert_parallel with shard_params (tensor parallelism inside the "
+                         "experts or around them) is not supported yet (docs/MOE.md, Not yet)")
+    if step.pipeline is not None:
+        raise ValueError("expert_parallel with pipeline_split is not supported yet "
+                         "(docs/MOE.md, Not yet)")

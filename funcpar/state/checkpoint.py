@@ -76,6 +76,7 @@ import optree
 import torch
 from torch import Tensor
 
+from funcpar.state.donation import check_not_donated
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import (
     NAMESPACE,
@@ -453,6 +454,7 @@ def save(
 
     if not isinstance(state, TrainState):
         raise TypeError(f"save takes a TrainState, got {type(state).__name__}")
+    check_not_donated(state, "save")  # a consumed state's storage holds the next step's values
     final, tmp, old = _siblings(os.fspath(path))
     rank, world = _rank_world()
     # Leaves kept out of memory by the step (offload's store) are read back by it: the

@@ -14,6 +14,7 @@ from torch import Tensor
 from funcpar.optim.base import GradientTransformation, update_params
 from funcpar.optim.clip import global_norm, reuse_global_norm
 from funcpar.optim.hyperparams import get_hyperparams
+from funcpar.state.donation import check_not_donated, donate_into
 from funcpar.state.functional import ApplyFn
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
@@ -159,6 +160,19 @@ class TrainStep:
     gradients it computes its own. ``False`` computes every norm anew (the results are the
     same, with the clip's all-reduces; for tests and measurements).
 
+    ``donate`` (``make_train_step(..., donate=True)``): the step consumes its input state, as
+    JAX's ``donate_argnums`` does. The new params, buffers and optimizer state are written into
+    the input's storage (in place where the optimizer runs under
+    :func:`funcpar.kernels.dispatch.inplace_updates`, else copied in after the update) and
+    returned as fresh tensor objects aliasing it; the input's tensor objects are marked donated,
+    and passing that state to a step or to ``funcpar.state.save`` again raises
+    :class:`funcpar.state.donation.DonatedError` naming donation. Results are bit-identical to
+    ``donate=False``; a skipped fp16 step returns the params exactly as they were. It is one
+    flag on the step, not a hook per transform: every transform rewrites the step with
+    ``dataclasses.replace``, which carries it through, and only ``__call__`` acts on it, after
+    the transformed parts have produced the new state (their leaves keep the input's shapes,
+    dtypes and devices; an offloaded meta leaf is returned as computed).
+
     ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
     they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
     plan and the data-parallel axis, so that the transforms compose in either order.
@@ -180,6 +194,7 @@ class TrainStep:
     precision: str | None = None
     pipeline: Any = None
     share_grad_norm: bool = True
+    donate: bool = False
 
     def __post_init__(self) -> None:
         # ZeRO-3 installs the gathered float32 leaves into the modules itself, past the params
@@ -257,14 +272,19 @@ class TrainStep:
             from funcpar.init.lazy import check_materialized  # the lazy-init layer sits above
 
             check_materialized(state, "TrainStep")
+        check_not_donated(state, "TrainStep")
         devices = [device] if device.type == "cuda" else []
         extras = state.extras
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), _inplace_scope(self.donate):
             _set_rng(device, state.rng)
             params, buffers, opt_state, loss, gnorm, finite = self._core(
                 state.params, state.buffers, state.opt_state, batch, extras
             )
             rng = _get_rng(device)
+        if self.donate:
+            params = donate_into(state.params, params)
+            buffers = donate_into(state.buffers, buffers)
+            opt_state = donate_into(state.opt_state, opt_state)
         metrics = {"loss": loss, "grad_norm": gnorm}
         hp = get_hyperparams(opt_state)
         if "lr" in hp:
@@ -282,11 +302,27 @@ def make_train_step(
     *,
     layouts: Tree | None = None,
     compile: bool = False,
+    donate: bool = False,
 ) -> TrainStep:
     """The pure training step of ``apply_fn``, ``loss_fn`` and ``optimizer`` (see
     :class:`TrainStep`). With ``compile=True`` the forward and backward run under
-    ``torch.compile``."""
-    return TrainStep(apply_fn, loss_fn, optimizer, layouts=layouts, compile=compile)
+    ``torch.compile``. With ``donate=True`` each call consumes the state it is given and
+    returns the next one in its storage (:class:`TrainStep`'s ``donate``): keep only the
+    returned state."""
+    return TrainStep(apply_fn, loss_fn, optimizer, layouts=layouts, compile=compile,
+                     donate=donate)
+
+
+def _inplace_scope(donate: bool) -> contextlib.AbstractContextManager:
+    """``funcpar.kernels.dispatch.inplace_updates()`` under donation (the optimizer may then
+    overwrite the tensors it is given), where that kernel layer provides it; else nothing."""
+    if not donate:
+        return contextlib.nullcontext()
+    try:
+        from funcpar.kernels.dispatch import inplace_updates
+    except ImportError:  # the in-place optimizer paths are not there: copy in after the update
+        return contextlib.nullcontext()
+    return inplace_updates()
 
 
 def _device_of(tree: Tree) -> torch.device:

@@ -1,0 +1,90 @@
+"""Buffer donation: a step that consumes its input state and returns the new one in its storage.
+
+JAX's ``donate_argnums`` lets a pure function reuse its arguments' buffers for its results;
+afterwards the donated arrays are unusable ("buffer has been donated"). funcpar does the same
+for a :class:`~funcpar.state.TrainState`: :func:`donate_into` writes each new leaf into the
+storage of the old leaf it replaces, hands back *fresh* tensor objects aliasing that storage,
+and marks the old tensor objects donated (an attribute on the Python object, not on the
+storage), so that :func:`check_not_donated` — called at step entry and by ``save`` — refuses
+the consumed state with an error that names donation instead of computing on overwritten
+values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcpar.state.tree import Tree, named_leaves, tree_flatten, tree_unflatten
+
+__all__ = ["DonatedError", "check_not_donated", "donate_into", "mark_donated"]
+
+_MARK = "_funcpar_donated"
+
+
+class DonatedError(RuntimeError):
+    """A tensor of a TrainState that was donated to a step (consumed) was used again."""
+
+
+def mark_donated(tree: Tree) -> None:
+    """Mark every tensor leaf of ``tree`` as donated (consumed by a step)."""
+    for leaf in tree_flatten(tree)[0]:
+        if torch.is_tensor(leaf):
+            setattr(leaf, _MARK, True)
+
+
+def check_not_donated(state: Any, where: str) -> None:
+    """Raise :class:`DonatedError` naming the first donated leaf of ``state`` (a TrainState or
+    any tree). ``where`` names the caller ("TrainStep", "save")."""
+    # The fast scan runs every step; the leaf names are built only for the error.
+    if not any(getattr(x, _MARK, False) for x in tree_flatten(tuple(state))[0]):
+        return
+    for name, leaf in named_leaves(tuple(state)):
+        if torch.is_tensor(leaf) and getattr(leaf, _MARK, False):
+            raise DonatedError(
+                f"{where}: leaf {name!r} of this TrainState has been donated to a step "
+                "(donate=True) and its storage now holds the next state: use the state that "
+                "step returned, or build the step with donate=False to keep the input")
+
+
+def _reusable(old: Any, new: Any) -> bool:
+    # Write into the old storage only where it is a plain dense tensor that can hold the new
+    # value bit for bit; a meta leaf (offload), another layout, dtype or device keeps the new one.
+    return (torch.is_tensor(old) and torch.is_tensor(new) and old is not new
+            and old.shape == new.shape and old.dtype == new.dtype
+            and old.device == new.device and old.device.type != "meta"
+            and old.layout == torch.strided and old.stride() == new.stride()
+            and not old.requires_grad)
+
+
+def donate_into(old: Tree, new: Tree) -> Tree:
+    """``new`` moved into ``old``'s storage where shapes, dtypes and devices match.
+
+    Returns a tree of fresh tensor objects (``detach()`` aliases: same storage, new Python
+    object) with ``new``'s values; every tensor leaf of ``old`` is then marked donated. Leaves
+    of ``new`` that are ``old``'s very objects (a skipped step, an unchanged hyper-parameter)
+    are aliased as they are, so their values stay exactly as they were. When the two trees'
+    structures differ, ``new`` is returned as computed (aliased), and ``old`` is still marked.
+    """
+    old_leaves, old_spec = tree_flatten(old)
+    new_leaves, new_spec = tree_flatten(new)
+    same = old_spec == new_spec and len(old_leaves) == len(new_leaves)
+    # An old tensor object the new state still holds (elsewhere) must keep its value.
+    kept = {id(n) for n in new_leaves}
+    out = []
+    for i, n in enumerate(new_leaves):
+        o = old_leaves[i] if same else None
+        if _reusable(o, n) and id(o) not in kept:
+            with torch.no_grad():
+                o.copy_(n)
+            n = o
+        out.append(n.detach() if torch.is_tensor(n) else n)
+    mark_donated(old)
+    return tree_unflatten(new_spec, out)
+
+
+def is_donated(t: Tensor) -> bool:
+    """Whether the tensor object ``t`` was donated."""
+    return bool(getattr(t, _MARK, False))

@@ -424,10 +424,14 @@ class Preset:
         buffers: Any = None,
         seed: int = 0,
         compile: bool = False,
+        donate: bool = True,
     ) -> Composed:
         """``make_train_step`` + ``init_state`` of ``model`` (an ``nn.Module``, or an
         ``apply_fn`` from ``functionalize`` with its ``params`` and ``buffers``), then this
-        composition: Colossal-AI's ``booster.boost(model, optimizer, criterion)``."""
+        composition: Colossal-AI's ``booster.boost(model, optimizer, criterion)``. The step
+        donates by default (``donate=True``, see :class:`~funcpar.train.TrainStep`): each call
+        consumes the state it is given, so keep only the state it returns; the model's own
+        tensors are the first state's storage and are updated with it."""
         if isinstance(model, nn.Module):
             if params is not None or buffers is not None:
                 raise ValueError(f"{self.name}: params/buffers come from the module; pass them "
@@ -442,15 +446,15 @@ class Preset:
         if not isinstance(optimizer, GradientTransformation):
             raise TypeError(f"{self.name}: optimizer must be a funcpar GradientTransformation "
                             f"(funcpar.optim), got {type(optimizer).__name__}")
-        step = make_train_step(apply_fn, loss_fn, optimizer, compile=compile)
+        step = make_train_step(apply_fn, loss_fn, optimizer, compile=compile, donate=donate)
         return self(step, init_state(params, buffers, optimizer, seed))
 
 
 def _preset(name: str, model: Any, loss_fn: Any, optimizer: Any, params: Any, buffers: Any,
-            seed: int, compile: bool, /, **choices: Any) -> Preset | Composed:
+            seed: int, compile: bool, donate: bool, /, **choices: Any) -> Preset | Composed:
     """Every preset function's body: ``Preset(name, **choices)`` (its checks run first, so a
     bad choice is reported before a missing model argument), then, with ``model``, the preset
-    boosted onto it (``params``, ``buffers``, ``seed``, ``compile`` go to
+    boosted onto it (``params``, ``buffers``, ``seed``, ``compile``, ``donate`` go to
     :meth:`Preset.boost`); without ``model``, the preset itself (a transform)."""
     preset = Preset(name, **choices)
     if model is None:
@@ -462,7 +466,7 @@ def _preset(name: str, model: Any, loss_fn: Any, optimizer: Any, params: Any, bu
     if loss_fn is None or optimizer is None:
         raise ValueError(f"{preset.name}: pass model, loss_fn and optimizer together")
     return preset.boost(model, loss_fn, optimizer, params=params, buffers=buffers, seed=seed,
-                        compile=compile)
+                        compile=compile, donate=donate)
 
 
 def hybrid_parallel(
@@ -496,6 +500,7 @@ def hybrid_parallel(
     buffers: Any = None,
     seed: int = 0,
     compile: bool = False,
+    donate: bool = True,
 ) -> Preset | Composed:
     """Colossal-AI's ``HybridParallelPlugin``: ``pp x dp x tp`` with ZeRO 0-3 over dp.
 
@@ -506,7 +511,7 @@ def hybrid_parallel(
     :class:`Composed` ``(step, state)``; without: the :class:`Preset` (a transform).
     """
     return _preset(
-        "hybrid_parallel", model, loss_fn, optimizer, params, buffers, seed, compile,
+        "hybrid_parallel", model, loss_fn, optimizer, params, buffers, seed, compile, donate,
         tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
         zero_stage=zero_stage, precision=precision, microbatches=microbatches,
         sequence_parallel=sequence_parallel, rules=rules, mesh=mesh, max_norm=max_norm,
@@ -538,6 +543,7 @@ def low_level_zero(
     buffers: Any = None,
     seed: int = 0,
     compile: bool = False,
+    donate: bool = True,
 ) -> Preset | Composed:
     """Colossal-AI's ``LowLevelZeroPlugin(stage)``: data parallelism over every rank with ZeRO
     stage 1 (optimizer state partitioned) or 2 (and gradients); ``cpu_offload`` keeps the
@@ -547,7 +553,7 @@ def low_level_zero(
         raise ValueError(f"low_level_zero: stage must be 1 or 2 (LowLevelZeroPlugin's stages), "
                          f"got {stage!r}; ZeRO-3 is gemini() or hybrid_parallel(zero_stage=3)")
     return _preset(
-        "low_level_zero", model, loss_fn, optimizer, params, buffers, seed, compile,
+        "low_level_zero", model, loss_fn, optimizer, params, buffers, seed, compile, donate,
         zero_stage=stage, precision=precision, mesh=mesh, max_norm=max_norm,
         offload="cpu" if cpu_offload else None, bucket_mb=bucket_mb, initial_scale=initial_scale,
         growth_factor=growth_factor, backoff_factor=backoff_factor,
@@ -571,12 +577,13 @@ def ddp(
     buffers: Any = None,
     seed: int = 0,
     compile: bool = False,
+    donate: bool = True,
 ) -> Preset | Composed:
     """Colossal-AI's ``TorchDDPPlugin`` (torch's DDP): the batch split over every rank,
     gradients averaged in ``bucket_mb`` buckets overlapped with the backward
     (``bucket_cap_mb``). ``compose(data_parallel(mesh, bucket_mb=bucket_mb),
     [amp_cast(precision)])``."""
-    return _preset("ddp", model, loss_fn, optimizer, params, buffers, seed, compile,
+    return _preset("ddp", model, loss_fn, optimizer, params, buffers, seed, compile, donate,
                    precision=precision, mesh=mesh, max_norm=max_norm, bucket_mb=bucket_mb,
                    initial_scale=initial_scale, batch_shape=batch_shape, plan=plan)
 
@@ -600,6 +607,7 @@ def gemini(
     buffers: Any = None,
     seed: int = 0,
     compile: bool = False,
+    donate: bool = True,
 ) -> Preset | Composed:
     """Colossal-AI's ``GeminiPlugin``: ZeRO-3 (parameters, gradients and optimizer state
     partitioned over dp, each block gathered when it runs) with the optimizer state offloaded
@@ -620,7 +628,7 @@ def gemini(
                          "hybrid_parallel(zero_stage=..., offload=...)")
     if offload not in (None, *OFFLOAD_TARGETS):
         raise ValueError(f"gemini: offload must be 'cpu', 'nvme' or None, got {offload!r}")
-    return _preset("gemini", model, loss_fn, optimizer, params, buffers, seed, compile,
+    return _preset("gemini", model, loss_fn, optimizer, params, buffers, seed, compile, donate,
                    tp_size=tp_size, zero_stage=3, precision=precision, mesh=mesh,
                    max_norm=max_norm, offload=offload, offload_path=offload_path,
                    initial_scale=initial_scale, batch_shape=batch_shape, plan=plan)
@@ -646,6 +654,7 @@ def titan_parallelize(
     buffers: Any = None,
     seed: int = 0,
     compile: bool = False,
+    donate: bool = True,
 ) -> Preset | Composed:
     """torchtitan's ``parallelize_llama`` steps in its ``ParallelDims`` vocabulary: ``tp``
     (tensor parallel), ``dp_shard`` (FSDP = ZeRO-3 over dp; -1: what the world leaves) and
@@ -669,6 +678,7 @@ def titan_parallelize(
     else:
         dp, stage = (None if dp_shard == -1 else dp_shard), 3
     return _preset("titan_parallelize", model, loss_fn, optimizer, params, buffers, seed, compile,
+                   donate,
                    tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=stage, precision=precision,
                    mesh=mesh, max_norm=max_norm, batch_shape=batch_shape, plan=plan,
                    microbatches=microbatches, pp_style=pp_schedule)

@@ -41,7 +41,8 @@ def check_not_donated(state: Any, where: str) -> None:
     # The fast scan runs every step; the leaf names are built only for the error.
     if not any(getattr(x, _MARK, False) for x in tree_flatten(tuple(state))[0]):
         return
-    for name, leaf in named_leaves(tuple(state)):
+    named = state._asdict() if hasattr(state, "_asdict") else state  # 'params.w', not '0.w'
+    for name, leaf in named_leaves(named):
         if torch.is_tensor(leaf) and getattr(leaf, _MARK, False):
             raise DonatedError(
                 f"{where}: leaf {name!r} of this TrainState has been donated to a step "

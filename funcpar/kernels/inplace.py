@@ -1,0 +1,68 @@
+"""When an optimizer step may take a fast path, and when it may write into its inputs.
+
+The contract (re-exported by :mod:`funcpar.kernels.dispatch`):
+
+* **Purity by default.** Outside :func:`inplace_updates` an optimizer's ``update``/``apply``
+  never modifies the tensors it is given (gradients, parameters, optimizer state); the fast
+  paths below then run on clones of the tensors they overwrite.
+* **Donation.** Inside :func:`inplace_updates` (entered by a donated train step around the
+  optimizer call, ``make_train_step(..., donate=True)``) the fast path MAY overwrite the given
+  parameters and optimizer-state tensors in place and return them as the new values. Gradients
+  are never written. The caller must treat the inputs as consumed.
+* **One maths path.** Donated or not, the same in-place fused/foreach code computes the result
+  (on the inputs or on their clones), so the two are bit-identical.
+* **Stepping aside.** The fast paths are in-place and not differentiable, and in-place writes
+  into a ``torch.func.vmap``-batched tensor are refused; :func:`fast_path_ok` says False when the
+  step must be differentiable (:func:`funcpar.kernels.dispatch.differentiable`) or runs under a
+  torch.func transform, and the optimizer then takes its plain out-of-place reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+
+__all__ = ["fast_path_ok", "inplace_allowed", "inplace_updates", "writable"]
+
+_depth: list[bool] = []
+
+
+@contextlib.contextmanager
+def inplace_updates(enabled: bool = True) -> Iterator[None]:
+    """Let the enclosed optimizer steps overwrite their parameter and state inputs in place
+    (``enabled=False`` restores purity inside an outer scope)."""
+    _depth.append(bool(enabled))
+    try:
+        yield
+    finally:
+        _depth.pop()
+
+
+def inplace_allowed() -> bool:
+    """Whether the innermost :func:`inplace_updates` scope allows in-place writes (False
+    outside any scope)."""
+    return bool(_depth) and _depth[-1]
+
+
+def fast_path_ok(*tensors: object) -> bool:
+    """Whether a step over ``tensors`` may run the in-place multi-tensor (``torch._foreach_*``)
+    or fused (``torch._fused_*``) path. Those are plain torch, so the kernel mode does not
+    matter; but never when the step must be differentiable, nor under a torch.func transform
+    (vmap, grad, jvp), where the wrapped tensors accept no in-place write from unwrapped ones."""
+    from funcpar.kernels import dispatch  # dispatch re-exports this module: import at call time
+
+    if dispatch.differentiable(*tensors):
+        return False
+    return torch._C._functorch.maybe_current_level() is None
+
+
+def writable(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """``tensors`` themselves inside :func:`inplace_updates`, else clones (``None`` kept): the
+    buffers a fast path may overwrite without touching the caller's values."""
+    if inplace_allowed():
+        return list(tensors)
+    return [None if t is None else t.clone() for t in tensors]

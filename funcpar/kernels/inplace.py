@@ -25,7 +25,6 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-
 __all__ = ["fast_path_ok", "inplace_allowed", "inplace_updates", "writable"]
 
 _depth: list[bool] = []

@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 import torch
 
 from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, text_batches
-from funcpar.models import Llama, LlamaConfig, lm_loss
+from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
 from funcpar.optim import chain, clip_by_global_norm, matrices_only, warmup_cosine
 from funcpar.optim.base import GradientTransformation
 from funcpar.presets import Preset, ddp, gemini, hybrid_parallel, low_level_zero
@@ -66,6 +66,7 @@ from funcpar.transforms import (
     amp_cast,
     compose,
     data_parallel,
+    expert_parallel,
     pipeline_split,
     remat,
     shard_params,
@@ -220,6 +221,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     model.add_argument("--layers", type=int, default=2)
     model.add_argument("--heads", type=int, default=4)
     model.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention")
+    model.add_argument("--experts", type=int, default=0,
+                       help="MoE feed-forward with this many experts (docs/MOE.md); 0: dense")
+    model.add_argument("--top-k", type=int, default=2, help="experts per token (MoE)")
+    model.add_argument("--moe-every", type=int, default=1, help="every k-th block is MoE")
+    model.add_argument("--capacity-factor", type=float, default=1.25,
+                       help="MoE expert capacity factor; 0: dropless")
+    par.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel size: experts split over ep ranks (needs --experts)")
     data = p.add_argument_group("data")
     data.add_argument("--corpus", default=None,
                       help="a text file or a directory (default: Python's standard library)")
@@ -274,6 +283,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--preset ddp has no ZeRO: use --preset zero")
     if args.preset == "gemini" and args.zero not in (0, 3):
         p.error("--preset gemini is ZeRO-3: drop --zero or pass --zero 3")
+    if args.ep > 1 and (args.experts == 0 or args.experts % args.ep):
+        p.error(f"--ep {args.ep} needs --experts divisible by it, got --experts {args.experts}")
+    if args.experts and (args.preset is not None or args.pp > 1 or args.tp > 1):
+        p.error("--experts works with --ep, --dp, --zero, --remat and --precision; not yet with "
+                "--preset, --pp or --tp (docs/MOE.md, Not yet)")
     if args.dp is not None and args.batch_size % args.dp:
         p.error(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp}: "
                 "data parallelism gives every rank an equal slice of each batch")
@@ -312,6 +326,8 @@ def build_mesh(args: argparse.Namespace) -> DeviceMesh:
     """
     backend = "gloo" if torch.device(args.device).type == "cpu" else None
     axes = {"pp": args.pp} if args.pp > 1 else {}
+    if args.ep > 1:  # the batch is split over ep x dp; experts over ep
+        axes["ep"] = args.ep
     try:
         mesh = DeviceMesh.from_env(**axes, dp=-1 if args.dp is None else args.dp, tp=args.tp,
                                    backend=backend)
@@ -323,6 +339,9 @@ def build_mesh(args: argparse.Namespace) -> DeviceMesh:
             f"torchrun --nproc_per_node {args.pp * args.tp * (args.dp or 1)} "
             "examples/train_lm.py ..."
         ) from None
+    if args.ep > 1 and args.batch_size % (args.ep * mesh.size("dp")):
+        raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by --ep "
+                         f"{args.ep} x dp {mesh.size('dp')}")
     if args.batch_size % mesh.size("dp"):
         raise SystemExit(f"error: --batch-size {args.batch_size} is not divisible by the "
                          f"data-parallel size {mesh.size('dp')}")
@@ -339,6 +358,8 @@ def manual_transforms(args: argparse.Namespace, mesh: DeviceMesh, cfg: LlamaConf
     if mesh.size("tp") > 1:
         transforms.append(shard_params(llama_rules(cfg.head_dim), mesh,
                                        sequence_parallel=args.sequence_parallel))
+    if "ep" in mesh.axis_names:  # before ZeRO, which partitions the expert shards over dp
+        transforms.append(expert_parallel(mesh))
     if mesh.size("dp") > 1:
         transforms.append(data_parallel(mesh))
     if args.zero:
@@ -424,7 +445,9 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device) if mesh.world_size == 1 else mesh.device
     loader = load_batches(args, mesh, device)
     cfg = LlamaConfig(vocab_size=BYTE_VOCAB_SIZE, dim=args.dim, n_layers=args.layers,
-                      n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq_len)
+                      n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq_len,
+                      n_experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
+                      capacity_factor=args.capacity_factor or None)
     # Every rank builds the same whole model from the seed; shard_params then keeps its slices.
     model = Llama(cfg, seed=args.seed, device=device, dtype=DTYPES[args.dtype])
     apply_fn, params, buffers = functionalize(model, release=True)  # the trees own the memory
@@ -432,7 +455,10 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     state = init_state(params, buffers, optimizer, seed=args.seed)
     n_params = sum(p.numel() for p in params.values())
     del params, buffers  # the state holds them; the transforms below replace them (shards)
-    step = make_train_step(apply_fn, lm_loss, optimizer, compile=args.compile)
+    loss_fn = moe_lm_loss if args.experts else lm_loss
+    # Donated: each step writes the next state into this one's storage (the loop keeps only the
+    # returned state), so params and optimizer state are held once, as torch.optim holds them.
+    step = make_train_step(apply_fn, loss_fn, optimizer, compile=args.compile, donate=True)
     if args.preset is not None:
         step, state = build_preset(args, mesh)(step, state)
     else:

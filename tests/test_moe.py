@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import funcpar.optim as fo
 from funcpar.models import Llama, LlamaConfig, MoE, moe_lm_loss, rotary_cos_sin
 from funcpar.models.moe import expert_capacity
+from funcpar.shard.mesh import DeviceMesh
 from funcpar.state import functionalize, init_state
 from funcpar.train import make_train_step
 
@@ -165,3 +166,40 @@ def test_capacity_under_one_token_is_an_error():
     with pytest.raises(ValueError, match="capacity_factor=0.25"):
         moe(torch.randn(1, 16, 6, dtype=torch.float64))
     assert expert_capacity(1.25, 2, 8, 4) == 5 and expert_capacity(None, 2, 8, 4) == 8
+
+
+def _ep_inputs(**kw):
+    cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=8, **kw)
+    apply_fn, params, buffers = functionalize(Llama(cfg))
+    opt = fo.sgd(lr=0.1)
+    return make_train_step(apply_fn, moe_lm_loss, opt), init_state(params, buffers, opt)
+
+
+def test_expert_parallel_shards_the_experts_on_a_virtual_mesh():
+    from funcpar.shard.layout import Shard
+    from funcpar.transforms import expert_parallel
+
+    step, state = _ep_inputs(n_experts=4, top_k=1)
+    whole = state.params["layers.0.mlp.experts.up_proj"]
+    mesh = DeviceMesh.virtual(rank=1, ep=2)
+    step, state = expert_parallel(mesh)(step, state)
+    lay = step.layouts["layers.0.mlp.experts.up_proj"]
+    assert lay.dim_axes[0] == ("ep",) and Shard(0) in lay.placements
+    assert torch.equal(state.params["layers.0.mlp.experts.up_proj"], whole[2:])
+    assert step.layouts["layers.0.mlp.router.weight"] is None
+
+
+def test_expert_parallel_errors():
+    from funcpar.transforms import expert_parallel, zero_partition
+
+    mesh = DeviceMesh.virtual(rank=0, ep=2)
+    with pytest.raises(ValueError, match="'layers.0.mlp' has 3 experts, not divisible by ep=2"):
+        expert_parallel(mesh)(*_ep_inputs(n_experts=3, top_k=1))
+    with pytest.raises(ValueError, match="no MoE block"):
+        expert_parallel(mesh)(*_ep_inputs())
+    with pytest.raises(ValueError, match="has no axis 'ep'"):
+        expert_parallel(DeviceMesh.virtual(rank=0, dp=2))
+    dp_mesh = DeviceMesh.virtual(rank=0, ep=2, dp=2)
+    step, state = zero_partition(1, dp_mesh)(*_ep_inputs(n_experts=4, top_k=1))
+    with pytest.raises(ValueError, match="before zero_partition"):
+        expert_parallel(dp_mesh)(step, state)

@@ -21,8 +21,11 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _access, _launch
+from funcpar.kernels.inplace import fast_path_ok, writable
 
-__all__ = ["AdamWScalars", "adamw_leaf", "adamw_reference", "adamw_step", "adamw_triton"]
+__all__ = [
+    "AdamWScalars", "adamw_fast", "adamw_leaf", "adamw_reference", "adamw_step", "adamw_triton",
+]
 
 
 class AdamWScalars(NamedTuple):
@@ -66,6 +69,60 @@ def adamw_leaf(
 
 Leaves = Sequence[Tensor]
 Out = tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor | None]]
+
+
+def _adamw_foreach(grads: Leaves, params: Leaves, m: list, v: list, vmax: list,
+                   decay: Sequence[bool], s: AdamWScalars, *, amsgrad: bool, maximize: bool,
+                   write_params: bool) -> list[Tensor]:
+    """:func:`adamw_leaf`'s maths with multi-tensor ops, ``m``/``v``/``vmax`` (and ``params``
+    with ``write_params``) updated in place; returns the updates or the new parameters."""
+    g = [x.to(torch.promote_types(x.dtype, mi.dtype)) for x, mi in zip(grads, m, strict=True)]
+    if maximize:
+        g = torch._foreach_neg(g)
+    torch._foreach_lerp_(m, g, 1 - s.beta1)
+    torch._foreach_mul_(v, s.beta2)
+    torch._foreach_addcmul_(v, g, g, 1 - s.beta2)
+    if amsgrad:
+        torch._foreach_maximum_(vmax, v)
+    denom = torch._foreach_sqrt(vmax if amsgrad else v)
+    dts = [x.dtype for x in g]
+    # Hyperparameters in each leaf's dtype, as the per-leaf reference has them.
+    torch._foreach_div_(denom, [_t(s.bc2_sqrt).to(dt) for dt in dts])
+    torch._foreach_add_(denom, [_t(s.eps).to(dt) for dt in dts])
+    u = list(torch._foreach_div(m, denom))
+    torch._foreach_mul_(u, [-_t(s.step_size).to(dt) for dt in dts])
+    ids = [i for i, d in enumerate(decay) if d]
+    if ids:
+        wd = torch._foreach_mul([params[i] for i in ids], [_t(s.lr_wd).to(dts[i]) for i in ids])
+        torch._foreach_sub_([u[i] for i in ids], wd)
+    if not write_params:
+        return list(u)
+    torch._foreach_add_(params, [x.to(p.dtype) for x, p in zip(u, params, strict=True)])
+    return list(params)
+
+
+def adamw_fast(
+    grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves,
+    max_exp_avg_sq: Sequence[Tensor | None], decay: Sequence[bool], s: AdamWScalars, *,
+    amsgrad: bool = False, maximize: bool = False, write_params: bool = False,
+) -> Out:
+    """:func:`adamw_reference` by multi-tensor ops: in place on the inputs inside
+    :func:`funcpar.kernels.inplace.inplace_updates`, else on clones (one maths path, so
+    donated and undonated results are bit-identical).
+
+    Not torch's fused ``torch._fused_adamw_``: it rounds ``p (1 - lr wd) - ...`` differently
+    from ``p + u``, and ``apply`` must give the bits of ``update`` + ``apply_updates``
+    (funcpar.optim.base)."""
+    # Promoted states (a bf16 m with float32 grads) cannot be written in place: clone-promote.
+    m = [x if x.dtype == torch.promote_types(x.dtype, g.dtype) else x.to(g.dtype)
+         for x, g in zip(writable(exp_avg), grads, strict=True)]
+    v = [x if x.dtype == torch.promote_types(x.dtype, g.dtype) else x.to(g.dtype)
+         for x, g in zip(writable(exp_avg_sq), grads, strict=True)]
+    vmax = writable(max_exp_avg_sq) if amsgrad else list(max_exp_avg_sq)
+    p = writable(params) if write_params else list(params)
+    out = _adamw_foreach(grads, p, m, v, vmax, decay, s, amsgrad=amsgrad, maximize=maximize,
+                         write_params=write_params)
+    return out, m, v, vmax
 
 
 def adamw_reference(
@@ -228,6 +285,11 @@ def adamw_step(
     """The kernel when :func:`funcpar.kernels.use_kernels` says so and every tensor has a
     kernel dtype, else the reference (float64 and complex leaves, CPU tensors by default)."""
     tensors = [*grads, *params, *exp_avg, *exp_avg_sq, *(max_exp_avg_sq if amsgrad else ())]
-    impl = adamw_triton if _launch.kernels_apply(*tensors) else adamw_reference
+    if _launch.kernels_apply(*tensors):
+        impl = adamw_triton
+    elif grads and fast_path_ok(*tensors, *s):
+        impl = adamw_fast  # multi-tensor/fused plain torch; steps aside for autograd and vmap
+    else:
+        impl = adamw_reference
     return impl(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s, amsgrad=amsgrad,
                 maximize=maximize, write_params=write_params)

@@ -47,7 +47,8 @@ def _adamw(lr, weight_decay, eps, *, betas, amsgrad, maximize, weight_decay_mask
                                eps=eps, lr_wd=lr * weight_decay, beta1=beta1, beta2=beta2)
         spec, g, (p, m, v, vmax, dec) = leaf_columns(
             grads, params, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq, decay)
-        # The multi-tensor kernel on CUDA, the per-leaf reference elsewhere (funcpar.kernels).
+        # The multi-tensor kernel on CUDA, torch's multi-tensor ops elsewhere, the per-leaf
+        # reference when differentiated or vmapped (funcpar.kernels).
         out, m, v, vmax = adamw_step(g, p, m, v, vmax, dec, scalars, amsgrad=amsgrad,
                                      maximize=maximize, write_params=write_params)
         new = [tree_unflatten(spec, x) for x in (out, m, v, vmax)]

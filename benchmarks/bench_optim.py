@@ -28,7 +28,10 @@ The funcpar step timed is :func:`funcpar.optim.update_params` (what TrainStep ru
 ``auto`` (funcpar.kernels: the Triton kernels on CUDA, the plain-torch references elsewhere);
 ``--reference`` adds a row per funcpar optimizer timed with the references (mode
 ``reference``), whose last column is then ``reference ms / kernels ms``. The peers' step is
-``optimizer.step()``. Peers not installed (bitsandbytes, say) are skipped with a note. Usage::
+``optimizer.step()``. ``--donate`` adds a row per funcpar optimizer stepped inside
+:func:`funcpar.kernels.inplace.inplace_updates` (a donated train step: the fast paths write
+params and state in place instead of into clones). Peers not installed (bitsandbytes, say)
+are skipped with a note. Usage::
 
     python benchmarks/bench_optim.py --preset cpu --threads 1   # CPU (the default), ~3 min
     python benchmarks/bench_optim.py --preset h100 --device cuda --reference   # the issue's table
@@ -50,6 +53,7 @@ import torch
 
 import funcpar.optim as fo
 from funcpar.kernels import kernel_mode
+from funcpar.kernels.inplace import inplace_updates
 from funcpar.optim.memory import state_bytes
 
 PRESETS = {
@@ -108,6 +112,7 @@ class Entry:
     who: str  # "funcpar ..." or the peer's name
     build: Callable[[], object]  # funcpar: () -> GradientTransformation; peer: list -> Optimizer
     mode: str = "auto"  # funcpar's kernel mode (funcpar.kernels.kernel_mode)
+    donate: bool = False  # funcpar: step inside inplace_updates() (a donated train step)
 
     @property
     def ours(self) -> bool:
@@ -243,7 +248,7 @@ class Runner:
 
     def step(self) -> None:
         if self.entry.ours:
-            with kernel_mode(self.entry.mode):
+            with kernel_mode(self.entry.mode), inplace_updates(self.entry.donate):
                 self.params, self.state = fo.update_params(self.opt, self.grads, self.state,
                                                            self.params)
         else:
@@ -305,6 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reference", action="store_true",
                     help="also time each funcpar optimizer with the plain-torch references "
                          "(kernel mode 'reference'; on CPU 'auto' is the reference already)")
+    ap.add_argument("--donate", action="store_true",
+                    help="also time each funcpar optimizer donated: inside inplace_updates(), "
+                         "where its fast path overwrites params and state in place")
     ap.add_argument("--threads", type=int, default=0,
                     help="CPU threads for torch (0: torch's default). On a CPU shared with other "
                          "work, 1 avoids the multi-ms waits of a parallel region for a "
@@ -341,6 +349,10 @@ def main(argv: list[str] | None = None) -> None:
                 if e.ours:
                     with_ref.append(Entry(f"{e.who} [reference]", e.build, mode="reference"))
             all_groups[name] = with_ref
+    if args.donate:
+        for name, entries in all_groups.items():
+            all_groups[name] = [*entries, *(Entry(f"{e.who} [donated]", e.build, mode=e.mode,
+                                                  donate=True) for e in entries if e.ours)]
     only = set(filter(None, args.only.split(",")))
     unknown = only - set(all_groups)
     if unknown:

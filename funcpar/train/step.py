@@ -47,6 +47,11 @@ def loss_and_grads(
     inputs, targets = batch
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     leaves, spec = tree_flatten(params)
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        # Inside a torch.func transform (vmap_step): requires_grad_ is refused there, so the
+        # gradients come from torch.func.grad, which nests in the transform.
+        return _func_loss_and_grads(apply_fn, loss_fn, leaves, spec, buffers, args, targets,
+                                    loss_scale)
     live = [p.detach().requires_grad_(p.is_floating_point() or p.is_complex()) for p in leaves]
     if on_grad is not None:
         for i, p in enumerate(live):
@@ -54,10 +59,7 @@ def loss_and_grads(
                 p.register_hook(functools.partial(_notify, on_grad, i))
     with torch.enable_grad():
         out, new_buffers = apply_fn(tree_unflatten(spec, live), buffers, *args)
-        loss = loss_fn(out, targets)
-        if not (torch.is_tensor(loss) and loss.dim() == 0):
-            raise ValueError(f"loss_fn must return a 0-d tensor, got {type(loss).__name__} "
-                             f"{tuple(getattr(loss, 'shape', ()))}")
+        loss = _checked_loss(loss_fn(out, targets))
         wanted = [p for p in live if p.requires_grad]
         # The scaled loss is float32 whatever the loss_fn returned: a scale of 2^16 times an
         # fp16 loss would overflow where the float32 product does not.
@@ -71,6 +73,34 @@ def loss_and_grads(
         g = next(grads) if p.requires_grad else None
         flat.append(torch.zeros_like(p) if g is None else g)
     return loss.detach(), tree_unflatten(spec, flat), new_buffers
+
+
+def _func_loss_and_grads(apply_fn, loss_fn, leaves, spec, buffers, args, targets, loss_scale):
+    """:func:`loss_and_grads` by ``torch.func.grad`` (no hooks: ``on_grad`` is not called)."""
+    wanted = [i for i, p in enumerate(leaves) if p.is_floating_point() or p.is_complex()]
+
+    def scaled_loss(diff):
+        flat = list(leaves)
+        for i, p in zip(wanted, diff):
+            flat[i] = p
+        out, new_buffers = apply_fn(tree_unflatten(spec, flat), buffers, *args)
+        loss = _checked_loss(loss_fn(out, targets))
+        target = loss if loss_scale is None else loss.float() * loss_scale
+        return target, (loss, new_buffers)
+
+    diff_grads, (loss, new_buffers) = torch.func.grad(scaled_loss, has_aux=True)(
+        [leaves[i] for i in wanted])
+    flat = [torch.zeros_like(p) for p in leaves]  # torch.func.grad gives zeros where unused
+    for i, g in zip(wanted, diff_grads):
+        flat[i] = g
+    return loss.detach(), tree_unflatten(spec, flat), new_buffers
+
+
+def _checked_loss(loss: Any) -> Tensor:
+    if not (torch.is_tensor(loss) and loss.dim() == 0):
+        raise ValueError(f"loss_fn must return a 0-d tensor, got {type(loss).__name__} "
+                         f"{tuple(getattr(loss, 'shape', ()))}")
+    return loss
 
 
 def _notify(on_grad: Callable[[int, Tensor], None], i: int, grad: Tensor) -> None:

@@ -1,0 +1,156 @@
+"""vmap over a whole TrainStep (funcpar.train.vmap): N members in one call equal N runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import funcpar.optim as fo
+from funcpar.optim.hyperparams import set_hyperparams
+from funcpar.state import functionalize, init_state, tree_leaves
+from funcpar.train import make_train_step
+from funcpar.train.vmap import stack_states, unstack_states, vmap_step
+from funcpar.transforms import amp_cast, remat
+
+N, STEPS = 4, 10
+LRS = (0.01, 0.02, 0.005, 0.03)
+
+
+def _mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _members(opt, dtype=torch.float64, dropout=0.0):
+    """N states of one MLP with different seeds and lr, and the step."""
+    states = []
+    for i, lr in enumerate(LRS):
+        torch.manual_seed(i)
+        model = nn.Sequential(nn.Linear(5, 12), nn.Tanh(), nn.Dropout(dropout),
+                              nn.Linear(12, 3)).to(dtype)
+        apply_fn, params, buffers = functionalize(model)
+        st = init_state(params, buffers, opt, seed=7)
+        states.append(st._replace(opt_state=set_hyperparams(st.opt_state, lr=lr)))
+    return make_train_step(apply_fn, _mse, opt), states
+
+
+def _batches(dtype=torch.float64, stacked=False):
+    g = torch.Generator().manual_seed(123)
+    lead = (N,) if stacked else ()
+    return [(torch.randn(*lead, 16, 5, generator=g, dtype=dtype),
+             torch.randn(*lead, 16, 3, generator=g, dtype=dtype)) for _ in range(STEPS)]
+
+
+def _separate(step, states, batches, stacked=False):
+    out = []
+    for i, st in enumerate(states):
+        losses = []
+        for x, y in batches:
+            st, m = step(st, (x[i], y[i]) if stacked else (x, y))
+            losses.append(m["loss"])
+        out.append((st, torch.stack(losses)))
+    return out
+
+
+def _vmapped(step, states, batches, stacked=False, **kw):
+    run = vmap_step(step, batch_axis=0 if stacked else None, **kw)
+    st = stack_states(states)
+    losses = []
+    for b in batches:
+        st, m = run(st, b)
+        losses.append(m["loss"])
+    return st, torch.stack(losses, 1)
+
+
+def _assert_members_equal(step, states, batches, tol, stacked=False, **kw):
+    stacked_state, losses = _vmapped(step, states, batches, stacked, **kw)
+    for i, (ref, ref_losses) in enumerate(_separate(step, states, batches, stacked)):
+        member = unstack_states(stacked_state)[i]
+        torch.testing.assert_close(losses[i], ref_losses, rtol=tol, atol=tol)
+        for a, b in zip(tree_leaves(member), tree_leaves(ref)):
+            if torch.is_tensor(a):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+OPTS = {
+    "adamw": lambda: fo.adamw(lr=1e-2, weight_decay=0.1),
+    "sgd": lambda: fo.sgd(lr=0.05, momentum=0.9),
+    "adafactor": lambda: fo.adafactor(lr=1e-2, relative_step=False),
+    "came": lambda: fo.came(lr=1e-2),
+    "lamb": lambda: fo.lamb(lr=1e-2, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("name", [
+    "adamw", "sgd",
+    pytest.param("adafactor", marks=pytest.mark.slow),
+    pytest.param("came", marks=pytest.mark.slow),
+    pytest.param("lamb", marks=pytest.mark.slow),
+])
+def test_vmapped_members_equal_separate_runs(name):
+    # float64, 4 members with their own seed and lr, 10 steps: the batched ops may sum in
+    # another order than the separate ones (round-off ~1e-16), so 1e-12, not bit-identical.
+    step, states = _members(fo.chain(fo.clip_by_global_norm(1.0), OPTS[name]()))
+    _assert_members_equal(step, states, _batches(), 1e-12)
+
+
+def test_stacked_batches_and_lr_metric():
+    step, states = _members(fo.adamw(lr=1e-2))
+    _assert_members_equal(step, states, _batches(stacked=True)[:3], 1e-12, stacked=True)
+    _, m = vmap_step(step)(stack_states(states), _batches()[0])
+    assert m["lr"].tolist() == list(LRS)
+
+
+def test_amp_cast_bf16_composes_and_remat_is_refused():
+    step, states = _members(fo.adamw(lr=1e-2), dtype=torch.float32)
+    bf16 = amp_cast("bf16")(step, states[0])[0]
+    # The bf16 matmuls of the batched forward (bmm) accumulate in another order than the
+    # separate ones (mm), and each bf16 output rounds to 2^-8 relative: measured 3.5e-4 on the
+    # losses, so one bf16 ulp (2^-8) is the bound, not float32's.
+    _assert_members_equal(bf16, states, _batches(torch.float32)[:3], 2.0**-8)
+    with_remat = remat(lambda name, mod: isinstance(mod, nn.Linear))(step, states[0])[0]
+    with pytest.raises(ValueError, match="remat"):
+        vmap_step(with_remat)(stack_states(states), _batches(torch.float32)[0])
+
+
+def test_randomness():
+    step, states = _members(fo.sgd(lr=0.1), dropout=0.5)
+    batch = _batches()[0]
+    with pytest.raises(RuntimeError, match="randomness"):
+        vmap_step(step)(stack_states(states), batch)
+    # 'same' with one generator state: the draws of a separate run of each member.
+    _assert_members_equal(step, states, _batches()[:2], 1e-12, randomness="same")
+    other = [st._replace(rng=init_state(st.params, st.buffers, step.optimizer, seed=i).rng)
+             for i, st in enumerate(states)]
+    with pytest.raises(ValueError, match="different generator states"):
+        vmap_step(step, randomness="same")(stack_states(other), batch)
+    # 'different': repeatable, and the members' masks differ (same params, same batch).
+    same_params = stack_states([states[0]] * N)
+    run = vmap_step(step, randomness="different")
+    a, m1 = run(same_params, batch)
+    b, m2 = run(same_params, batch)
+    assert torch.equal(m1["loss"], m2["loss"]) and torch.equal(a.rng, b.rng)
+    assert len(set(m1["loss"].tolist())) == N
+
+
+def test_refused_transforms_and_bad_stacks():
+    step, states = _members(fo.sgd(lr=0.1), dtype=torch.float32)
+    fp16 = amp_cast("fp16")(step, states[0])[0]
+    with pytest.raises(ValueError, match=r"amp_cast\('fp16'\)"):
+        vmap_step(fp16)
+    import dataclasses
+
+    for field, value, name in [("pipeline", object(), "pipeline_split"),
+                               ("partition", object(), "zero_partition"),
+                               ("sync_grads", lambda g: g, "data_parallel"),
+                               ("layouts", {}, "shard_params"),
+                               ("donate", True, "donate")]:
+        with pytest.raises(ValueError, match=name):
+            vmap_step(dataclasses.replace(step, **{field: value}))
+    with pytest.raises(ValueError, match="vmap_step: randomness"):
+        vmap_step(step, randomness="sometimes")
+    wide = states[1]._replace(step=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="leaf step of state 1"):
+        stack_states([states[0], wide])
+    with pytest.raises(ValueError, match="not a stacked state"):
+        vmap_step(step)(states[0], _batches()[0])

@@ -7,7 +7,8 @@ routing is unbalanced: uneven all_to_all splits, and experts that get no token i
 loss and parameter: the collectives only reorder sums (measured below 1e-13).
 
 Default: one spawn of 4 ranks, ep2 x dp2 + ZeRO-2 with AdamW and CAME; ``-m slow`` runs every
-optimizer under ep2 and ep2 x dp2 + ZeRO-2.
+optimizer under ep2, ep2 x dp2 and ep2 x dp2 + ZeRO-1/2, and ep2 x dp2 + ZeRO-3, ep4 (one expert
+per rank) and ep2 + remat with a few.
 """
 
 import contextlib
@@ -23,7 +24,7 @@ from funcpar.state import functionalize, init_state
 from funcpar.testing import run_ranks
 from funcpar.testing.reference import CFG, OPTIMIZERS, batches, loss_rel, max_rel, run
 from funcpar.train import make_train_step
-from funcpar.transforms import compose, data_parallel, expert_parallel, zero_partition
+from funcpar.transforms import compose, data_parallel, expert_parallel, remat, zero_partition
 
 MOE_CFG = dataclasses.replace(CFG, n_experts=4, top_k=1, capacity_factor=2.0,
                               aux_loss_weight=0.01, z_loss_weight=0.001)
@@ -33,7 +34,8 @@ MOE_CFG = dataclasses.replace(CFG, n_experts=4, top_k=1, capacity_factor=2.0,
 TOL = {"galore_adamw8bit": 1e-8}
 #: name -> (world, ep, dp, zero stage)
 LAYOUTS = {"ep2": (2, 2, 1, 0), "ep2xdp2+zero2": (4, 2, 2, 2), "ep2xdp2": (4, 2, 2, 0),
-           "ep2xdp2+zero1": (4, 2, 2, 1)}
+           "ep2xdp2+zero1": (4, 2, 2, 1), "ep2xdp2+zero3": (4, 2, 2, 3),
+           "ep4": (4, 4, 1, 0), "ep2+remat": (2, 2, 1, 0)}
 MATRIX_OPTIMIZERS = ["sgd", "adamw", "adafactor", "adafactor_torch", "came", "lamb",
                      "galore_adamw", "galore_adamw8bit"]
 
@@ -52,7 +54,7 @@ def _model(dtype=torch.float64):
     return model
 
 
-def build(ep, dp, optim, *, zero=0, dtype=torch.float64):
+def build(ep, dp, optim, *, zero=0, dtype=torch.float64, rematted=False):
     model = _model(dtype)
     apply_fn, params, buffers = functionalize(model)
     opt = OPTIMIZERS[optim](params)
@@ -66,6 +68,8 @@ def build(ep, dp, optim, *, zero=0, dtype=torch.float64):
         transforms.append(data_parallel(mesh))
     if zero:
         transforms.append(zero_partition(zero, mesh))
+    if rematted:
+        transforms.append(remat())
     return compose(*transforms)(step, state)
 
 
@@ -73,7 +77,7 @@ def _train(pairs):
     out = {}
     for lay, optim in pairs:
         _, ep, dp, zero = LAYOUTS[lay]
-        step, state = build(ep, dp, optim, zero=zero)
+        step, state = build(ep, dp, optim, zero=zero, rematted=lay.endswith("remat"))
         with comm.comm_log.capture() as recs:
             losses, params = run(step, state, batches())
         a2a = [r for r in recs if r.op == "all_to_all"]
@@ -134,3 +138,13 @@ def test_ep2_every_optimizer():
 @pytest.mark.parametrize("layout", ["ep2xdp2", "ep2xdp2+zero1", "ep2xdp2+zero2"])
 def test_ep2xdp2_every_optimizer(layout):
     _check(4, [(layout, o) for o in MATRIX_OPTIMIZERS])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,pairs", [
+    (4, [("ep2xdp2+zero3", o) for o in ("adamw", "came", "lamb")]),
+    (4, [("ep4", o) for o in ("adamw", "adafactor", "galore_adamw")]),
+    (2, [("ep2+remat", "adamw")]),  # the recompute repeats the all_to_alls, same values
+])
+def test_expert_parallel_compositions(world, pairs):
+    _check(world, pairs)

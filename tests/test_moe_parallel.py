@@ -148,3 +148,38 @@ def test_ep2xdp2_every_optimizer(layout):
 ])
 def test_expert_parallel_compositions(world, pairs):
     _check(world, pairs)
+
+
+def _save_half(lay, optim, path):
+    from funcpar.state import save
+
+    _, ep, dp, zero = LAYOUTS[lay]
+    step, state = build(ep, dp, optim, zero=zero)
+    for batch in batches()[:5]:
+        state, _ = step(state, batch)
+    save(state, path, step=step)
+
+
+def _resume(lay, optim, path):
+    from funcpar.state import load
+
+    _, ep, dp, zero = LAYOUTS[lay]
+    step, like = build(ep, dp, optim, zero=zero)
+    return run(step, load(path, like, step=step), batches()[5:])
+
+
+@pytest.mark.slow
+def test_checkpoint_ep2xdp2_zero2_loads_under_one_process_and_ep4(tmp_path):
+    """Saved after 5 steps under ep2 x dp2 + ZeRO-2; resumed for 5 more under one process and
+    under ep4: both equal 10 uninterrupted steps on one process."""
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_half, 4, "ep2xdp2+zero2", "adamw", path, timeout=900)
+    with _one_thread():
+        ref_losses, ref_params = run(*build(1, 1, "adamw"), batches())
+        step, like = build(1, 1, "adamw")
+        from funcpar.state import load
+
+        one = run(step, load(path, like, step=step), batches()[5:])
+    for losses, params in [one, *run_ranks(_resume, 4, "ep4", "adamw", path, timeout=900)]:
+        assert loss_rel(losses, ref_losses[5:]) <= 1e-10
+        assert max_rel(params, ref_params) <= 1e-10

@@ -27,9 +27,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -48,6 +47,7 @@ from funcpar.models import Llama, LlamaConfig, lm_loss
 from funcpar.optim import state_bytes
 from funcpar.state import functionalize, init_state
 from funcpar.train import Logger, make_train_step
+from funcpar.train.cli import add_debug_flag, run_cli
 
 
 def _train_lm() -> ModuleType:
@@ -60,14 +60,16 @@ def _train_lm() -> ModuleType:
     return module
 
 
-def parse_args(argv: Sequence[str] | None, choices: Sequence[str]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None, choices: Sequence[str],
+               default_warmup: Callable[[int], int]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="compare_optimizers.py",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--optims", default=",".join(choices),
                    help=f"comma-separated, from {', '.join(choices)}")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="linear warm-up steps (default: 10%% of --steps, at most 20)")
     p.add_argument("--lr", type=float, default=None,
                    help="one peak lr for every optimizer (default: each one's own)")
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -91,6 +93,7 @@ def parse_args(argv: Sequence[str] | None, choices: Sequence[str]) -> argparse.N
     p.add_argument("--logdir", default="runs/compare_optimizers")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: $OMP_NUM_THREADS if set, else 1)")
+    add_debug_flag(p)
     args = p.parse_args(argv)
     args.optims = [o.strip() for o in args.optims.split(",") if o.strip()]
     bad = [o for o in args.optims if o not in choices]
@@ -100,7 +103,9 @@ def parse_args(argv: Sequence[str] | None, choices: Sequence[str]) -> argparse.N
                  "eval_every"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.warmup < args.steps:
+    if args.warmup is None:  # follows the run, as in train_lm.py
+        args.warmup = default_warmup(args.steps)
+    elif not 0 <= args.warmup < args.steps:
         p.error(f"--warmup ({args.warmup}) must be in [0, --steps ({args.steps}))")
     if not 0 < args.val_fraction < 1:
         p.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
@@ -170,7 +175,7 @@ def run_one(name: str, args: argparse.Namespace, lm: ModuleType, train: PackedBa
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Run the comparison; returns one row per optimizer (the printed table's)."""
     lm = _train_lm()
-    args = parse_args(argv, sorted(lm.OPTIMIZERS))
+    args = parse_args(argv, sorted(lm.OPTIMIZERS), lm.default_warmup)
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 1)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -196,7 +201,4 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except FileNotFoundError as err:  # a mistyped --corpus
-        sys.exit(f"error: {err}")
+    run_cli(main)  # a user's error as one line on stderr, exit 2; --debug: the traceback

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +38,7 @@ from funcpar.optim import adamw, chain, clip_by_global_norm, matrices_only, warm
 from funcpar.shard import DeviceMesh, gpt2_rules, unshard_tree
 from funcpar.state import functionalize, init_state
 from funcpar.train import Logger, make_train_step
+from funcpar.train.cli import add_debug_flag, run_cli
 from funcpar.transforms import compose, data_parallel, logits_of, shard_params
 
 
@@ -109,6 +109,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--print-every", type=int, default=10)
     p.add_argument("--save-dir", default=None, help="save_pretrained the tuned model here")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    add_debug_flag(p)
     args = p.parse_args(argv)
     for name in ("tp", "steps", "batch_size", "seq_len", "dim", "layers", "heads",
                  "print_every", "threads"):
@@ -199,12 +200,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except FileNotFoundError as err:
-        sys.exit(f"error: {err}")
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    run_cli(main)  # a user's error as one line on stderr, exit 2; --debug: the traceback

@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import importlib
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -51,16 +50,19 @@ import torch
 
 from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, text_batches
 from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
-from funcpar.optim import chain, clip_by_global_norm, matrices_only, warmup_cosine
+from funcpar.optim import chain, clip_by_global_norm, matrices_only, set_hyperparams, warmup_cosine
 from funcpar.optim.base import GradientTransformation
 from funcpar.presets import Preset, ddp, gemini, hybrid_parallel, low_level_zero
+from funcpar.shard.agree import check_ranks_agree
 from funcpar.shard.comm import comm_log, comm_report
 from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import llama_rules
 from funcpar.state import Tree, functionalize, init_state, latest_checkpoint, load, read_index
 from funcpar.state import save as save_checkpoint
+from funcpar.train.cli import add_debug_flag, run_cli
 from funcpar.train.logger import Logger
+from funcpar.train.resume_args import ArgChange, compare_run_args
 from funcpar.train.step import make_train_step
 from funcpar.transforms import (
     amp_cast,
@@ -139,6 +141,11 @@ def build_optimizer(args: argparse.Namespace, params: Tree) -> GradientTransform
     return chain(clip_by_global_norm(args.clip), factory(lr=lr, **spec.kwargs(args, params)))
 
 
+def default_warmup(steps: int) -> int:
+    """10% of the run, at most 20 steps: a 5-step smoke run warms up for 0 steps."""
+    return min(20, steps // 10)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="train_lm.py",
@@ -167,7 +174,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument("--resume", default=None, metavar="DIR",
                      help="continue from a checkpoint directory (or the newest complete one "
                           "under DIR), under this run's layout: params, optimizer state, step, "
-                          "RNG and data position; --steps counts from the start of the run")
+                          "RNG and data position; --steps counts from the start of the run. "
+                          "The saved arguments are compared: model flags must match, changed "
+                          "hyperparameters apply (and are reported), data-order flags (--seed, "
+                          "--batch-size, --corpus...) must match unless --allow-data-change")
+    run.add_argument("--allow-data-change", action="store_true",
+                     help="with --resume: continue although --seed, --batch-size, --seq-len or "
+                          "the corpus flags differ from the checkpoint's (a new data order)")
     par = p.add_argument_group("parallelism (launch with torchrun; pp x tp x dp = processes)")
     par.add_argument("--pp", type=int, default=1,
                      help="pipeline stages (ranks) along the pp axis; pipeline_split first")
@@ -211,7 +224,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     opt.add_argument("--optim", default="adamw", choices=sorted(OPTIMIZERS))
     opt.add_argument("--lr", type=float, default=None,
                      help="peak learning rate (default: the optimizer's entry in OPTIMIZERS)")
-    opt.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+    opt.add_argument("--warmup", type=int, default=None,
+                     help="linear warm-up steps (default: 10%% of --steps, at most 20)")
     opt.add_argument("--weight-decay", type=float, default=0.1)
     opt.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     opt.add_argument("--galore-rank", type=int, default=32, help="GaLore projection rank")
@@ -242,6 +256,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     log.add_argument("--metrics-jsonl", default=None, help="also write metrics as JSON lines")
     log.add_argument("--print-every", type=int, default=50,
                      help="a plain log line every N steps when stdout is not a terminal")
+    add_debug_flag(log)
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
                  "pp"):
@@ -253,7 +268,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--dp must be positive, got {args.dp}")
     if args.comm_report < 0:
         p.error(f"--comm-report must be >= 0, got {args.comm_report}")
-    if not 0 <= args.warmup < args.steps:
+    if args.warmup is None:
+        args.warmup = default_warmup(args.steps)
+    elif not 0 <= args.warmup < args.steps:
         p.error(f"--warmup ({args.warmup}) must be in [0, --steps ({args.steps}))")
     # Tensor parallelism splits attention by whole heads (query and key/value alike).
     kv = args.heads if args.kv_heads is None else args.kv_heads
@@ -418,6 +435,27 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
     return loader if loader is not None else load()
 
 
+# How resume treats each saved argument (funcpar.train.resume_args); the others (layout,
+# logging, paths) may change: a checkpoint loads into any layout.
+MODEL_ARGS = ("dim", "layers", "heads", "kv_heads", "experts", "top_k", "moe_every",
+              "capacity_factor", "dtype", "optim", "galore_rank")
+HYPER_ARGS = ("lr", "warmup", "steps", "weight_decay", "clip", "galore_gap")
+DATA_ARGS = ("seed", "batch_size", "seq_len", "corpus", "corpus_glob", "corpus_bytes")
+
+
+def apply_changes(changes: list[ArgChange], args: argparse.Namespace, state: Any,
+                  say: Callable[..., None]) -> Any:
+    """Report each hyperparameter that differs from the checkpoint's, and apply it: the
+    learning-rate schedule and the clip are rebuilt from the flags; the weight decay lives in
+    the optimizer state (inject_hyperparams), so it is set there."""
+    for change in changes:
+        say(f"resume: {change}; the new value applies from here", flush=True)
+        if change.name == "weight_decay":
+            state = state._replace(opt_state=set_hyperparams(state.opt_state,
+                                                             weight_decay=args.weight_decay))
+    return state
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run training; returns ``{"first_loss", "last_loss", "history", "state", "params"}``.
 
@@ -439,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def _train(args: argparse.Namespace) -> dict[str, Any]:
     mesh = build_mesh(args)
+    # Ranks launched with other flags would hang (other --steps) or diverge (other --seed).
+    check_ranks_agree(mesh, vars(args))
     rank0 = mesh.rank() == 0
     say = print if rank0 else (lambda *a, **k: None)
     # Under torchrun each rank's device comes from the mesh (cuda:LOCAL_RANK with NCCL).
@@ -451,6 +491,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     # Every rank builds the same whole model from the seed; shard_params then keeps its slices.
     model = Llama(cfg, seed=args.seed, device=device, dtype=DTYPES[args.dtype])
     apply_fn, params, buffers = functionalize(model, release=True)  # the trees own the memory
+    check_ranks_agree(mesh, {}, params)  # the same flags build the same model on every rank
     optimizer = build_optimizer(args, params)
     state = init_state(params, buffers, optimizer, seed=args.seed)
     n_params = sum(p.numel() for p in params.values())
@@ -472,11 +513,20 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         found = latest_checkpoint(args.resume)
         if found is None:
             raise SystemExit(f"error: no complete checkpoint at or under {args.resume}")
-        state = load(found, state, step=step)
+        meta = read_index(found, verify_files=False)["extra_meta"]
+        # Before loading: a model flag that differs is named, not reported as a shape error.
+        changes = compare_run_args(meta.get("args", {}), vars(args), model=MODEL_ARGS,
+                                   hyper=HYPER_ARGS, data=DATA_ARGS,
+                                   allow_data_change=args.allow_data_change)
+        state = apply_changes(changes, args, load(found, state, step=step), say)
         start_step = int(state.step)
-        data_pos = int(read_index(found, verify_files=False)["extra_meta"].get("data_pos",
-                                                                                start_step))
+        data_pos = int(meta.get("data_pos", start_step))
         say(f"resumed from {found} at step {start_step}", flush=True)
+        if start_step >= args.steps:
+            say(f"nothing to do: checkpoint is at step {start_step} (--steps {args.steps})",
+                flush=True)
+            return {"first_loss": None, "last_loss": None, "history": [], "state": state,
+                    "params": None}
     pp = (f"pp {args.pp} ({args.schedule}, {args.microbatches} micro-batches) x "
           if args.pp > 1 else "")
     where = f"{device}" if mesh.world_size == 1 else (
@@ -542,13 +592,4 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except FileNotFoundError as err:  # a mistyped --corpus: the message says it all
-        sys.exit(f"error: {err}")
-    finally:
-        # Under torchrun: leave the process group cleanly (torch warns about a live one).
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    run_cli(main)  # a user's error as one line on stderr, exit 2; --debug: the traceback

@@ -40,6 +40,7 @@ from funcpar.typecheck_hook import install_import_hook
 
 with install_import_hook("funcpar"):
     from funcpar.models import Llama, LlamaConfig, lm_loss
+    from funcpar.train.cli import add_debug_flag, run_cli
 
 
 # ----------------------------------------------------------------- a user's typed functions
@@ -148,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     p.add_argument("--seq", type=int, default=8)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=16)
+    add_debug_flag(p)
     args = p.parse_args(argv)
     for name in ("batch", "seq", "heads", "head_dim"):
         if getattr(args, name) <= 0:
@@ -161,4 +163,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a user's error as one line on stderr, exit 2; --debug: the traceback

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceMesh"]
+__all__ = ["DEFAULT_TIMEOUT", "TIMEOUT_ENV", "DeviceMesh", "default_timeout"]
 
 
 def _dist() -> Any:
@@ -82,6 +82,27 @@ def _resolve_sizes(axes: Mapping[str, int], world: int) -> dict[str, int]:
     return sizes
 
 
+#: Read by :func:`default_timeout`: seconds a collective waits before failing.
+TIMEOUT_ENV = "FUNCPAR_DIST_TIMEOUT"
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def default_timeout() -> timedelta:
+    """The process-group timeout ``DeviceMesh.from_env`` uses when given none:
+    ``$FUNCPAR_DIST_TIMEOUT`` seconds if set, else :data:`DEFAULT_TIMEOUT` (10 minutes; long
+    enough for a first step that compiles or a checkpoint save, short of torch's 30)."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"${TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return timedelta(seconds=seconds)
+
+
 class DeviceMesh:
     """Named mesh axes; ``size(axis)``, ``rank(axis)``, ``group(axis)`` per axis.
 
@@ -126,7 +147,10 @@ class DeviceMesh:
         checked before torch.distributed is initialised or any collective runs. With a world of
         one process the mesh is local and torch.distributed is left alone. ``backend``: default
         NCCL when CUDA is available, else gloo (ignored when the default group already exists,
-        whose backend then decides the device).
+        whose backend then decides the device). ``timeout``: how long a collective waits for
+        the other ranks before it fails, default :func:`default_timeout` (10 minutes, or
+        ``$FUNCPAR_DIST_TIMEOUT`` seconds) rather than torch's 30 minutes, so that a rank that
+        never joins a collective ends the run in bounded time.
         """
         axes = axes or {"dp": -1}
         _check_axes(axes, allow_infer=True)
@@ -147,7 +171,7 @@ class DeviceMesh:
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
             if "nccl" in backend:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout or default_timeout())
         device = _device_of_backend(dist.get_backend())
         from torch.distributed.device_mesh import init_device_mesh
 

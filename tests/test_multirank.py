@@ -103,3 +103,103 @@ def test_bad_arguments_fail_before_any_process_starts():
         run_ranks(_report, 0)
     with pytest.raises(ValueError, match="timeouts must be positive"):
         run_ranks(_report, 2, timeout=0)
+
+
+# ---------------------------------------------- ranks agree on their run (issue 20, item 7)
+
+def _agree_cases():
+    """check_ranks_agree on configs that differ on rank 1 only: each message, or None."""
+    from funcpar.shard.agree import check_ranks_agree
+    from funcpar.shard.mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_env(dp=2)
+    rank = dist.get_rank()
+    base = {"steps": 20, "seed": 0, "lr": 3e-3, "optim": "adamw"}
+    out = {}
+    for key, other in (("seed", 1), ("lr", 1e-2), ("optim", "sgd"), (None, None)):
+        config = dict(base)
+        if key is not None and rank == 1:
+            config[key] = other
+        try:
+            check_ranks_agree(mesh, config)
+            out[key] = None
+        except ValueError as err:
+            out[key] = str(err)
+    w = torch.full((2, 3), float(rank))  # rank 1's "initial replica" differs
+    try:
+        check_ranks_agree(mesh, base, {"layers.0.w": w})
+    except ValueError as err:
+        out["params"] = str(err)
+    return out
+
+
+def test_ranks_with_different_arguments_are_refused_naming_the_argument():
+    for res in run_ranks(_agree_cases, 2, backend=None, timeout=60):  # every rank raises
+        assert "--seed is 0 on rank 0 and 1 on rank 1" in res["seed"]
+        assert "--lr is 0.003 on rank 0 and 0.01 on rank 1" in res["lr"]
+        assert "--optim is 'adamw' on rank 0 and 'sgd' on rank 1" in res["optim"]
+        assert res[None] is None
+        assert "leaf 'layers.0.w' on rank 1" in res["params"]
+
+
+def _train_lm_rank(argvs: list[list[str]]) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+    spec = importlib.util.spec_from_file_location("train_lm_rank", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(argvs[int(os.environ["RANK"])])
+
+
+def test_train_lm_with_other_steps_per_rank_fails_at_start_not_hangs(tmp_path):
+    """The audit's repro: --steps 30 on one rank, 20 on the other hung both for 180 s+."""
+    common = ["--batch-size", "2", "--seq-len", "16", "--dim", "16", "--layers", "1", "--heads",
+              "2", "--device", "cpu", "--corpus-bytes", "60000", "--data-cache",
+              str(tmp_path / "dc"), "--logdir", str(tmp_path / "tb")]
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"--steps is 30 on rank 0 and 20 on rank 1"):
+        run_ranks(_train_lm_rank, 2, [["--steps", "30", *common], ["--steps", "20", *common]],
+                  backend=None, timeout=60)
+    assert time.monotonic() - t0 < 120
+
+
+def _lonely_all_reduce(seconds: float):
+    """Rank 0 all-reduces alone under a short mesh timeout; rank 1 waits until it has failed."""
+    from funcpar.shard.mesh import TIMEOUT_ENV, DeviceMesh
+
+    os.environ[TIMEOUT_ENV] = str(seconds)
+    DeviceMesh.from_env(dp=2)
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 1:
+        store.wait(["rank0_done"], __import__("datetime").timedelta(seconds=60))
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    store.set("rank0_done", "1")
+    return {"error": error, "waited": time.monotonic() - t0}
+
+
+def test_a_short_mesh_timeout_turns_a_hang_into_an_error():
+    res = run_ranks(_lonely_all_reduce, 2, 3.0, backend=None, timeout=60)[0]
+    assert res["error"] is not None and "timed out" in res["error"].lower(), res
+    assert 2.5 < res["waited"] < 30, res
+
+
+def test_the_default_mesh_timeout_is_finite_and_configurable(monkeypatch):
+    from datetime import timedelta
+
+    from funcpar.shard.mesh import DEFAULT_TIMEOUT, TIMEOUT_ENV, default_timeout
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert default_timeout() == DEFAULT_TIMEOUT == timedelta(minutes=10)
+    monkeypatch.setenv(TIMEOUT_ENV, "42")
+    assert default_timeout() == timedelta(seconds=42)
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match="FUNCPAR_DIST_TIMEOUT must be a positive number"):
+        default_timeout()

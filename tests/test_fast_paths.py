@@ -9,7 +9,7 @@ import torch
 
 import funcpar.optim as fo
 from funcpar.kernels import adamw as kadamw
-from funcpar.kernels.dispatch import fast_path_ok, inplace_allowed, inplace_updates
+from funcpar.kernels.dispatch import fast_path_ok, inplace_allowed, inplace_updates, kernel_mode
 from funcpar.kernels.inplace import writable
 
 SHAPES = {"w": (5, 7), "b": (7,), "s": ()}
@@ -49,9 +49,18 @@ def test_fast_path_steps_aside_for_autograd_and_vmap():
     assert seen == [False]
 
 
-@pytest.mark.parametrize("kw", [dict(weight_decay=0.1), dict(amsgrad=True, maximize=True)])
-def test_adamw_pure_outside_inplace_inside_bit_identical(kw):
-    opt = fo.adamw(lr=0.01, **kw)
+OPTS = {
+    "adamw": lambda: fo.adamw(lr=0.01, weight_decay=0.1),
+    "adamw_ams_max": lambda: fo.adamw(lr=0.01, amsgrad=True, maximize=True),
+    "sgd_nesterov": lambda: fo.sgd(lr=0.1, momentum=0.9, weight_decay=0.1, nesterov=True),
+    "sgd_damp_max": lambda: fo.sgd(lr=0.1, momentum=0.8, dampening=0.3, maximize=True),
+    "sgd_plain": lambda: fo.sgd(lr=0.1, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTS))
+def test_pure_outside_inplace_inside_bit_identical(name):
+    opt = OPTS[name]()
     params = _tree(0)
     state = opt.init(params)
     for step in range(3):
@@ -103,3 +112,25 @@ def test_adamw_differentiable_lr_takes_reference():
     loss = sum(x.sum() for x in new_p.values())
     (dlr,) = torch.autograd.grad(loss, lr)
     assert torch.isfinite(dlr) and dlr != 0
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9, weight_decay=0.1, nesterov=True),
+                                dict(momentum=0.8, dampening=0.3, maximize=True)])
+def test_sgd_foreach_bits_equal_per_leaf_reference(kw):
+    # float32: the multi-tensor path runs sgd_leaf's operations in sgd_leaf's order, so the bits
+    # must agree exactly, first step (buffer = d) and later ones alike.
+    opt = fo.sgd(lr=0.1, **kw)
+    params = _tree(0, torch.float32)
+    state = opt.init(params)
+    for step in range(3):
+        grads = _tree(10 + step, torch.float32)
+        fast_p, fast_s = fo.update_params(opt, grads, state, params)
+        with kernel_mode("reference"), torch.enable_grad():
+            # a parameter that requires grad forces the per-leaf reference (differentiable)
+            ref_in = {k: v.clone().requires_grad_() for k, v in params.items()}
+            ref_p, ref_s = fo.update_params(opt, grads, state, ref_in)
+        for k in SHAPES:
+            assert torch.equal(fast_p[k], ref_p[k].detach()), (step, k)
+        for a, b in zip(optree.tree_leaves(fast_s), optree.tree_leaves(ref_s), strict=True):
+            assert torch.equal(a, b.detach()), step
+        params, state = fast_p, fast_s

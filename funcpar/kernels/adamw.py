@@ -86,15 +86,24 @@ def _adamw_foreach(grads: Leaves, params: Leaves, m: list, v: list, vmax: list,
         torch._foreach_maximum_(vmax, v)
     denom = torch._foreach_sqrt(vmax if amsgrad else v)
     dts = [x.dtype for x in g]
-    # Hyperparameters in each leaf's dtype, as the per-leaf reference has them.
-    torch._foreach_div_(denom, [_t(s.bc2_sqrt).to(dt) for dt in dts])
-    torch._foreach_add_(denom, [_t(s.eps).to(dt) for dt in dts])
-    u = list(torch._foreach_div(m, denom))
-    torch._foreach_mul_(u, [-_t(s.step_size).to(dt) for dt in dts])
+    # Hyperparameters in each leaf's dtype, as the per-leaf reference has them (one 0-d tensor
+    # per dtype, not per leaf).
+    cast = {dt: (_t(s.bc2_sqrt).to(dt), _t(s.eps).to(dt), -_t(s.step_size).to(dt))
+            for dt in set(dts)}
+    torch._foreach_div_(denom, [cast[dt][0] for dt in dts])
+    torch._foreach_add_(denom, [cast[dt][1] for dt in dts])
+    # u = m / denom written over denom: fresh leaf-sized allocations (page faults) cost more
+    # than the arithmetic on CPU.
+    u = denom
+    for mi, ui in zip(m, u, strict=True):
+        torch.div(mi, ui, out=ui)
+    torch._foreach_mul_(u, [cast[dt][2] for dt in dts])
     ids = [i for i, d in enumerate(decay) if d]
     if ids:
-        wd = torch._foreach_mul([params[i] for i in ids], [_t(s.lr_wd).to(dts[i]) for i in ids])
-        torch._foreach_sub_([u[i] for i in ids], wd)
+        # u - lr_wd p without a leaf-sized temporary (alpha: a number; never traced, see
+        # adamw_step). May round once where the reference rounds twice (a fused multiply-add).
+        torch._foreach_add_([u[i] for i in ids], [params[i] for i in ids],
+                            alpha=-float(s.lr_wd))
     if not write_params:
         return list(u)
     torch._foreach_add_(params, [x.to(p.dtype) for x, p in zip(u, params, strict=True)])
@@ -287,7 +296,7 @@ def adamw_step(
     tensors = [*grads, *params, *exp_avg, *exp_avg_sq, *(max_exp_avg_sq if amsgrad else ())]
     if _launch.kernels_apply(*tensors):
         impl = adamw_triton
-    elif grads and fast_path_ok(*tensors, *s):
+    elif grads and not torch.compiler.is_compiling() and fast_path_ok(*tensors, *s):
         impl = adamw_fast  # multi-tensor/fused plain torch; steps aside for autograd and vmap
     else:
         impl = adamw_reference

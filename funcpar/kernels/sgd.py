@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _access, _launch
+from funcpar.kernels.inplace import fast_path_ok, writable
 
-__all__ = ["SGDScalars", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
+__all__ = ["SGDScalars", "sgd_fast", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
 
 
 class SGDScalars(NamedTuple):
@@ -67,6 +68,53 @@ def sgd_reference(
         outs.append(p + u.to(p.dtype) if write_params else u)
         new_bufs.append(b)
     return outs, new_bufs
+
+
+def sgd_fast(
+    grads: Leaves, params: Leaves, bufs: Sequence[Tensor | None], decay: Sequence[bool],
+    s: SGDScalars, *, nesterov: bool = False, maximize: bool = False, write_params: bool = False,
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """:func:`sgd_reference` by multi-tensor ops (every leaf's tensors of one dtype): the
+    buffers (and params with ``write_params``) in place inside
+    :func:`funcpar.kernels.inplace.inplace_updates`, else in clones; the same operations in the
+    same order as :func:`sgd_leaf`, so the bits are the reference's."""
+    dts = [g.dtype for g in grads]
+    d = list(torch._foreach_neg(grads)) if maximize else list(grads)
+    ids = [i for i, dec in enumerate(decay) if dec]
+    if ids:
+        wd = torch._foreach_mul([params[i] for i in ids],
+                                [_t(s.weight_decay).to(dts[i]) for i in ids])
+        for i, x in zip(ids, torch._foreach_add([d[i] for i in ids], wd), strict=True):
+            d[i] = x
+    new_bufs: list[Tensor | None] = list(bufs)
+    if s.momentum:
+        new_bufs = writable(bufs)
+        if bool(s.first):  # torch.optim.SGD starts the buffer at the first d, undamped
+            torch._foreach_copy_(new_bufs, d)
+        else:
+            torch._foreach_mul_(new_bufs, s.momentum)
+            torch._foreach_add_(new_bufs, torch._foreach_mul(d, 1 - s.dampening))
+        if nesterov:
+            d = torch._foreach_add(d, torch._foreach_mul(new_bufs, s.momentum))
+        else:
+            d = new_bufs
+    u = torch._foreach_mul(d, [-_t(s.lr).to(dt) for dt in dts])
+    if not write_params:
+        return list(u), new_bufs
+    out = writable(params)
+    torch._foreach_add_(out, u)
+    return out, new_bufs
+
+
+def _fast_ok(grads: Leaves, params: Leaves, bufs: Sequence[Tensor | None], s: SGDScalars) -> bool:
+    """One dtype per leaf (the reference's promotions are not reproduced), plain eager torch
+    (no autograd, no torch.func transform, not traced: the first-step flag is read)."""
+    if not grads or torch.compiler.is_compiling():
+        return False
+    for g, p, b in zip(grads, params, bufs, strict=True):
+        if p.dtype != g.dtype or (s.momentum and b.dtype != g.dtype) or g.is_complex():
+            return False
+    return fast_path_ok(*grads, *params, *(bufs if s.momentum else ()), *s)
 
 
 def _build():
@@ -170,6 +218,11 @@ def sgd_step(
     """The kernel when :func:`funcpar.kernels.use_kernels` says so and every tensor has a
     kernel dtype, else the reference."""
     tensors = [*grads, *params, *(bufs if s.momentum else ())]
-    impl = sgd_triton if _launch.kernels_apply(*tensors) else sgd_reference
+    if _launch.kernels_apply(*tensors):
+        impl = sgd_triton
+    elif _fast_ok(grads, params, bufs, s):
+        impl = sgd_fast  # multi-tensor plain torch; steps aside for autograd and vmap
+    else:
+        impl = sgd_reference
     return impl(grads, params, bufs, decay, s, nesterov=nesterov, maximize=maximize,
                 write_params=write_params)

@@ -36,7 +36,8 @@ def _sgd(lr, momentum, weight_decay, *, dampening, nesterov, maximize, weight_de
         scalars = SGDScalars(lr=lr, weight_decay=weight_decay, first=state.count == 0,
                              momentum=momentum, dampening=dampening)
         spec, g, (p, bufs, dec) = leaf_columns(grads, params, state.momentum_buffer, decay)
-        # The multi-tensor kernel on CUDA, the per-leaf reference elsewhere (funcpar.kernels).
+        # The multi-tensor kernel on CUDA, torch's multi-tensor ops elsewhere, the per-leaf
+        # reference when differentiated or vmapped (funcpar.kernels).
         out, bufs = sgd_step(g, p, bufs, dec, scalars, nesterov=nesterov, maximize=maximize,
                              write_params=write_params)
         return tree_unflatten(spec, out), SGDState(state.count + 1, tree_unflatten(spec, bufs))
@@ -74,6 +75,7 @@ def sgd(
     validate.nonnegative(who, "weight_decay", weight_decay)
     if callable(momentum):
         raise TypeError("sgd: momentum must be a number (it decides whether a buffer exists)")
+    validate.structural(who, "momentum", momentum)
     validate.in_unit_interval(who, "momentum", momentum, closed=True)
     validate.in_unit_interval(who, "dampening", dampening, closed=True)
     if nesterov and (validate.schedule_or_number(who, "momentum", momentum) <= 0 or dampening):

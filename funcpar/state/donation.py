@@ -78,8 +78,9 @@ def donate_into(old: Tree, new: Tree) -> Tree:
     for i, n in enumerate(new_leaves):
         o = old_leaves[i] if same else None
         if _reusable(o, n) and id(o) not in kept:
-            with torch.no_grad():
-                o.copy_(n)
+            if o.data_ptr() != n.data_ptr():  # already written in place (in the backward)
+                with torch.no_grad():
+                    o.copy_(n)
             n = o
         out.append(n.detach() if torch.is_tensor(n) else n)
     mark_donated(old)

@@ -97,10 +97,16 @@ def test_missing_corpus_is_a_clear_error(tmp_path):
         train_lm.main(["--corpus", str(missing), "--logdir", str(tmp_path / "tb")])
 
 
-def test_bad_flags(capsys):
+def test_default_warmup_follows_the_run_and_an_explicit_one_is_checked(capsys):
+    # 10% of --steps, at most 20: a 5-step smoke run needs no other flag.
+    assert [train_lm.parse_args(["--steps", str(n)]).warmup for n in (5, 50, 1000)] == [0, 5, 20]
+    assert train_lm.parse_args(["--steps", "5", "--warmup", "4"]).warmup == 4
     with pytest.raises(SystemExit):
         train_lm.main(["--steps", "10", "--warmup", "10"])
     assert "--warmup (10) must be in [0, --steps (10))" in capsys.readouterr().err
+
+
+def test_bad_flags(capsys):
     with pytest.raises(SystemExit):
         train_lm.main(["--dim", "0"])
     assert "--dim must be positive" in capsys.readouterr().err

@@ -22,7 +22,9 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["MODES", "current_mode", "kernel_mode", "triton_available", "use_kernels"]
+__all__ = [
+    "MODES", "current_mode", "differentiable", "kernel_mode", "triton_available", "use_kernels",
+]
 
 MODES = ("auto", "reference", "triton")
 _ENV = "FUNCPAR_KERNELS"
@@ -59,16 +61,36 @@ def kernel_mode(mode: str) -> Iterator[None]:
         _forced.pop()
 
 
+def differentiable(*tensors: object) -> bool:
+    """True when grad mode is on and some tensor among ``tensors`` requires grad.
+
+    Then a step must run the plain out-of-place reference, the only path autograd can
+    differentiate (Triton kernels and in-place/foreach fast paths are not); non-tensors (numbers,
+    ``None``) are ignored. See docs/FUNCTIONAL.md.
+    """
+    if not torch.is_grad_enabled():
+        return False
+    return any(torch.is_tensor(t) and t.requires_grad for t in tensors)
+
+
 def use_kernels(*tensors: torch.Tensor | None) -> bool:
-    """True when the step over ``tensors`` (``None`` entries ignored) should run a kernel."""
+    """True when the step over ``tensors`` (``None`` entries ignored) should run a kernel.
+
+    False whenever the step must be differentiable (:func:`differentiable`); in mode
+    ``triton`` that is an error instead, never a silent detach.
+    """
     mode = current_mode()
     if mode == "reference":
         return False
-    live = [t for t in tensors if t is not None]
-    if any(torch._C._functorch.is_batchedtensor(t) for t in live):
-        # Under torch.func.vmap (funcpar.train.vmap): a kernel sees one member's storage, not
-        # the batch, so every mode takes the reference, which vmap batches.
+    if differentiable(*tensors):
+        if mode == "triton":
+            raise RuntimeError(
+                f"{_ENV}=triton: the Triton kernels are not differentiable, but this step has "
+                "inputs that require grad with grad mode on; use kernel mode 'reference' "
+                "(or 'auto', which takes the reference here) to differentiate through updates"
+            )
         return False
+    live = [t for t in tensors if t is not None]
     on_cuda = bool(live) and all(t.is_cuda for t in live)
     if mode == "auto":
         return on_cuda and triton_available()

@@ -30,8 +30,15 @@ class HyperState(NamedTuple):
 
 
 def _value(v: Any, count: Tensor) -> Tensor:
+    # A tensor (or a schedule's tensor) keeps its autograd graph: a hyperparameter given as a
+    # tensor that requires grad is differentiated through the updates (funcpar.meta,
+    # docs/FUNCTIONAL.md). Only Python numbers are converted.
     if callable(v):
-        return torch.as_tensor(v(count), dtype=torch.float64).reshape(())
+        v = v(count)
+    if torch.is_tensor(v):
+        if v.numel() != 1:
+            raise ValueError(f"a hyperparameter must be a scalar, got shape {tuple(v.shape)}")
+        return v.to(torch.float64).reshape(())
     return torch.tensor(float(v), dtype=torch.float64)
 
 
@@ -121,7 +128,7 @@ def set_hyperparams(opt_state: Tree, **values: float) -> Tree:
         hp = dict(s.hyperparams)
         for k, v in values.items():
             if k in hp:
-                hp[k] = torch.tensor(float(v), dtype=torch.float64)
+                hp[k] = _value(v, s.count)
                 found.add(k)
         return s._replace(hyperparams=hp)
 

@@ -25,8 +25,9 @@ __all__ = [
 ]
 
 Schedule = Callable[[Tensor | int], Tensor]
-#: What an injectable hyperparameter accepts: a number, or a schedule of the step.
-ScalarOrSchedule = float | Schedule
+#: What an injectable hyperparameter accepts: a number, a 0-d tensor (kept differentiable), or a
+#: schedule of the step.
+ScalarOrSchedule = float | Tensor | Schedule
 
 
 def _step(t: Tensor | int) -> Tensor:

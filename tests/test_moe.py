@@ -203,3 +203,14 @@ def test_expert_parallel_errors():
     step, state = zero_partition(1, dp_mesh)(*_ep_inputs(n_experts=4, top_k=1))
     with pytest.raises(ValueError, match="before zero_partition"):
         expert_parallel(dp_mesh)(step, state)
+
+
+def test_moe_hybrid_preset_refuses_what_is_not_supported():
+    from funcpar.presets import Preset, moe_hybrid
+
+    with pytest.raises(ValueError, match="ep_size=2 with tp_size > 1"):
+        Preset("moe_hybrid", ep_size=2, tp_size=2)
+    with pytest.raises(ValueError, match="ep_size must be an int >= 1"):
+        moe_hybrid(ep_size=0)
+    with pytest.raises(ValueError, match="ep_size=4 but the mesh's 'ep' axis has 2"):
+        moe_hybrid(ep_size=4, mesh=DeviceMesh.virtual(rank=0, ep=2, dp=1, tp=1))

@@ -6,7 +6,8 @@ routing is unbalanced: uneven all_to_all splits, and experts that get no token i
 (asserted on the one-process run). 10 steps in float64, max relative error <= 1e-10 on every
 loss and parameter: the collectives only reorder sums (measured below 1e-13).
 
-Default: one spawn of 4 ranks, ep2 x dp2 + ZeRO-2 with AdamW and CAME; ``-m slow`` runs every
+Default: one spawn of 4 ranks, ep2 x dp2 + ZeRO-2 with AdamW, and with CAME through the
+``moe_hybrid`` preset; ``-m slow`` runs every
 optimizer under ep2, ep2 x dp2 and ep2 x dp2 + ZeRO-1/2, and ep2 x dp2 + ZeRO-3, ep4 (one expert
 per rank) and ep2 + remat with a few.
 """
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from funcpar.models import Llama, moe_lm_loss
+from funcpar.presets import moe_hybrid
 from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state import functionalize, init_state
@@ -35,7 +37,8 @@ TOL = {"galore_adamw8bit": 1e-8}
 #: name -> (world, ep, dp, zero stage)
 LAYOUTS = {"ep2": (2, 2, 1, 0), "ep2xdp2+zero2": (4, 2, 2, 2), "ep2xdp2": (4, 2, 2, 0),
            "ep2xdp2+zero1": (4, 2, 2, 1), "ep2xdp2+zero3": (4, 2, 2, 3),
-           "ep4": (4, 4, 1, 0), "ep2+remat": (2, 2, 1, 0)}
+           "ep4": (4, 4, 1, 0), "ep2+remat": (2, 2, 1, 0),
+           "moe_hybrid(ep2, zero2)": (4, 2, 2, 2)}
 MATRIX_OPTIMIZERS = ["sgd", "adamw", "adafactor", "adafactor_torch", "came", "lamb",
                      "galore_adamw", "galore_adamw8bit"]
 
@@ -54,7 +57,7 @@ def _model(dtype=torch.float64):
     return model
 
 
-def build(ep, dp, optim, *, zero=0, dtype=torch.float64, rematted=False):
+def build(ep, dp, optim, *, zero=0, dtype=torch.float64, rematted=False, preset=False):
     model = _model(dtype)
     apply_fn, params, buffers = functionalize(model)
     opt = OPTIMIZERS[optim](params)
@@ -63,6 +66,8 @@ def build(ep, dp, optim, *, zero=0, dtype=torch.float64, rematted=False):
     if ep * dp == 1:
         return step, state
     mesh = DeviceMesh.from_env(ep=ep, dp=dp)
+    if preset:  # Colossal-AI's MoeHybridParallelPlugin: the same composition
+        return tuple(moe_hybrid(ep_size=ep, zero_stage=zero, mesh=mesh)(step, state))
     transforms = [expert_parallel(mesh)]
     if dp > 1:
         transforms.append(data_parallel(mesh))
@@ -77,7 +82,8 @@ def _train(pairs):
     out = {}
     for lay, optim in pairs:
         _, ep, dp, zero = LAYOUTS[lay]
-        step, state = build(ep, dp, optim, zero=zero, rematted=lay.endswith("remat"))
+        step, state = build(ep, dp, optim, zero=zero, rematted=lay.endswith("remat"),
+                            preset=lay.startswith("moe_hybrid"))
         with comm.comm_log.capture() as recs:
             losses, params = run(step, state, batches())
         a2a = [r for r in recs if r.op == "all_to_all"]
@@ -126,7 +132,7 @@ def _check(world, pairs):
 
 
 def test_ep2xdp2_zero2_matches_one_process():
-    _check(4, [("ep2xdp2+zero2", "adamw"), ("ep2xdp2+zero2", "came")])
+    _check(4, [("ep2xdp2+zero2", "adamw"), ("moe_hybrid(ep2, zero2)", "came")])
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from funcpar.presets.presets import (
     gemini,
     hybrid_parallel,
     low_level_zero,
+    moe_hybrid,
     pick_rules,
     titan_parallelize,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "gemini",
     "hybrid_parallel",
     "low_level_zero",
+    "moe_hybrid",
     "pick_rules",
     "titan_parallelize",
 ]

@@ -67,6 +67,7 @@ from funcpar.state.train_state import TrainState, init_state
 from funcpar.train.step import TrainStep, make_train_step
 from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.data_parallel import data_parallel
+from funcpar.transforms.expert_parallel import expert_parallel
 from funcpar.transforms.offload import offload as offload_transform
 from funcpar.transforms.pipeline_split import pipeline_split
 from funcpar.transforms.shard_params import shard_params
@@ -223,10 +224,11 @@ class Preset:
     plan: bool = False
     pp_style: str = "1f1b"
     num_model_chunks: int = 1
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         who = self.name
-        for field in ("tp_size", "pp_size", "num_model_chunks"):
+        for field in ("tp_size", "pp_size", "num_model_chunks", "ep_size"):
             v = getattr(self, field)
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{who}: {field} must be an int >= 1, got {v!r}")
@@ -279,17 +281,20 @@ class Preset:
                                                       for s in self.batch_shape)):
             raise ValueError(f"{who}: batch_shape must be (batch, seq) of positive ints, got "
                              f"{self.batch_shape!r}")
+        if self.ep_size > 1 and (self.tp_size > 1 or self.pp_size > 1 or self.plan):
+            raise ValueError(f"{who}: ep_size={self.ep_size} with tp_size > 1, pp_size > 1 or "
+                             "plan=True is not supported yet (docs/MOE.md, Not yet)")
         if self.mesh is not None:
             self._check_mesh(self.mesh)
 
     # ------------------------------------------------------------------------------- mesh
     def _check_mesh(self, mesh: DeviceMesh) -> None:
         sizes = mesh.shape
-        extra = {a: s for a, s in sizes.items() if a not in ("pp", "dp", "tp") and s > 1}
+        extra = {a: s for a, s in sizes.items() if a not in ("pp", "dp", "tp", "ep") and s > 1}
         if extra:
             raise ValueError(f"{self.name}: the mesh has axes {extra} that the preset does not "
                              "use; its axes are 'dp' and 'tp' (and 'pp')")
-        for axis, want in (("tp", self.tp_size), ("pp", self.pp_size)):
+        for axis, want in (("tp", self.tp_size), ("pp", self.pp_size), ("ep", self.ep_size)):
             if sizes.get(axis, 1) != want:
                 raise ValueError(f"{self.name}: {axis}_size={want} but the mesh's {axis!r} axis "
                                  f"has {sizes.get(axis, 1)} ranks ({mesh!r})")
@@ -308,8 +313,10 @@ class Preset:
         if self.mesh is not None:
             return self.mesh
         world = _world_size()
-        fixed = self.tp_size * self.pp_size
+        fixed = self.tp_size * self.pp_size * self.ep_size
         what = f"tp_size {self.tp_size} x pp_size {self.pp_size}"
+        if self.ep_size > 1:
+            what += f" x ep_size {self.ep_size}"
         if self.dp_size is None:
             if world % fixed:
                 raise ValueError(f"{self.name}: {what} = {fixed} does not divide the world of "
@@ -322,6 +329,8 @@ class Preset:
                                  f"but the world has {world}; tp_size * pp_size * dp_size must "
                                  "equal the number of processes")
         axes = {"pp": self.pp_size} if self.pp_size > 1 else {}
+        if self.ep_size > 1:
+            axes["ep"] = self.ep_size
         axes.update(dp=dp, tp=self.tp_size)
         return DeviceMesh.from_env(**axes)
 
@@ -341,6 +350,8 @@ class Preset:
             sp = ", sequence_parallel=True" if self.sequence_parallel else ""
             out.append((f"shard_params({_rules_text(module, rules)}, mesh{sp})",
                         shard_params(rules, mesh, sequence_parallel=self.sequence_parallel)))
+        if self.ep_size > 1:  # before ZeRO, which partitions the expert shards over dp
+            out.append(("expert_parallel(mesh)", expert_parallel(mesh)))
         if mesh.size("dp") > 1:
             out.append((f"data_parallel(mesh, bucket_mb={self.bucket_mb})",
                         data_parallel(mesh, bucket_mb=self.bucket_mb)))
@@ -404,6 +415,9 @@ class Preset:
         clip = 0 if self.max_norm is None else 1
 
         def make_plan() -> Plan:
+            if self.ep_size > 1:
+                raise NotImplementedError(f"{self.name}: the plan does not predict expert "
+                                          "parallelism's all_to_all yet (docs/MOE.md)")
             return describe(step, state, mesh, name=self.name, transforms=texts,
                             sharding=sharding, sequence_parallel=self.sequence_parallel,
                             bucket_mb=self.bucket_mb, clip_norms=clip,
@@ -519,6 +533,39 @@ def hybrid_parallel(
         initial_scale=initial_scale, growth_factor=growth_factor,
         backoff_factor=backoff_factor, growth_interval=growth_interval,
         batch_shape=batch_shape, plan=plan, pp_style=pp_style, num_model_chunks=num_model_chunks,
+    )
+
+
+def moe_hybrid(
+    model: nn.Module | Callable | None = None,
+    loss_fn: Callable | None = None,
+    optimizer: GradientTransformation | None = None,
+    *,
+    ep_size: int = 2,
+    dp_size: int | None = None,
+    zero_stage: int = 0,
+    precision: str = "fp32",
+    mesh: DeviceMesh | None = None,
+    max_norm: float | None = None,
+    keep_fp32: Any = None,
+    bucket_mb: float = 25.0,
+    params: Any = None,
+    buffers: Any = None,
+    seed: int = 0,
+    compile: bool = False,
+    donate: bool = True,
+) -> Preset | Composed:
+    """Colossal-AI's ``MoeHybridParallelPlugin`` (its ep x dp part): experts over ``ep``, the
+    batch over ``ep x dp``, ZeRO 0-3 over dp (the experts' own data-parallel group).
+
+    ``compose(expert_parallel(mesh), data_parallel(mesh), zero_partition(zero_stage, mesh),
+    [amp_cast(precision)])`` over ``DeviceMesh.from_env(ep=ep_size, dp=-1, tp=1)``
+    (docs/MOE.md; tp, pp and the plan are not supported with experts yet).
+    """
+    return _preset(
+        "moe_hybrid", model, loss_fn, optimizer, params, buffers, seed, compile, donate,
+        ep_size=ep_size, dp_size=dp_size, zero_stage=zero_stage, precision=precision,
+        mesh=mesh, max_norm=max_norm, keep_fp32=keep_fp32, bucket_mb=bucket_mb,
     )
 
 

@@ -4,7 +4,6 @@ print it once (funcpar.train.cli)."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import subprocess
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _examples import load_example
 
 from funcpar.testing import run_ranks
 from funcpar.train.cli import EXIT_CODE, report_error, run_cli
@@ -20,14 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_lm.py"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_lm_cli", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_lm = _load_script()
+train_lm = load_example("train_lm.py", "train_lm_cli")
 
 
 def _tiny(tmp: Path, *extra: str) -> list[str]:

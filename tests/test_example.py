@@ -4,7 +4,6 @@ fail clearly; under tp x dp on 4 ranks it trains exactly like one process."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
@@ -12,20 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _examples import load_example
 
 from funcpar.testing import run_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_lm = _load_script()
+train_lm = load_example("train_lm.py", "train_lm")
 
 
 @pytest.fixture(scope="module")

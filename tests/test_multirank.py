@@ -143,14 +143,9 @@ def test_ranks_with_different_arguments_are_refused_naming_the_argument():
 
 
 def _train_lm_rank(argvs: list[list[str]]) -> None:
-    import importlib.util
-    from pathlib import Path
+    from _examples import load_example
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
-    spec = importlib.util.spec_from_file_location("train_lm_rank", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(argvs[int(os.environ["RANK"])])
+    load_example("train_lm.py", "train_lm_rank").main(argvs[int(os.environ["RANK"])])
 
 
 def test_train_lm_with_other_steps_per_rank_fails_at_start_not_hangs(tmp_path):

@@ -4,28 +4,17 @@ reported, data-order flags must match unless --allow-data-change."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from _examples import load_example
 
 from funcpar.optim import get_hyperparams, warmup_cosine
 from funcpar.train.cli import run_cli
 from funcpar.train.resume_args import ArgChange, compare_run_args
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("train_lm_resume",
-                                                  ROOT / "examples" / "train_lm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_lm = _load_script()
+train_lm = load_example("train_lm.py", "train_lm_resume")
 
 
 def _tiny(tmp: Path, steps: int, *extra: str) -> list[str]:

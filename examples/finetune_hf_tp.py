@@ -36,6 +36,7 @@ from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, byte_tokenize, t
 from funcpar.models import lm_loss
 from funcpar.optim import adamw, chain, clip_by_global_norm, matrices_only, warmup_cosine
 from funcpar.shard import DeviceMesh, gpt2_rules, unshard_tree
+from funcpar.shard.agree import check_ranks_agree
 from funcpar.state import functionalize, init_state
 from funcpar.train import Logger, make_train_step
 from funcpar.train.cli import add_debug_flag, run_cli
@@ -133,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          f"torchrun --nproc_per_node {args.tp} (or a multiple)")
     # gloo: CPU tensors. On GPUs leave backend to DeviceMesh (NCCL) and move the model.
     mesh = DeviceMesh.from_env(dp=-1, tp=args.tp, backend="gloo")
+    check_ranks_agree(mesh, vars(args))  # other flags per rank would hang or diverge
     rank0 = mesh.rank() == 0
     model, tokenizer = build_model(args)
     cfg = model.config

@@ -79,11 +79,15 @@ def sgd_fast(
     :func:`funcpar.kernels.inplace.inplace_updates`, else in clones; the same operations in the
     same order as :func:`sgd_leaf`, so the bits are the reference's."""
     dts = [g.dtype for g in grads]
+    # The hyperparameters in each leaf's dtype, one 0-d tensor per dtype.
+    cast = {dt: (_t(s.weight_decay).to(dt), -_t(s.lr).to(dt)) for dt in set(dts)}
     d = list(torch._foreach_neg(grads)) if maximize else list(grads)
-    ids = [i for i, dec in enumerate(decay) if dec]
+    # A weight decay of the number 0 adds nothing (as torch.optim.SGD skips it; the reference
+    # adds 0 * p, which differs only where p is not finite).
+    no_decay = not torch.is_tensor(s.weight_decay) and s.weight_decay == 0
+    ids = [] if no_decay else [i for i, dec in enumerate(decay) if dec]
     if ids:
-        wd = torch._foreach_mul([params[i] for i in ids],
-                                [_t(s.weight_decay).to(dts[i]) for i in ids])
+        wd = torch._foreach_mul([params[i] for i in ids], [cast[dts[i]][0] for i in ids])
         for i, x in zip(ids, torch._foreach_add([d[i] for i in ids], wd), strict=True):
             d[i] = x
     new_bufs: list[Tensor | None] = list(bufs)
@@ -98,7 +102,7 @@ def sgd_fast(
             d = torch._foreach_add(d, torch._foreach_mul(new_bufs, s.momentum))
         else:
             d = new_bufs
-    u = torch._foreach_mul(d, [-_t(s.lr).to(dt) for dt in dts])
+    u = torch._foreach_mul(d, [cast[dt][1] for dt in dts])
     if not write_params:
         return list(u), new_bufs
     out = writable(params)

@@ -189,3 +189,27 @@ def test_checkpoint_ep2xdp2_zero2_loads_under_one_process_and_ep4(tmp_path):
     for losses, params in [one, *run_ranks(_resume, 4, "ep4", "adamw", path, timeout=900)]:
         assert loss_rel(losses, ref_losses[5:]) <= 1e-10
         assert max_rel(params, ref_params) <= 1e-10
+
+
+def _a2a_uneven():
+    mesh = DeviceMesh.from_env(ep=2)
+    r = mesh.rank("ep")
+    send = [[3, 0], [1, 2]][r]  # rank 0 sends rank 1 nothing
+    recv = [[3, 1], [0, 2]][r]
+    x = torch.arange(3.0)[:, None].expand(3, 4) + 10 * r
+    with comm.comm_log.capture() as recs:
+        y = comm.all_to_all(x, mesh, "ep", send, recv, purpose="t")
+    try:
+        comm.all_to_all(x, mesh, "ep", [1, 1], recv)
+    except ValueError as err:
+        bad = str(err)
+    return y[:, 0].tolist(), [(rec.op, rec.nbytes, rec.purpose) for rec in recs], bad
+
+
+@pytest.mark.slow  # the default ep test runs all_to_all too; this spawn costs 5-20 s
+def test_all_to_all_uneven_and_recorded():
+    res = run_ranks(_a2a_uneven, 2)
+    assert res[0][0] == [0.0, 1.0, 2.0, 10.0] and res[1][0] == [11.0, 12.0]
+    # bytes: the larger of the send (3 x 4 float32) and receive buffers
+    assert res[0][1] == [("all_to_all", 64, "t")] and res[1][1] == [("all_to_all", 48, "t")]
+    assert "send sizes [1, 1]" in res[0][2] and "3 rows" in res[0][2]

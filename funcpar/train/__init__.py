@@ -2,5 +2,15 @@
 
 from funcpar.train.logger import Logger, host_scalars
 from funcpar.train.step import TrainStep, loss_and_grads, make_train_step
+from funcpar.train.vmap import stack_states, unstack_states, vmap_step
 
-__all__ = ["Logger", "TrainStep", "host_scalars", "loss_and_grads", "make_train_step"]
+__all__ = [
+    "Logger",
+    "TrainStep",
+    "host_scalars",
+    "loss_and_grads",
+    "make_train_step",
+    "stack_states",
+    "unstack_states",
+    "vmap_step",
+]

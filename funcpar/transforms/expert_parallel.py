@@ -30,10 +30,12 @@ the router losses do not depend on how the batch is split: the step equals the o
 step on the global batch, up to the order of floating-point sums. Every optimizer's reductions
 consult the layouts (``Shard(0)`` over ``ep`` on the experts), so they stay exact as well.
 
-**Composition.** Apply ``expert_parallel`` before ``zero_partition`` (which then partitions the
-expert shards over ``dp``, their own data-parallel group) and in any order with
-``data_parallel``, ``amp_cast`` and ``remat``. ``pipeline_split`` and ``shard_params``
-(tensor parallelism) are refused for now (docs/MOE.md, "Not yet").
+**Composition.** Apply ``expert_parallel`` before ``zero_partition`` (stages 1-3, which then
+partition the expert shards over ``dp``, their own data-parallel group), in any order with
+``data_parallel`` and ``remat`` (all tested exact); ``amp_cast`` runs but is not tested.
+``pipeline_split`` and ``shard_params`` (tensor parallelism) are refused for now (docs/MOE.md,
+"Not yet"). Checkpoints reshard expert states like any ``Shard(0)`` layout (tested: saved
+under ep2 x dp2 + ZeRO-2, loaded under one process and under ep4).
 """
 
 from __future__ import annotations

@@ -102,3 +102,7 @@ def use_kernels(*tensors: torch.Tensor | None) -> bool:
             "first imported (Triton's CPU interpreter)"
         )
     return True
+
+
+# The in-place contract lives in its own module; importable from here (see its docstring).
+from funcpar.kernels.inplace import fast_path_ok, inplace_allowed, inplace_updates  # noqa: E402, F401

@@ -141,3 +141,9 @@ def test_structural_message_names_the_argument():
     t = torch.tensor(0.9, dtype=D, requires_grad=True)
     with pytest.raises(TypeError, match="lamb: betas\\[1\\] is structural .* give it as a number"):
         validate.structural("lamb", "betas[1]", t)
+
+
+def test_eight_bit_states_refuse_to_differentiate():
+    lr = torch.tensor(0.01, dtype=D, requires_grad=True)
+    with pytest.raises(RuntimeError, match="8-bit optimizer states are not differentiable"):
+        _val_loss(lambda v: galore_adamw(v, rank=2, eight_bit=True, min_8bit_size=1), lr)

@@ -56,6 +56,7 @@ import torch
 from jaxtyping import Float, Float32
 from torch import Tensor
 
+from funcpar.kernels.dispatch import differentiable
 from funcpar.kernels.quant8 import (
     Adam8bitScalars,
     Segments,
@@ -203,6 +204,15 @@ def _global_blocks(x: Tensor, layout: Reducible, block_size: int) -> tuple[Tenso
                                                                        block_size)
 
 
+def _refuse_differentiation(*tensors: object) -> None:
+    # Rounding to codes has no useful derivative: refuse rather than silently cut the graph.
+    if differentiable(*tensors):
+        raise RuntimeError("8-bit optimizer states are not differentiable (the moments are "
+                           "rounded to 8-bit codes, and this step has inputs that require grad);"
+                           " differentiate through updates with full-precision states "
+                           "(eight_bit=False), see docs/FUNCTIONAL.md")
+
+
 def quantize(
     x: Float[Tensor, "*shape"],
     code: Float32[Tensor, " n_codes"],
@@ -216,6 +226,7 @@ def quantize(
     whole tensor's blocks (module docstring), at the cost of one all-reduce of the absmax.
     """
     _check_block_size(block_size)
+    _refuse_differentiation(x)
     if code.device != x.device:
         code = code.to(x.device, non_blocking=True)
     if global_shape(x, layout) != tuple(x.shape):
@@ -347,6 +358,7 @@ def adam8bit_phases(
     and the local maxima and pass 2 the codes; on the reference path the same torch operations
     as :func:`dequantize` / :func:`quantize` with ``layout`` (bit-identical to them).
     """
+    _refuse_differentiation(g, *scalars)
     if global_shape(g, layout) == tuple(g.shape):
         direction, mq, vq = adam8bit_step(g, m, v, code_m, code_v, block_size, scalars)
         return direction, Quantized(*mq), Quantized(*vq)

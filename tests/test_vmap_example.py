@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _examples import load_example
 
 
 def test_sweep_vmap_smoke(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("sweep_vmap", ROOT / "examples/sweep_vmap.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = load_example("sweep_vmap.py", "sweep_vmap")
     lrs = (1e-4, 1e-2, 3.0)
     val = sweep.main(["--lrs", ",".join(map(str, lrs)), "--steps", "30", "--eval-every", "10",
                       "--width", "16", "--batch-size", "16", "--logdir", str(tmp_path / "tb")])

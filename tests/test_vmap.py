@@ -99,6 +99,11 @@ def test_stacked_batches_and_lr_metric():
     _assert_members_equal(step, states, _batches(stacked=True)[:3], 1e-12, stacked=True)
     _, m = vmap_step(step)(stack_states(states), _batches()[0])
     assert m["lr"].tolist() == list(LRS)
+    # States initialised by optimizers built with each lr stack to the same hyperparameters.
+    built = stack_states([st._replace(opt_state=fo.adamw(lr=lr).init(st.params))
+                          for st, lr in zip(states, LRS)])
+    for a, b in zip(tree_leaves(built.opt_state), tree_leaves(stack_states(states).opt_state)):
+        assert torch.equal(a, b) if torch.is_tensor(a) else a is b is None
 
 
 def test_amp_cast_bf16_composes_and_remat_is_refused():

@@ -98,7 +98,8 @@ def _adamw_foreach(grads: Leaves, params: Leaves, m: list, v: list, vmax: list,
     for mi, ui in zip(m, u, strict=True):
         torch.div(mi, ui, out=ui)
     torch._foreach_mul_(u, [cast[dt][2] for dt in dts])
-    ids = [i for i, d in enumerate(decay) if d]
+    # A decay of 0 is skipped (the reference's u - 0 p differs only where p is not finite).
+    ids = [i for i, d in enumerate(decay) if d] if float(s.lr_wd) else []
     if ids:
         # u - lr_wd p without a leaf-sized temporary (alpha: a number; never traced, see
         # adamw_step). May round once where the reference rounds twice (a fused multiply-add).

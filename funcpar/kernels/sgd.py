@@ -82,9 +82,9 @@ def sgd_fast(
     # The hyperparameters in each leaf's dtype, one 0-d tensor per dtype.
     cast = {dt: (_t(s.weight_decay).to(dt), -_t(s.lr).to(dt)) for dt in set(dts)}
     d = list(torch._foreach_neg(grads)) if maximize else list(grads)
-    # A weight decay of the number 0 adds nothing (as torch.optim.SGD skips it; the reference
-    # adds 0 * p, which differs only where p is not finite).
-    no_decay = not torch.is_tensor(s.weight_decay) and s.weight_decay == 0
+    # A weight decay of 0 adds nothing (torch.optim.SGD skips it; the reference adds 0 * p,
+    # which differs only where p is not finite). Read as a number: this path is never traced.
+    no_decay = float(s.weight_decay) == 0
     ids = [] if no_decay else [i for i, dec in enumerate(decay) if dec]
     if ids:
         wd = torch._foreach_mul([params[i] for i in ids], [cast[dts[i]][0] for i in ids])
@@ -97,7 +97,9 @@ def sgd_fast(
             torch._foreach_copy_(new_bufs, d)
         else:
             torch._foreach_mul_(new_bufs, s.momentum)
-            torch._foreach_add_(new_bufs, torch._foreach_mul(d, 1 - s.dampening))
+            # (1 - 0) * d is d exactly: no temporary without dampening.
+            torch._foreach_add_(new_bufs, torch._foreach_mul(d, 1 - s.dampening)
+                                if s.dampening else d)
         if nesterov:
             d = torch._foreach_add(d, torch._foreach_mul(new_bufs, s.momentum))
         else:

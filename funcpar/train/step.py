@@ -18,6 +18,7 @@ from funcpar.state.donation import check_not_donated, donate_into
 from funcpar.state.functional import ApplyFn
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
+from funcpar.train.in_backward import check_in_backward, loss_and_update
 
 __all__ = ["GradSync", "LossScaler", "TrainStep", "loss_and_grads", "make_train_step"]
 
@@ -203,6 +204,11 @@ class TrainStep:
     the transformed parts have produced the new state (their leaves keep the input's shapes,
     dtypes and devices; an offloaded meta leaf is returned as computed).
 
+    ``update_in_backward`` (needs ``donate``; :mod:`funcpar.train.in_backward`): each leaf is
+    updated by the optimizer in a post-accumulate-grad hook as soon as its gradient is
+    complete, and the gradient dropped, so the peak holds one gradient instead of all. Only
+    for per-leaf optimizers (a ``clip_by_global_norm`` in the chain is refused) on one process.
+
     ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
     they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
     plan and the data-parallel axis, so that the transforms compose in either order.
@@ -225,8 +231,11 @@ class TrainStep:
     pipeline: Any = None
     share_grad_norm: bool = True
     donate: bool = False
+    update_in_backward: bool = False
 
     def __post_init__(self) -> None:
+        if self.update_in_backward:
+            check_in_backward(self)
         # ZeRO-3 installs the gathered float32 leaves into the modules itself, past the params
         # tree an inner amp_cast would have cast: amp_cast must wrap it, not be wrapped.
         if (self.precision is not None and getattr(self.partition, "stage", None) == 3
@@ -250,6 +259,10 @@ class TrainStep:
         scale = None if scaler is None else scaler.scale(extras)
         if self.local_batch is not None:
             batch = self.local_batch(batch)
+        if self.update_in_backward:
+            params, new_buffers, opt_state, loss, gnorm = loss_and_update(
+                self, params, buffers, opt_state, batch)
+            return params, new_buffers, opt_state, loss, gnorm, None
         if self.pipeline is not None:
             loss, grads, new_buffers = self.pipeline.loss_and_grads(self, params, buffers,
                                                                     batch, scale)
@@ -333,14 +346,16 @@ def make_train_step(
     layouts: Tree | None = None,
     compile: bool = False,
     donate: bool = False,
+    update_in_backward: bool = False,
 ) -> TrainStep:
     """The pure training step of ``apply_fn``, ``loss_fn`` and ``optimizer`` (see
     :class:`TrainStep`). With ``compile=True`` the forward and backward run under
     ``torch.compile``. With ``donate=True`` each call consumes the state it is given and
     returns the next one in its storage (:class:`TrainStep`'s ``donate``): keep only the
-    returned state."""
+    returned state. ``update_in_backward=True`` (with ``donate``) updates each leaf as soon as
+    its gradient is complete (per-leaf optimizers, one process)."""
     return TrainStep(apply_fn, loss_fn, optimizer, layouts=layouts, compile=compile,
-                     donate=donate)
+                     donate=donate, update_in_backward=update_in_backward)
 
 
 def _inplace_scope(donate: bool) -> contextlib.AbstractContextManager:

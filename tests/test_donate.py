@@ -106,6 +106,36 @@ def test_fp16_skipped_step_under_donation_keeps_params():
         step(state, batches()[1])
 
 
+@pytest.mark.parametrize("what", ["remat+accumulate", "offload"])
+def test_donated_bit_identical_remat_accumulate_offload(what):
+    from funcpar import optim as fo
+    from funcpar.models import Llama, lm_loss
+    from funcpar.state import functionalize, init_state
+    from funcpar.testing.reference import CFG
+    from funcpar.train import make_train_step
+    from funcpar.transforms import offload, remat
+
+    def build_one(donate):
+        torch.manual_seed(0)
+        apply_fn, params, buffers = functionalize(Llama(CFG).to(torch.float64))
+        opt = fo.adamw(lr=1e-2, weight_decay=0.1)
+        if what == "remat+accumulate":
+            opt = fo.accumulate(opt, 2)
+        step = make_train_step(apply_fn, lm_loss, opt, donate=donate)
+        state = init_state(params, buffers, opt)
+        t = remat() if what == "remat+accumulate" else offload("cpu")
+        return t(step, state)
+
+    l0, s0 = _run(*build_one(False), n=4)
+    step, state = build_one(True)
+    assert step.donate
+    l1, s1 = _run(step, state, n=4)
+    assert l0 == l1
+    a = tree_flatten(s0.params)[0]
+    b = tree_flatten(s1.params)[0]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def _dist_pair(tp, dp, zero, pp, optim):
     kw = {"pp": pp, "cfg": None} if pp > 1 else {}
     if pp > 1:

@@ -59,8 +59,10 @@ def reuse_global_norm() -> Iterator[None]:
 
     While ``torch.compile`` traces (``torch.compiler.is_compiling()``) nothing is remembered or
     reused: the norm is computed as outside the context (identity and version counters are not
-    those of the real tensors there). :class:`~funcpar.train.TrainStep` compiles only the
-    forward and backward, so its optimizer runs eagerly and reuses the metric's norm.
+    those of the real tensors there). :class:`~funcpar.train.TrainStep`'s whole-step compiled
+    region therefore computes the clip's norm in the graph again (the same ops on the same
+    gradients: the same value); where it compiles the forward and backward only, the
+    optimizer runs eagerly and reuses the metric's norm.
     """
     token = _KNOWN.set([])
     try:

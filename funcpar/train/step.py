@@ -19,6 +19,7 @@ from funcpar.state.functional import ApplyFn
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
 from funcpar.train.in_backward import check_in_backward, loss_and_update
+from funcpar.train.whole_step import WholeStep, applies, select
 
 __all__ = ["GradSync", "LossScaler", "TrainStep", "loss_and_grads", "make_train_step"]
 
@@ -209,6 +210,16 @@ class TrainStep:
     complete, and the gradient dropped, so the peak holds one gradient instead of all. Only
     for per-leaf optimizers (a ``clip_by_global_norm`` in the chain is refused) on one process.
 
+    ``compile`` (``make_train_step(..., compile=True)``): on one process, with no hook that
+    communicates (``sync_grads``, ``overlap_grads``, ``sync_loss``, ``pipeline``,
+    ``update_in_backward``) and without ``remat``, the whole step - forward, backward, fp16
+    unscale and inf/nan check, the ``grad_norm`` metric, clipping and the optimizer - is one
+    compiled region with no graph break (:mod:`funcpar.train.whole_step`: traced by
+    ``make_fx``, compiled ``fullgraph=True``); an fp16 skip is a ``torch.where`` selection
+    inside it, so no bool is read on the host. Otherwise (tensor/data parallel, ZeRO,
+    pipelines, remat) only the forward and backward are compiled and the collectives and the
+    optimizer run eagerly after it.
+
     ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
     they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
     plan and the data-parallel axis, so that the transforms compose in either order.
@@ -250,11 +261,19 @@ class TrainStep:
             return loss_and_grads(self.apply_fn, self.loss_fn, params, buffers, batch,
                                   loss_scale=loss_scale)
 
-        # Only the model's forward and backward are compiled: that is where the time goes, and
-        # the optimizer's pytree plumbing trips dynamo's optree support (torch 2.13).
+        # The forward and backward alone, for steps the whole-step region does not cover
+        # (self._whole): dynamo itself cannot trace the optimizer's optree plumbing (torch 2.13).
         return torch.compile(grads_of) if self.compile else grads_of
 
-    def _core(self, params, buffers, opt_state, batch, extras):
+    @functools.cached_property
+    def _whole(self) -> Any:
+        if not self.compile or applies(self) is not None:
+            return None
+        return WholeStep(functools.partial(self._core, traced=True))
+
+    def _core(self, params, buffers, opt_state, batch, extras, traced=False):
+        # traced: run inside the whole-step region (funcpar.train.whole_step): the backward is
+        # traced with the rest, and an fp16 skip is selected in the graph, not read on the host.
         scaler = self.loss_scaler
         scale = None if scaler is None else scaler.scale(extras)
         if self.local_batch is not None:
@@ -269,7 +288,11 @@ class TrainStep:
             if self.overlap_grads is not None:
                 grads = self.overlap_grads(tree_flatten(params)[0]).finish(grads)
         elif self.overlap_grads is None:
-            loss, grads, new_buffers = self._grads_of(params, buffers, batch, scale)
+            if traced:  # the region compiles it with the rest: not a compiled call of its own
+                loss, grads, new_buffers = loss_and_grads(self.apply_fn, self.loss_fn, params,
+                                                          buffers, batch, loss_scale=scale)
+            else:
+                loss, grads, new_buffers = self._grads_of(params, buffers, batch, scale)
         else:
             sync = self.overlap_grads(tree_flatten(params)[0])
             if self.compile:  # no hooks inside the compiled graph: reduce after the backward
@@ -299,6 +322,11 @@ class TrainStep:
                 gnorm = self.pipeline.global_norm(grads, lays)
             else:
                 gnorm = global_norm(grads, lays)
+            if finite is not None and traced:
+                new_params, new_opt = update_params(self.optimizer, grads, opt_state, params,
+                                                    layouts=self.layouts)
+                return (select(finite, new_params, params), select(finite, new_buffers, buffers),
+                        select(finite, new_opt, opt_state), loss, gnorm, finite)
             if finite is not None and not bool(finite):
                 # Skipped: every rank got the same ``finite``, so they all skip, and none runs
                 # the optimizer's collectives alone.
@@ -318,9 +346,14 @@ class TrainStep:
         check_not_donated(state, "TrainStep")
         devices = [device] if device.type == "cuda" else []
         extras = state.extras
-        with torch.random.fork_rng(devices=devices), _inplace_scope(self.donate):
+        whole = self._whole
+        # The compiled region returns new tensors (the in-place optimizer paths would mutate its
+        # inputs before an fp16 skip selects them): donation copies into the input after it.
+        inplace = _inplace_scope(self.donate and whole is None)
+        with torch.random.fork_rng(devices=devices), inplace:
             _set_rng(device, state.rng)
-            params, buffers, opt_state, loss, gnorm, finite = self._core(
+            core = self._core if whole is None else whole
+            params, buffers, opt_state, loss, gnorm, finite = core(
                 state.params, state.buffers, state.opt_state, batch, extras
             )
             rng = _get_rng(device)
@@ -349,8 +382,9 @@ def make_train_step(
     update_in_backward: bool = False,
 ) -> TrainStep:
     """The pure training step of ``apply_fn``, ``loss_fn`` and ``optimizer`` (see
-    :class:`TrainStep`). With ``compile=True`` the forward and backward run under
-    ``torch.compile``. With ``donate=True`` each call consumes the state it is given and
+    :class:`TrainStep`). With ``compile=True`` the whole step is one compiled region on one
+    process (the forward and backward only under the parallel transforms; :class:`TrainStep`'s
+    ``compile``). With ``donate=True`` each call consumes the state it is given and
     returns the next one in its storage (:class:`TrainStep`'s ``donate``): keep only the
     returned state. ``update_in_backward=True`` (with ``donate``) updates each leaf as soon as
     its gradient is complete (per-leaf optimizers, one process)."""

@@ -103,12 +103,15 @@ class DynamicLossScaler:
 
     def update(self, extras: dict[str, Tensor], finite: Tensor) -> dict[str, Tensor]:
         scale, good = extras["loss_scale"], extras["good_steps"]
-        if bool(finite):
-            good = good + 1
-            if int(good) >= self.growth_interval:
-                scale, good = scale * self.growth_factor, torch.zeros_like(good)
-        else:
-            scale, good = scale * self.backoff_factor, torch.zeros_like(good)
+        # Selected with torch.where, not branched on the host: no device sync per step, and the
+        # rule traces into a compiled step. Each product is a power of two times the scale
+        # (exact), so the selected values are those of the branching rule, bit for bit.
+        finite = finite.to(scale.device)
+        counted = torch.where(finite, good + 1, torch.zeros_like(good))
+        grow = counted >= self.growth_interval
+        scale = torch.where(finite, torch.where(grow, scale * self.growth_factor, scale),
+                            scale * self.backoff_factor)
+        good = torch.where(grow, torch.zeros_like(good), counted)
         return {**extras, "loss_scale": scale, "good_steps": good}
 
     def metrics(self, extras: dict[str, Tensor], finite: Tensor) -> dict[str, Tensor]:
@@ -256,6 +259,7 @@ def _cast_apply(apply_fn: Callable, dtype: torch.dtype, keep: list[bool],
 
     apply.module = getattr(apply_fn, "module", None)
     apply.keep_fp32 = keep  # per flat leaf; offload's master params read it
+    apply.remat = getattr(apply_fn, "remat", False)  # see funcpar.train.whole_step.applies
     apply.precision = {v: k for k, v in PRECISIONS.items()}[dtype]  # see TrainStep.__post_init__
     return apply
 

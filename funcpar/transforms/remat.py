@@ -283,6 +283,7 @@ def _remat_apply(apply_fn: Callable, chosen: list[tuple[str, nn.Module]]) -> Cal
                     m.forward = own
 
     apply.module = getattr(apply_fn, "module", None)
+    apply.remat = True  # TrainStep's whole-step compile steps aside (funcpar.train.whole_step)
     if hasattr(apply_fn, "precision"):  # amp_cast's mark (TrainStep's ZeRO-3 order check)
         apply.precision = apply_fn.precision
     return apply

@@ -115,13 +115,14 @@ def _walk(state: Tree, fn: Callable[[HyperState], HyperState | None]) -> Tree:
     return state
 
 
-def set_hyperparams(opt_state: Tree, **values: float) -> Tree:
+def set_hyperparams(opt_state: Tree, **values: float | Tensor) -> Tree:
     """A copy of ``opt_state`` with the named hyperparameters set in every optimizer that has
     them. Scheduled hyperparameters are recomputed at the next update, so setting one has no
     lasting effect: build that optimizer with a number instead."""
     found: set[str] = set()
     for k, v in values.items():
-        if not math.isfinite(float(v)) or float(v) < 0:
+        x = float(v.detach()) if torch.is_tensor(v) else float(v)  # a tensor keeps its graph
+        if not math.isfinite(x) or x < 0:
             raise ValueError(f"hyperparameter {k} must be finite and >= 0, got {v}")
 
     def setter(s: HyperState) -> HyperState:

@@ -4,7 +4,8 @@ A per-leaf optimizer's update of leaf ``i`` needs only ``g_i``, its own state an
 scalars (the count, the hyper-parameters). So instead of holding every gradient until the
 backward ends, a post-accumulate-grad hook on leaf ``i`` runs the optimizer on the one-leaf
 tree ``{name_i: p_i}``, writes the new parameter and state into the donated storage, adds
-``|g_i|^2`` to the running sum that gives the ``grad_norm`` metric, and drops ``g_i`` at once
+``|g_i|^2`` to the running sum (float64) that gives the ``grad_norm`` metric, and drops
+``g_i`` at once
 (Zhao et al. 2024, "GaLore", sec. 4 "per-layer weight updates"; LOMO, Lv et al. 2023). The peak
 then holds one gradient at a time instead of all of them.
 
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from funcpar.optim.base import GradientTransformation, update_params
+from funcpar.shard.reduce import total_sum_of_squares
 from funcpar.state.tree import NAMESPACE, Tree, tree_flatten
 
 __all__ = ["check_in_backward", "loss_and_update"]
@@ -125,7 +127,9 @@ def loss_and_update(step: Any, params: Tree, buffers: Tree, opt_state: Tree,
     def update_leaf(i: int, grad: Tensor) -> None:
         nonlocal sq
         with torch.no_grad():
-            sq = sq + grad.double().pow(2).sum()
+            # The normal step's per-leaf sum (no leaf-sized temporary): a float64 copy of the
+            # largest gradient would cost more than the gradients this path saves.
+            sq = sq + total_sum_of_squares([grad], [None], purpose="grad_norm").double()
             new_p, new_s = update_params(step.optimizer, {names[i]: grad}, pieces[i],
                                          {names[i]: leaves[i]})
             leaves[i].copy_(new_p[names[i]])  # donated: the new value in the old storage

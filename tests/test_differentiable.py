@@ -147,3 +147,15 @@ def test_eight_bit_states_refuse_to_differentiate():
     lr = torch.tensor(0.01, dtype=D, requires_grad=True)
     with pytest.raises(RuntimeError, match="8-bit optimizer states are not differentiable"):
         _val_loss(lambda v: galore_adamw(v, rank=2, eight_bit=True, min_8bit_size=1), lr)
+
+
+def test_schedules_keep_tensor_values_differentiable():
+    from funcpar.optim import constant, warmup_cosine
+
+    peak = torch.tensor(0.1, dtype=D, requires_grad=True)
+    sched = warmup_cosine(peak, warmup_steps=2, decay_steps=6)
+    # At step 3 (cosine phase, 1 of 4 steps): peak * (1 + cos(pi / 4)) / 2.
+    (g,) = torch.autograd.grad(sched(3), peak)
+    assert g.item() == pytest.approx((1 + 2**-0.5) / 2, rel=1e-14)
+    (g,) = torch.autograd.grad(constant(peak)(5), peak)
+    assert g.item() == 1.0

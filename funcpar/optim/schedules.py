@@ -1,9 +1,10 @@
 """Schedules: hyperparameters as functions of the step.
 
 A schedule maps the 0-based update count (an int or a 0-d integer tensor) to a value, and is
-written in torch ops so that it traces under ``torch.compile``. Any optimizer hyperparameter
-marked injectable (``lr``, ``weight_decay``, ...) accepts a schedule in place of a number; the
-value used at update ``t`` (counting from 0) is ``schedule(t)``.
+written in torch ops so that it traces under ``torch.compile`` (values given as tensors keep
+their autograd graph: a hypergradient reaches a schedule's peak, docs/FUNCTIONAL.md). Any
+optimizer hyperparameter marked injectable (``lr``, ``weight_decay``, ...) accepts a schedule in
+place of a number; the value used at update ``t`` (counting from 0) is ``schedule(t)``.
 """
 
 from __future__ import annotations
@@ -34,14 +35,17 @@ def _step(t: Tensor | int) -> Tensor:
     return torch.as_tensor(t, dtype=torch.float64)
 
 
-def _check(name: str, value: float, *, positive: bool = False) -> None:
+def _check(name: str, value: float | Tensor, *, positive: bool = False) -> None:
+    value = float(value.detach()) if torch.is_tensor(value) else value
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         need = "> 0" if positive else ">= 0"
         raise ValueError(f"schedule {name} must be finite and {need}, got {value}")
 
 
-def constant(value: float) -> Schedule:
+def constant(value: float | Tensor) -> Schedule:
     _check("value", value)
+    if torch.is_tensor(value):  # a tensor keeps its graph (hypergradients, docs/FUNCTIONAL.md)
+        return lambda t: value.to(torch.float64).reshape(())
 
     def schedule(t: Tensor | int) -> Tensor:
         return torch.full((), float(value), dtype=torch.float64)
@@ -49,7 +53,7 @@ def constant(value: float) -> Schedule:
     return schedule
 
 
-def linear(init: float, end: float, steps: int) -> Schedule:
+def linear(init: float | Tensor, end: float | Tensor, steps: int) -> Schedule:
     """From ``init`` at step 0 to ``end`` at ``steps``, constant afterwards."""
     _check("init", init)
     _check("end", end)
@@ -62,14 +66,14 @@ def linear(init: float, end: float, steps: int) -> Schedule:
     return schedule
 
 
-def linear_warmup(peak: float, warmup_steps: int, init: float = 0.0) -> Schedule:
+def linear_warmup(peak: float | Tensor, warmup_steps: int, init: float | Tensor = 0.0) -> Schedule:
     """Linear from ``init`` to ``peak`` over ``warmup_steps``, then ``peak``."""
     if warmup_steps == 0:
         return constant(peak)
     return linear(init, peak, warmup_steps)
 
 
-def cosine(peak: float, decay_steps: int, end: float = 0.0) -> Schedule:
+def cosine(peak: float | Tensor, decay_steps: int, end: float | Tensor = 0.0) -> Schedule:
     """Half a cosine from ``peak`` at step 0 to ``end`` at ``decay_steps``, constant after.
 
     ``end + (peak - end) * (1 + cos(pi * min(t, T) / T)) / 2`` (Loshchilov & Hutter 2017,
@@ -87,7 +91,8 @@ def cosine(peak: float, decay_steps: int, end: float = 0.0) -> Schedule:
 
 
 def warmup_cosine(
-    peak: float, warmup_steps: int, decay_steps: int, init: float = 0.0, end: float = 0.0
+    peak: float | Tensor, warmup_steps: int, decay_steps: int, init: float | Tensor = 0.0,
+    end: float | Tensor = 0.0,
 ) -> Schedule:
     """Linear warm-up to ``peak`` over ``warmup_steps``, then cosine to ``end``.
 

@@ -49,9 +49,12 @@ def loss_and_grads(
     inputs, targets = batch
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     leaves, spec = tree_flatten(params)
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if (not torch.compiler.is_compiling()
+            and torch._C._functorch.peek_interpreter_stack() is not None):
         # Inside a torch.func transform (vmap_step): requires_grad_ is refused there, so the
-        # gradients come from torch.func.grad, which nests in the transform.
+        # gradients come from torch.func.grad, which nests in the transform. Not while dynamo
+        # traces (compile=True): the stack it shows there is its own, and the func.grad path's
+        # tree_unflatten does not replay in dynamo's optree polyfill.
         return _func_loss_and_grads(apply_fn, loss_fn, leaves, spec, buffers, args, targets,
                                     loss_scale)
     live = [p.detach().requires_grad_(p.is_floating_point() or p.is_complex()) for p in leaves]

@@ -91,6 +91,10 @@ def use_kernels(*tensors: torch.Tensor | None) -> bool:
             )
         return False
     live = [t for t in tensors if t is not None]
+    if any(torch._C._functorch.is_batchedtensor(t) for t in live):
+        # Under torch.func.vmap (funcpar.train.vmap): a kernel sees one member's storage, not
+        # the batch, so every mode takes the reference, which vmap batches.
+        return False
     on_cuda = bool(live) and all(t.is_cuda for t in live)
     if mode == "auto":
         return on_cuda and triton_available()

@@ -11,7 +11,7 @@ from funcpar.state.donation import DonatedError, is_donated
 from funcpar.testing.multirank import run_ranks
 from funcpar.testing.reference import OPTIMIZERS, batches, build
 
-STEPS = 3  # enough for momentum, bias corrections and GaLore's refresh to be used
+STEPS = 2  # a second step reads the first one's momentum, bias corrections and projector
 
 
 def _run(step, state, n=STEPS):

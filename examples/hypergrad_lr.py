@@ -28,6 +28,7 @@ from torch import Tensor
 import funcpar.optim as fo
 from funcpar.meta import detach_state, unroll
 from funcpar.train import Logger
+from funcpar.train.cli import add_debug_flag, positive_int, run_cli
 
 Params = dict[str, Tensor]
 
@@ -55,14 +56,15 @@ def mse(p: Params, x: Tensor, y: Tensor) -> Tensor:
 
 def main(argv: Sequence[str] | None = None) -> list[tuple[float, float]]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--unroll", type=int, default=5, help="AdamW steps per hypergradient")
+    ap.add_argument("--rounds", type=positive_int, default=60)
+    ap.add_argument("--unroll", type=positive_int, default=5, help="AdamW steps per hypergradient")
     ap.add_argument("--lr0", type=float, default=1e-4, help="initial learning rate")
     ap.add_argument("--hyper-lr", type=float, default=0.3, help="step of log(lr) per round")
-    ap.add_argument("--width", type=int, default=32)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--width", type=positive_int, default=32)
+    ap.add_argument("--batch-size", type=positive_int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logdir", default="runs/hypergrad_lr")
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
 
     g = torch.Generator().manual_seed(args.seed)
@@ -100,4 +102,4 @@ def main(argv: Sequence[str] | None = None) -> list[tuple[float, float]]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a user's error as one line on stderr, exit 2; --debug: the traceback

@@ -26,6 +26,7 @@ from torch import Tensor
 import funcpar.optim as fo
 from funcpar.meta import maml_adapt
 from funcpar.train import Logger
+from funcpar.train.cli import add_debug_flag, positive_int, run_cli
 
 Params = dict[str, Tensor]
 
@@ -72,17 +73,18 @@ def meta_loss(theta: Params, tasks, args: argparse.Namespace, *, first_order: bo
 
 def main(argv: Sequence[str] | None = None) -> list[float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--meta-steps", type=int, default=300)
-    ap.add_argument("--tasks", type=int, default=8, help="tasks per meta-step")
-    ap.add_argument("--shots", type=int, default=5, help="K support (and query) points")
-    ap.add_argument("--inner-steps", type=int, default=3)
+    ap.add_argument("--meta-steps", type=positive_int, default=300)
+    ap.add_argument("--tasks", type=positive_int, default=8, help="tasks per meta-step")
+    ap.add_argument("--shots", type=positive_int, default=5, help="K support (and query) points")
+    ap.add_argument("--inner-steps", type=positive_int, default=3)
     ap.add_argument("--inner-lr", type=float, default=0.02)
     ap.add_argument("--meta-lr", type=float, default=3e-3)
-    ap.add_argument("--width", type=int, default=40)
-    ap.add_argument("--eval-every", type=int, default=25)
-    ap.add_argument("--eval-tasks", type=int, default=16)
+    ap.add_argument("--width", type=positive_int, default=40)
+    ap.add_argument("--eval-every", type=positive_int, default=25)
+    ap.add_argument("--eval-tasks", type=positive_int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logdir", default="runs/maml_sine")
+    add_debug_flag(ap)
     args = ap.parse_args(argv)
 
     g = torch.Generator().manual_seed(args.seed)
@@ -118,4 +120,4 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a user's error as one line on stderr, exit 2; --debug: the traceback

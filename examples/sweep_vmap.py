@@ -29,6 +29,7 @@ from torch import Tensor, nn
 import funcpar.optim as fo
 from funcpar.state import functionalize, init_state
 from funcpar.train import Logger, make_train_step
+from funcpar.train.cli import add_debug_flag, positive_int, run_cli
 from funcpar.train.vmap import stack_states, vmap_step
 
 DEFAULT_LRS = "1e-4,3e-4,1e-3,3e-3,1e-2,3e-2,1e-1,3e-1"
@@ -65,15 +66,16 @@ def make_data(
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lrs", default=DEFAULT_LRS, help="comma-separated learning rates")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--n-batches", type=int, default=32, help="batches cycled over")
-    p.add_argument("--dim-in", type=int, default=16)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--dim-out", type=int, default=4)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--steps", type=positive_int, default=300)
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--n-batches", type=positive_int, default=32, help="batches cycled over")
+    p.add_argument("--dim-in", type=positive_int, default=16)
+    p.add_argument("--width", type=positive_int, default=64)
+    p.add_argument("--dim-out", type=positive_int, default=4)
+    p.add_argument("--eval-every", type=positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logdir", default="runs/sweep_vmap")
+    add_debug_flag(p)
     return p.parse_args(argv)
 
 
@@ -122,4 +124,4 @@ def main(argv: Sequence[str] | None = None) -> dict[float, float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a user's error as one line on stderr, exit 2; --debug: the traceback

@@ -26,8 +26,8 @@ from typing import Any
 from funcpar.offload.store import StoreError
 from funcpar.transforms.skip_nonfinite import NonFiniteError
 
-__all__ = ["AGREE_WAIT_S", "EXIT_CODE", "USER_ERRORS", "add_debug_flag", "report_error",
-           "run_cli"]
+__all__ = ["AGREE_WAIT_S", "EXIT_CODE", "USER_ERRORS", "add_debug_flag", "positive_int",
+           "report_error", "run_cli"]
 
 EXIT_CODE = 2
 #: How long a failing rank > 0 looks for the same message from a lower rank before printing.
@@ -141,6 +141,19 @@ def add_debug_flag(parser: Any) -> None:
     """``--debug``: show the traceback of a user error (read by :func:`run_cli`)."""
     parser.add_argument("--debug", action="store_true",
                         help="show the Python traceback of an error instead of its one line")
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type=`` for counts (steps, rounds, widths): a usage error below 1."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def _leave_group() -> None:

@@ -150,6 +150,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.small:
         args.dim, args.layers, args.vocab, args.ffn = 128, 2, 4000, 344
+    for flag, given, known in (("--variants", args.variants, VARIANTS),
+                               ("--optims", args.optims, OPTIMS)):
+        unknown = sorted(set(given.split(",")) - set(known))
+        if unknown:
+            p.error(f"{flag}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     if args.variant:  # a child
         print(json.dumps(child(args)))
         return

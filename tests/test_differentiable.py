@@ -135,6 +135,19 @@ def test_triton_mode_refuses_to_differentiate():
     assert u["w"].requires_grad
 
 
+@pytest.mark.parametrize("make", [adamw, lambda lr: sgd(lr, momentum=0.9)], ids=["adamw", "sgd"])
+def test_a_hyperparameter_alone_requiring_grad_keeps_the_kernels_out(make):
+    """Only ``lr`` requires grad (a first-order hypergradient): the kernels, which would drop
+    its graph, are refused in triton mode and skipped in auto, as for a gradient."""
+    p, g = {"w": torch.ones(4)}, {"w": torch.full((4,), 0.5)}
+    opt = make(torch.tensor(0.1, dtype=D, requires_grad=True))
+    with kernel_mode("triton"), pytest.raises(RuntimeError, match="not differentiable"):
+        opt.update(g, opt.init(p), p)
+    with kernel_mode("auto"):
+        u, _ = opt.update(g, opt.init(p), p)
+    assert u["w"].requires_grad
+
+
 def test_structural_message_names_the_argument():
     from funcpar.optim import validate
 

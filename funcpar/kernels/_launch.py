@@ -112,13 +112,14 @@ def kernel_dtype_ok(*tensors: Tensor | None) -> bool:
     return all(t is None or t.dtype in KERNEL_DTYPES for t in tensors)
 
 
-def kernels_apply(*tensors: Any, same_device: bool = False) -> bool:
+def kernels_apply(*tensors: Any, same_device: bool = False, hyper: Sequence[Any] = ()) -> bool:
     """Whether a step over ``tensors`` runs the kernels: every one is a tensor of a kernel dtype
     (``same_device``: and all are on one device), and :func:`funcpar.kernels.use_kernels` says
-    so (asked last: in ``triton`` mode it raises where the kernels cannot run)."""
+    so (asked last: in ``triton`` mode it raises where the kernels cannot run; ``hyper``, the
+    step's hyperparameters, count for its differentiability check only)."""
     return (all(torch.is_tensor(t) for t in tensors) and kernel_dtype_ok(*tensors)
             and (not same_device or len({t.device for t in tensors}) <= 1)
-            and use_kernels(*tensors))
+            and use_kernels(*tensors, hyper=hyper))
 
 
 def note_launch(name: str) -> None:

@@ -319,7 +319,7 @@ def adamw_step(
     """The kernel when :func:`funcpar.kernels.use_kernels` says so and every tensor has a
     kernel dtype, else the reference (float64 and complex leaves, CPU tensors by default)."""
     tensors = [*grads, *params, *exp_avg, *exp_avg_sq, *(max_exp_avg_sq if amsgrad else ())]
-    if _launch.kernels_apply(*tensors):
+    if _launch.kernels_apply(*tensors, hyper=s):
         impl = adamw_triton
     elif grads and not torch.compiler.is_compiling() and fast_path_ok(*tensors, *s):
         impl = adamw_fast  # multi-tensor/fused plain torch; steps aside for autograd and vmap

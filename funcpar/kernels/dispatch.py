@@ -18,7 +18,7 @@ import contextlib
 import functools
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -73,16 +73,17 @@ def differentiable(*tensors: object) -> bool:
     return any(torch.is_tensor(t) and t.requires_grad for t in tensors)
 
 
-def use_kernels(*tensors: torch.Tensor | None) -> bool:
+def use_kernels(*tensors: torch.Tensor | None, hyper: Sequence[object] = ()) -> bool:
     """True when the step over ``tensors`` (``None`` entries ignored) should run a kernel.
 
-    False whenever the step must be differentiable (:func:`differentiable`); in mode
+    False whenever the step must be differentiable (:func:`differentiable`, over ``tensors``
+    and the step's ``hyper``-parameters: an ``lr`` that requires grad counts); in mode
     ``triton`` that is an error instead, never a silent detach.
     """
     mode = current_mode()
     if mode == "reference":
         return False
-    if differentiable(*tensors):
+    if differentiable(*tensors, *hyper):
         if mode == "triton":
             raise RuntimeError(
                 f"{_ENV}=triton: the Triton kernels are not differentiable, but this step has "

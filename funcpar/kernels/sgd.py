@@ -224,7 +224,7 @@ def sgd_step(
     """The kernel when :func:`funcpar.kernels.use_kernels` says so and every tensor has a
     kernel dtype, else the reference."""
     tensors = [*grads, *params, *(bufs if s.momentum else ())]
-    if _launch.kernels_apply(*tensors):
+    if _launch.kernels_apply(*tensors, hyper=s):
         impl = sgd_triton
     elif _fast_ok(grads, params, bufs, s):
         impl = sgd_fast  # multi-tensor plain torch; steps aside for autograd and vmap

@@ -53,10 +53,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, named_leaves, tree_flatten, tree_unflatten
+from funcpar.train.finite import all_finite, check_agreement_mesh
 from funcpar.train.step import TrainStep
 
 __all__ = ["PRECISIONS", "DynamicLossScaler", "amp_cast"]
@@ -86,20 +86,9 @@ class DynamicLossScaler:
         # the fp16 round-off of the backward itself.
         inv = extras["loss_scale"].double().reciprocal().float()
         out = [g if g is None else g * inv.to(g.device) for g in leaves]
-        tensors = [g for g in out if g is not None and g.numel()]
-        bad = torch.zeros((), dtype=torch.float32, device=inv.device)
-        if tensors:
-            bad = torch.stack([(~torch.isfinite(g)).any() for g in tensors]).any().float()
-        mesh = self.mesh
-        if mesh is not None:
-            # Max over each axis in turn is the max over the whole mesh: every rank agrees, so
-            # every rank skips together (a lone rank skipping would desynchronise the params
-            # and hang the next collective of the optimizer it did not run).
-            for axis in mesh.axis_names:
-                if mesh.size(axis) > 1:
-                    bad = comm.all_reduce(bad, mesh, axis, op="max",
-                                          purpose="amp fp16 inf/nan check")
-        return tree_unflatten(spec, out), bad == 0
+        # Every rank gets the same verdict, so every rank skips together (funcpar.train.finite).
+        return tree_unflatten(spec, out), all_finite(out, self.mesh, "amp fp16 inf/nan check",
+                                                     device=inv.device)
 
     def update(self, extras: dict[str, Tensor], finite: Tensor) -> dict[str, Tensor]:
         scale, good = extras["loss_scale"], extras["good_steps"]
@@ -178,13 +167,7 @@ def amp_cast(
                 raise ValueError(f"amp_cast('fp16'): the step already has a loss scaler "
                                  f"({type(step.loss_scaler).__name__}, e.g. skip_nonfinite's): "
                                  "apply amp_cast first, then skip_nonfinite (which wraps fp16's)")
-            world = _world_size()
-            if world > 1 and mesh is None:
-                raise ValueError(f"amp_cast('fp16') under {world} processes needs mesh= (the "
-                                 "mesh of the parallel transforms) to agree on skipped steps")
-            if mesh is not None and mesh.world_size != world and world > 1:
-                raise ValueError(f"amp_cast: the mesh has {mesh.world_size} ranks but the "
-                                 f"world {world}")
+            check_agreement_mesh(mesh, "amp_cast('fp16')")
             device = _device_of(named)
             extras["loss_scale"] = torch.tensor(float(init_scale), dtype=torch.float32,
                                                 device=device)
@@ -262,12 +245,6 @@ def _cast_apply(apply_fn: Callable, dtype: torch.dtype, keep: list[bool],
     apply.remat = getattr(apply_fn, "remat", False)  # see funcpar.train.whole_step.applies
     apply.precision = {v: k for k, v in PRECISIONS.items()}[dtype]  # see TrainStep.__post_init__
     return apply
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _device_of(named: list[tuple[str, Any]]) -> torch.device:

@@ -41,18 +41,18 @@ refused without one, as for fp16.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten
+from funcpar.train.finite import all_finite, check_agreement_mesh
 from funcpar.train.step import LossScaler, TrainStep, _device_of
 
-__all__ = ["NonFiniteError", "NonFiniteGuard", "all_finite", "skip_nonfinite"]
+__all__ = ["NonFiniteError", "NonFiniteGuard", "skip_nonfinite"]
 
 POLICIES = ("skip", "raise")
 _EXTRAS = ("skipped_steps", "nonfinite_run")
@@ -60,22 +60,6 @@ _EXTRAS = ("skipped_steps", "nonfinite_run")
 
 class NonFiniteError(FloatingPointError):
     """``max_consecutive`` steps in a row had non-finite gradients (``policy="raise"``)."""
-
-
-def all_finite(leaves: Sequence[Tensor | None], mesh: DeviceMesh | None,
-               purpose: str = "non-finite gradient check") -> Tensor:
-    """0-d bool: no entry of any of ``leaves`` on any rank of ``mesh`` is inf or nan (the
-    same value on every rank: an all-reduce max over each axis of ``mesh`` in turn)."""
-    tensors = [g for g in leaves if g is not None and g.numel()]
-    device = tensors[0].device if tensors else torch.device("cpu")
-    bad = torch.zeros((), dtype=torch.float32, device=device)
-    if tensors:
-        bad = torch.stack([(~torch.isfinite(g)).any() for g in tensors]).any().float()
-    if mesh is not None:
-        for axis in mesh.axis_names:
-            if mesh.size(axis) > 1:
-                bad = comm.all_reduce(bad, mesh, axis, op="max", purpose=purpose)
-    return bad == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,13 +132,7 @@ def skip_nonfinite(
         taken = [k for k in _EXTRAS if k in extras]
         if taken:
             raise ValueError(f"skip_nonfinite: state.extras already holds {taken}")
-        world = _world_size()
-        if world > 1 and mesh is None:
-            raise ValueError(f"skip_nonfinite under {world} processes needs mesh= (the mesh "
-                             "of the parallel transforms) to agree on skipped steps")
-        if mesh is not None and world > 1 and mesh.world_size != world:
-            raise ValueError(f"skip_nonfinite: the mesh has {mesh.world_size} ranks but the "
-                             f"world {world}")
+        check_agreement_mesh(mesh, "skip_nonfinite")
         device = _device_of(state.params)
         for k in _EXTRAS:
             extras[k] = torch.zeros((), dtype=torch.int64, device=device)
@@ -163,8 +141,3 @@ def skip_nonfinite(
 
     return transform
 
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

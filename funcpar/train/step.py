@@ -11,6 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from funcpar.kernels.inplace import inplace_updates
 from funcpar.optim.base import GradientTransformation, update_params
 from funcpar.optim.clip import global_norm, reuse_global_norm
 from funcpar.optim.hyperparams import get_hyperparams
@@ -352,7 +353,8 @@ class TrainStep:
         whole = self._whole
         # The compiled region returns new tensors (the in-place optimizer paths would mutate its
         # inputs before an fp16 skip selects them): donation copies into the input after it.
-        inplace = _inplace_scope(self.donate and whole is None)
+        inplace = (inplace_updates() if self.donate and whole is None
+                   else contextlib.nullcontext())
         with torch.random.fork_rng(devices=devices), inplace:
             _set_rng(device, state.rng)
             core = self._core if whole is None else whole
@@ -393,18 +395,6 @@ def make_train_step(
     its gradient is complete (per-leaf optimizers, one process)."""
     return TrainStep(apply_fn, loss_fn, optimizer, layouts=layouts, compile=compile,
                      donate=donate, update_in_backward=update_in_backward)
-
-
-def _inplace_scope(donate: bool) -> contextlib.AbstractContextManager:
-    """``funcpar.kernels.dispatch.inplace_updates()`` under donation (the optimizer may then
-    overwrite the tensors it is given), where that kernel layer provides it; else nothing."""
-    if not donate:
-        return contextlib.nullcontext()
-    try:
-        from funcpar.kernels.dispatch import inplace_updates
-    except ImportError:  # the in-place optimizer paths are not there: copy in after the update
-        return contextlib.nullcontext()
-    return inplace_updates()
 
 
 def _device_of(tree: Tree) -> torch.device:

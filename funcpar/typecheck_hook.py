@@ -36,7 +36,8 @@ from typing import Any
 
 from funcpar.typecheck import checker
 
-__all__ = ["ARRAY_TYPES", "ImportHook", "active_hooks", "install_hooks", "install_import_hook"]
+__all__ = ["ARRAY_TYPES", "HOOKS_ENV", "ImportHook", "active_hooks", "install_hooks",
+           "install_import_hook"]
 
 #: Names whose presence in an annotation makes it a jaxtyping array annotation.
 ARRAY_TYPES = frozenset({
@@ -219,6 +220,11 @@ def install_import_hook(packages: str | Iterable[str] = ("funcpar",)) -> ImportH
     hook = ImportHook([packages] if isinstance(packages, str) else packages)
     sys.meta_path.insert(0, hook)
     return hook
+
+
+#: The environment variable through which a process hands :func:`active_hooks` (as JSON) to the
+#: processes it starts (read by :mod:`funcpar.testing.rank_preload`).
+HOOKS_ENV = "FUNCPAR_RANK_PRELOAD"
 
 
 def active_hooks() -> list[tuple[str, list[str]]]:

@@ -40,14 +40,12 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from funcpar.typecheck_hook import active_hooks, install_hooks
+from funcpar.typecheck_hook import HOOKS_ENV, active_hooks, install_hooks
 
 __all__ = ["RankError", "RanksTimeout", "free_port", "run_ranks"]
 
 _PRELOAD = ["torch", "torch.distributed"]
 _RANK_PRELOAD = "funcpar.testing.rank_preload"
-#: Read by :mod:`funcpar.testing.rank_preload` (named here: importing it runs the preload).
-rank_preload_env = "FUNCPAR_RANK_PRELOAD"
 
 
 class RankError(RuntimeError):
@@ -85,7 +83,7 @@ def _context(hooks: list[tuple[str, list[str]]]) -> Any:
         # Only takes effect if the forkserver is not running yet; then every rank starts with
         # torch and funcpar already imported, funcpar checked by this process's hooks (read by
         # the preload module from the environment the forkserver inherits).
-        os.environ[rank_preload_env] = json.dumps(hooks)
+        os.environ[HOOKS_ENV] = json.dumps(hooks)
         ctx.set_forkserver_preload([*_PRELOAD, _RANK_PRELOAD])
         return ctx
     return multiprocessing.get_context("spawn")

@@ -6,7 +6,7 @@ suite's) cost ~6 s of CPU per process on this project's CI machine with jaxtypin
 against ~1.5 s plain: paid once here instead of once per rank, it was most of a multi-rank
 test's time.
 
-The hooks to install come from ``$FUNCPAR_RANK_PRELOAD`` (JSON of
+The hooks to install come from ``$FUNCPAR_RANK_PRELOAD`` (``typecheck_hook.HOOKS_ENV``, JSON of
 :func:`funcpar.typecheck_hook.active_hooks` in the process that starts the forkserver), so the
 preloaded modules are checked exactly as a cold rank's would be. Without the variable this
 module imports funcpar unchecked. A failure here is harmless: the forkserver ignores a preload
@@ -19,9 +19,7 @@ import importlib
 import json
 import os
 
-from funcpar.typecheck_hook import install_hooks
-
-ENV = "FUNCPAR_RANK_PRELOAD"
+from funcpar.typecheck_hook import HOOKS_ENV, install_hooks
 
 #: funcpar's packages a rank imports (their ``__init__`` imports their modules). Optional
 #: dependencies (datasets, transformers) stay lazy: only the tests that need them pay for them.
@@ -33,7 +31,7 @@ PACKAGES = (
 
 
 def _preload() -> None:
-    install_hooks(json.loads(os.environ.get(ENV) or "[]"))
+    install_hooks(json.loads(os.environ.get(HOOKS_ENV) or "[]"))
     for name in PACKAGES:
         importlib.import_module(name)
 

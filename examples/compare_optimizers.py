@@ -47,7 +47,7 @@ from funcpar.models import Llama, LlamaConfig, lm_loss
 from funcpar.optim import state_bytes
 from funcpar.state import functionalize, init_state
 from funcpar.train import Logger, make_train_step
-from funcpar.train.cli import add_debug_flag, run_cli
+from funcpar.train.cli import add_debug_flag, positive_int, run_cli
 
 
 def _train_lm() -> ModuleType:
@@ -67,7 +67,7 @@ def parse_args(argv: Sequence[str] | None, choices: Sequence[str],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--optims", default=",".join(choices),
                    help=f"comma-separated, from {', '.join(choices)}")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=positive_int, default=200)
     p.add_argument("--warmup", type=int, default=None,
                    help="linear warm-up steps (default: 10%% of --steps, at most 20)")
     p.add_argument("--lr", type=float, default=None,
@@ -76,11 +76,11 @@ def parse_args(argv: Sequence[str] | None, choices: Sequence[str],
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--galore-rank", type=int, default=32)
     p.add_argument("--galore-gap", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--dim", type=positive_int, default=128)
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--heads", type=positive_int, default=4)
     p.add_argument("--seed", type=int, default=0, help="model init and data order")
     p.add_argument("--corpus", default=None, help="file or directory (default: Python's stdlib)")
     p.add_argument("--corpus-glob", default="**/*.txt")
@@ -88,8 +88,8 @@ def parse_args(argv: Sequence[str] | None, choices: Sequence[str],
     p.add_argument("--data-cache", default=None, help="datasets cache directory")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="the tail of the token stream held out for the validation loss")
-    p.add_argument("--val-batches", type=int, default=4)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--val-batches", type=positive_int, default=4)
+    p.add_argument("--eval-every", type=positive_int, default=50)
     p.add_argument("--logdir", default="runs/compare_optimizers")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: $OMP_NUM_THREADS if set, else 1)")
@@ -99,10 +99,6 @@ def parse_args(argv: Sequence[str] | None, choices: Sequence[str],
     bad = [o for o in args.optims if o not in choices]
     if bad or not args.optims:
         p.error(f"--optims: unknown {bad or 'empty list'}; choose from {', '.join(choices)}")
-    for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "val_batches",
-                 "eval_every"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.warmup is None:  # follows the run, as in train_lm.py
         args.warmup = default_warmup(args.steps)
     elif not 0 <= args.warmup < args.steps:

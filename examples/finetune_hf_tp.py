@@ -39,7 +39,7 @@ from funcpar.shard import DeviceMesh, gpt2_rules, unshard_tree
 from funcpar.shard.agree import check_ranks_agree
 from funcpar.state import functionalize, init_state
 from funcpar.train import Logger, make_train_step
-from funcpar.train.cli import add_debug_flag, run_cli
+from funcpar.train.cli import add_debug_flag, positive_int, run_cli
 from funcpar.transforms import compose, data_parallel, logits_of, shard_params
 
 
@@ -86,10 +86,11 @@ def build_model(args: argparse.Namespace) -> tuple[torch.nn.Module, Callable[[st
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="finetune_hf_tp.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (processes / tp: dp)")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--tp", type=positive_int, default=2,
+                   help="tensor-parallel size (processes / tp: dp)")
+    p.add_argument("--steps", type=positive_int, default=100)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -97,9 +98,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default=None,
                    help="a local GPT-2 checkpoint directory (default: the small in-code config)")
-    p.add_argument("--dim", type=int, default=128, help="in-code config: n_embd")
-    p.add_argument("--layers", type=int, default=2, help="in-code config: n_layer")
-    p.add_argument("--heads", type=int, default=4, help="in-code config: n_head")
+    p.add_argument("--dim", type=positive_int, default=128, help="in-code config: n_embd")
+    p.add_argument("--layers", type=positive_int, default=2, help="in-code config: n_layer")
+    p.add_argument("--heads", type=positive_int, default=4, help="in-code config: n_head")
     p.add_argument("--dropout", type=float, default=0.0, help="in-code config: all dropouts")
     p.add_argument("--corpus", default=None, help="file or directory (default: Python's stdlib)")
     p.add_argument("--corpus-glob", default="**/*.txt")
@@ -107,15 +108,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--data-cache", default=None, help="datasets cache directory")
     p.add_argument("--logdir", default="runs/finetune_hf_tp")
     p.add_argument("--metrics-jsonl", default=None, help="also write metrics as JSON lines")
-    p.add_argument("--print-every", type=int, default=10)
+    p.add_argument("--print-every", type=positive_int, default=10)
     p.add_argument("--save-dir", default=None, help="save_pretrained the tuned model here")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
     add_debug_flag(p)
     args = p.parse_args(argv)
-    for name in ("tp", "steps", "batch_size", "seq_len", "dim", "layers", "heads",
-                 "print_every", "threads"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup ({args.warmup}) must be in [0, --steps ({args.steps}))")
     if args.model_dir is None and args.heads % args.tp:

@@ -40,7 +40,7 @@ from funcpar.typecheck_hook import install_import_hook
 
 with install_import_hook("funcpar"):
     from funcpar.models import Llama, LlamaConfig, lm_loss
-    from funcpar.train.cli import add_debug_flag, run_cli
+    from funcpar.train.cli import add_debug_flag, positive_int, run_cli
 
 
 # ----------------------------------------------------------------- a user's typed functions
@@ -145,15 +145,12 @@ def test_funcpar_api_is_checked() -> None:
 # ------------------------------------------------------------------------------- script
 def main(argv: Sequence[str] | None = None) -> dict[str, str]:
     p = argparse.ArgumentParser(prog="typed_shapes.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--batch", type=positive_int, default=2)
+    p.add_argument("--seq", type=positive_int, default=8)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--head-dim", type=positive_int, default=16)
     add_debug_flag(p)
     args = p.parse_args(argv)
-    for name in ("batch", "seq", "heads", "head_dim"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
     found = check_user_functions(args.batch, args.seq, args.heads, args.head_dim)
     found.update(check_funcpar_functions(args.batch, args.seq))
     for what, line in found.items():

@@ -30,6 +30,10 @@ rank's batch; tensor and data parallelism then apply within each stage; ``--save
 a pipelined run resumes in one process or another layout, and back). ``--remat K``
 recomputes every K-th block's activations in the backward instead of keeping them.
 
+``--experts E`` gives every ``--moe-every``-th block a Mixture-of-Experts feed-forward
+(docs/MOE.md); ``--ep P`` spreads the experts over an ``ep`` axis (``expert_parallel``) and
+``--tp`` splits every expert's ffn as well as attention (mesh ``ep x dp x tp``).
+
 ``--preset {hybrid,zero,ddp,gemini}`` composes through :mod:`funcpar.presets` (Colossal-AI's
 plugin names: ``hybrid_parallel``, ``low_level_zero``, ``ddp``, ``gemini``) instead of listing
 the transforms here; the result is the same step (docs/PRESETS.md). ``--plan`` prints the
@@ -57,7 +61,7 @@ from funcpar.shard.agree import check_ranks_agree
 from funcpar.shard.comm import comm_log, comm_report
 from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
-from funcpar.shard.rules import llama_rules
+from funcpar.shard.rules import llama_rules_for
 from funcpar.state import Tree, functionalize, init_state, latest_checkpoint, load, read_index
 from funcpar.state import save as save_checkpoint
 from funcpar.train.cli import add_debug_flag, run_cli
@@ -302,9 +306,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--preset gemini is ZeRO-3: drop --zero or pass --zero 3")
     if args.ep > 1 and (args.experts == 0 or args.experts % args.ep):
         p.error(f"--ep {args.ep} needs --experts divisible by it, got --experts {args.experts}")
-    if args.experts and (args.preset is not None or args.pp > 1 or args.tp > 1):
-        p.error("--experts works with --ep, --dp, --zero, --remat and --precision; not yet with "
-                "--preset, --pp or --tp (docs/MOE.md, Not yet)")
+    if args.experts and (args.preset is not None or args.pp > 1):
+        p.error("--experts works with --ep, --tp, --dp, --zero, --remat and --precision; not yet "
+                "with --preset or --pp (docs/MOE.md, Not yet)")
+    if args.experts and args.sequence_parallel:
+        p.error("--sequence-parallel does not work with --experts: an MoE block routes each "
+                "whole sequence (docs/MOE.md)")
     if args.dp is not None and args.batch_size % args.dp:
         p.error(f"--batch-size {args.batch_size} is not divisible by --dp {args.dp}: "
                 "data parallelism gives every rank an equal slice of each batch")
@@ -373,9 +380,12 @@ def manual_transforms(args: argparse.Namespace, mesh: DeviceMesh, cfg: LlamaConf
                                          schedule=args.schedule,
                                          virtual_stages=args.virtual_stages))
     if mesh.size("tp") > 1:
-        transforms.append(shard_params(llama_rules(cfg.head_dim), mesh,
+        # MoE blocks: every expert's ffn split over tp (style "experts"), router replicated.
+        transforms.append(shard_params(llama_rules_for(cfg), mesh,
                                        sequence_parallel=args.sequence_parallel))
-    if "ep" in mesh.axis_names:  # before ZeRO, which partitions the expert shards over dp
+    # After shard_params (it cuts the tp expert shards over ep) and before ZeRO (which
+    # partitions the expert shards over dp).
+    if "ep" in mesh.axis_names:
         transforms.append(expert_parallel(mesh))
     if mesh.size("dp") > 1:
         transforms.append(data_parallel(mesh))

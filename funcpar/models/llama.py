@@ -378,3 +378,7 @@ def moe_lm_loss(out: MoEOutput, targets: Int[Tensor, "batch seq"]) -> Float[Tens
 # Declares what lm_loss computes, so that tensor parallelism may swap in the vocab-parallel
 # cross-entropy (funcpar.transforms.shard_params) when the LM head's logits stay split.
 lm_loss.token_cross_entropy = True
+# moe_lm_loss is that cross-entropy plus a term of the output: the router losses, whole on
+# every tensor-parallel rank, added to the vocab-parallel cross-entropy.
+moe_lm_loss.token_cross_entropy = True
+moe_lm_loss.extra_loss = lambda out: out.router_loss

@@ -30,7 +30,9 @@ Two router losses are returned beside ``y`` (unweighted; the model weights them)
 
 The experts' weights are stacked, ``gate_proj``/``up_proj``: ``[E, hidden, dim]``,
 ``down_proj``: ``[E, dim, hidden]``, so that expert parallelism is a ``Shard(0)`` layout of these
-three leaves.
+three leaves, and tensor parallelism inside the experts (Megatron's MLP split, per expert) a
+``Shard(1)`` of ``gate_proj``/``up_proj`` and a ``Shard(2)`` of ``down_proj``: the ``hidden``
+(ffn) dim. :class:`Experts` runs them as one grouped call on rows sorted by expert.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-__all__ = ["Experts", "MoE", "MoEStats", "Routing", "expert_capacity", "route"]
+__all__ = ["Experts", "MoE", "MoEStats", "Routing", "combine", "expert_capacity",
+           "expert_outputs", "route"]
 
 
 class Routing(NamedTuple):
@@ -111,10 +114,15 @@ def route(
 
 
 class Experts(nn.Module):
-    """``E`` SwiGLU experts with stacked weights; ``forward`` runs expert ``e`` on its rows.
+    """``E`` SwiGLU experts with stacked weights, run as a grouped product: ``forward(x,
+    counts)`` takes rows grouped by expert (the first ``counts[0]`` rows for expert 0, the next
+    ``counts[1]`` for expert 1, ...) and returns each row's output, unscaled by any gate.
 
     The expert count is read from the weights, not stored, so that an expert-parallel shard
-    (``E / ep`` experts) runs the same code.
+    (``E / ep`` experts) runs the same code. This is the one call that sees the experts'
+    weights, so tensor parallelism (``shard_params``' style ``"experts"``: each rank an ffn
+    slice of every expert) wraps it whole: the input enters the tensor-parallel region once and
+    the partial outputs are summed once, whatever the number of experts.
     """
 
     def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
@@ -123,9 +131,32 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
-    def forward(self, e: int, x: Float[Tensor, "n dim"]) -> Float[Tensor, "n dim"]:
-        h = F.silu(x @ self.gate_proj[e].T) * (x @ self.up_proj[e].T)
-        return h @ self.down_proj[e].T
+    def forward(self, x: Float[Tensor, "n dim"], counts: list[int]) -> Float[Tensor, "n dim"]:
+        if len(counts) != self.gate_proj.shape[0] or sum(counts) != x.shape[0]:
+            raise ValueError(f"Experts: counts {counts} must give each of the "
+                             f"{self.gate_proj.shape[0]} experts its rows of the {x.shape[0]}")
+        out = []
+        # An expert with no row still runs (on no rows): the weights stay in the autograd
+        # graph, so their gradient hooks fire on every rank alike (data_parallel's buckets are
+        # launched from them, in an order that must agree across ranks).
+        for e, rows in enumerate(x.split(counts)):
+            h = F.silu(rows @ self.gate_proj[e].T) * (rows @ self.up_proj[e].T)
+            out.append(h @ self.down_proj[e].T)
+        return torch.cat(out)
+
+
+def expert_outputs(
+    experts: Experts,
+    rows: Float[Tensor, "n dim"],
+    expert: Int[Tensor, " n"],
+    first: int = 0,
+) -> Float[Tensor, "n dim"]:
+    """``y[i] = expert_{expert[i]}(rows[i])``, unscaled, in the rows' order (``first``: the
+    global index of the first local expert, for an expert-parallel shard)."""
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert - first, minlength=experts.gate_proj.shape[0]).tolist()
+    y = experts(rows[order], counts)
+    return y[torch.argsort(order)]  # back to the rows' order
 
 
 def combine(
@@ -134,20 +165,14 @@ def combine(
     token: Int[Tensor, " a"],
     expert: Int[Tensor, " a"],
     gate: Float[Tensor, " a"],
-    first: int = 0,
 ) -> Float[Tensor, "n dim"]:
-    """``y[t] = sum_a gate_a * experts(expert_a - first, x[t_a])`` over the assignments ``a``
-    (``first``: the global index of the first local expert, for an expert-parallel shard)."""
-    out = torch.zeros_like(x)
-    for e in range(experts.gate_proj.shape[0]):
-        # An expert with no token still runs (on no rows): the weights stay in the autograd
-        # graph, so their gradient hooks fire on every rank alike (data_parallel's buckets
-        # are launched from them, in an order that must agree across ranks).
-        mine = (expert == e + first).nonzero().squeeze(-1)
-        rows = token[mine]
-        y = experts(e, x[rows]) * gate[mine, None].to(x.dtype)
-        out = out.index_add(0, rows, y)
-    return out
+    """``y[t] = sum_a gate_a * experts_{expert_a}(x[t_a])`` over the assignments ``a``."""
+    # Assignments in expert order, so that each token's contributions are added by expert
+    # (the order expert parallelism also keeps).
+    order = torch.argsort(expert, stable=True)
+    token, expert, gate = token[order], expert[order], gate[order]
+    y = expert_outputs(experts, x[token], expert)
+    return torch.zeros_like(x).index_add(0, token, y * gate[:, None].to(x.dtype))
 
 
 class MoE(nn.Module):

@@ -13,6 +13,9 @@ style                    what the module computes on its shard            weight
                          the loss is computed vocab-parallel, no gather
 ``colwise_gather_output`` column split, logits all-gathered (any loss)    Shard(out), Shard(0)
 ``replicate``            whole on every rank                              Replicate
+``experts``              stacked SwiGLU experts (MoE), each rank an ffn   gate/up Shard(1),
+                         slice of every expert; input entered once,       down Shard(2)
+                         partial outputs summed once (Megatron's MLP)
 =======================  ===============================================  ==================
 
 ``nn.Linear`` stores ``(out, in)``; Hugging Face's ``Conv1D`` (GPT-2) stores ``(in, out)``: the
@@ -24,6 +27,11 @@ checked before any compute. A rule may carry ``blocks`` for a fused projection (
 that cuts such an output by a stored width (GPT-2's ``split_size``) names that attribute with a
 :class:`LocalAttr`: inside the sharded forward it holds the local width.
 
+The ``experts`` style applies to :class:`funcpar.models.moe.Experts` (``gate_proj``/``up_proj``
+``[E, ffn, dim]``, ``down_proj`` ``[E, dim, ffn]``): each expert is split as the dense MLP is,
+``ffn`` over the axis, which must divide it; the MoE's router is left replicated (no rule).
+``expert_parallel`` then cuts the expert dim over ``ep`` on top: ``{ep: Shard(0), tp: Shard(1)}``.
+
 Leaves matched by no rule are replicated; a rule that matches no
 module is an error (a typo would otherwise silently replicate everything).
 """
@@ -33,6 +41,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -48,7 +57,9 @@ __all__ = [
     "bert_rules",
     "gpt2_rules",
     "hf_rules",
+    "is_experts",
     "llama_rules",
+    "llama_rules_for",
     "plan_sharding",
 ]
 
@@ -59,6 +70,7 @@ STYLES = (
     "vocab_parallel",
     "colwise_gather_output",
     "replicate",
+    "experts",
 )
 
 
@@ -79,6 +91,9 @@ class Rule:
             raise ValueError(f"rule {self.pattern!r}: blocks must be >= 1, got {self.blocks}")
         if self.blocks > 1 and self.style != "colwise":
             raise ValueError(f"rule {self.pattern!r}: blocks apply to the 'colwise' style only")
+        if self.style == "experts" and self.unit is not None:
+            raise ValueError(f"rule {self.pattern!r}: unit does not apply to the 'experts' style "
+                             "(the ffn dim is split evenly)")
 
     def matches(self, name: str) -> bool:
         return _matches(self.pattern, name)
@@ -108,8 +123,9 @@ class ModulePlan:
     module: nn.Module
     style: str
     rule: Rule
-    kind: str  # "linear", "conv1d" or "embedding"
-    weight_name: str  # the weight's parameter name (a tied weight has its first name)
+    kind: str  # "linear", "conv1d", "embedding" or "experts"
+    weight_name: str  # the weight's parameter name (a tied weight has its first name; experts:
+    # gate_proj's)
 
 
 @dataclass(frozen=True)
@@ -186,12 +202,18 @@ def plan_sharding(
             local_attrs += _local_attrs(rule, hits, modules, size, axis)
             continue
         if not hits:
-            raise ValueError(f"sharding rule {rule.pattern!r} ({rule.style}) matches no module")
+            hint = (": the model has no MoE experts there (funcpar.models.moe.Experts; "
+                    "LlamaConfig.n_experts > 0)" if rule.style == "experts" else "")
+            raise ValueError(f"sharding rule {rule.pattern!r} ({rule.style}) matches no "
+                             f"module{hint}")
         for n in hits:
             if n in used:
                 raise ValueError(f"module {n!r} is matched by more than one rule")
             used.add(n)
             if rule.style == "replicate":
+                continue
+            if rule.style == "experts" or is_experts(modules[n]):
+                plans.append(_experts_plan(n, modules[n], rule, names))
                 continue
             kind = _kind(n, modules[n])
             if (kind == "embedding") != (rule.style == "embedding_rowwise"):
@@ -207,6 +229,17 @@ def plan_sharding(
     layouts: dict[str, Layout] = {}
     matched_by: dict[str, str] = {}
     for mp in plans:
+        if mp.kind == "experts":
+            for pname, dim in _EXPERT_DIMS.items():
+                full = names[id(getattr(mp.module, pname))]
+                shape = tuple(getattr(mp.module, pname).shape)
+                if shape[dim] % size:
+                    raise ValueError(f"{full!r}: the experts' ffn dim ({dim}) of {shape[dim]} "
+                                     f"is not divisible by {axis}={size} (rule "
+                                     f"{mp.rule.pattern!r})")
+                layouts[full] = Layout(mesh, shape, {axis: Shard(dim)}, name=full)
+                matched_by[full] = mp.rule.pattern
+            continue
         wdim, bdim = _weight_dims(mp.kind, mp.style)
         for pname, dim in (("weight", wdim), ("bias", bdim)):
             p = getattr(mp.module, pname, None)
@@ -234,6 +267,33 @@ def plan_sharding(
             matched_by[n] = "(no rule)"
     ordered = {n: layouts[n] for n, _ in module.named_parameters()}
     return ShardingPlan(mesh, axis, tuple(plans), ordered, matched_by, tuple(local_attrs))
+
+
+#: The stacked experts' leaves and their ffn dim, the one split by the ``experts`` style.
+_EXPERT_DIMS = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A stack of experts by shape (:class:`funcpar.models.moe.Experts`, without importing the
+    models): 3-dim ``gate_proj``/``up_proj`` ``[E, ffn, dim]`` and ``down_proj`` ``[E, dim,
+    ffn]`` parameters."""
+    ps = {n: getattr(module, n, None) for n in _EXPERT_DIMS}
+    if not all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in ps.values()):
+        return False
+    g, u, d = (tuple(p.shape) for p in ps.values())
+    return g == u and d == (g[0], g[2], g[1])
+
+
+def _experts_plan(name: str, module: nn.Module, rule: Rule,
+                  names: dict[int, str]) -> ModulePlan:
+    if not is_experts(module):
+        raise ValueError(f"rule {rule.pattern!r}: style 'experts' applies to stacked MoE "
+                         f"experts (funcpar.models.moe.Experts: gate_proj/up_proj [E, ffn, dim], "
+                         f"down_proj [E, dim, ffn]), not to {name!r} ({type(module).__name__})")
+    if rule.style != "experts":
+        raise ValueError(f"rule {rule.pattern!r}: {name!r} is a stack of MoE experts; its style "
+                         f"must be 'experts' (or 'replicate'), not {rule.style!r}")
+    return ModulePlan(name, module, "experts", rule, "experts", names[id(module.gate_proj)])
 
 
 def _local_attrs(rule: LocalAttr, hits: list[str], modules: dict[str, nn.Module], size: int,
@@ -265,26 +325,47 @@ def _check_split(name: str, n: int, size: int, rule: Rule, axis: str) -> None:
 
 
 def llama_rules(head_dim: int, *, prefix: str = "", vocab_parallel_loss: bool = True,
-                embedding: bool = True) -> list[Rule]:
+                embedding: bool = True, dense_mlp: bool = True,
+                experts: bool = False) -> list[Rule]:
     """Rules for :class:`funcpar.models.Llama` (and, with ``prefix="model."``, the decoder of
     Hugging Face's ``LlamaForCausalLM``): attention and MLP input projections column-split,
     output projections row-split (heads kept whole), embedding and LM head split on the vocab.
     With ``vocab_parallel_loss`` the head's logits stay split and the loss is computed
-    vocab-parallel; otherwise they are gathered."""
+    vocab-parallel; otherwise they are gathered.
+
+    Mixture of Experts: ``experts`` adds the style ``"experts"`` for the MoE blocks' stacked
+    experts (``layers.*.mlp.experts``; the router stays replicated); ``dense_mlp=False`` drops
+    the dense MLP rules, for a model whose every block is MoE (a rule matching nothing is an
+    error). :func:`llama_rules_for` sets both from a config."""
     p = prefix
     rules = [
         Rule(f"{p}layers.*.self_attn.q_proj", "colwise", head_dim),
         Rule(f"{p}layers.*.self_attn.k_proj", "colwise", head_dim),
         Rule(f"{p}layers.*.self_attn.v_proj", "colwise", head_dim),
         Rule(f"{p}layers.*.self_attn.o_proj", "rowwise", head_dim),
-        Rule(f"{p}layers.*.mlp.gate_proj", "colwise"),
-        Rule(f"{p}layers.*.mlp.up_proj", "colwise"),
-        Rule(f"{p}layers.*.mlp.down_proj", "rowwise"),
-        Rule("lm_head", "vocab_parallel" if vocab_parallel_loss else "colwise_gather_output"),
     ]
+    if dense_mlp:
+        rules += [
+            Rule(f"{p}layers.*.mlp.gate_proj", "colwise"),
+            Rule(f"{p}layers.*.mlp.up_proj", "colwise"),
+            Rule(f"{p}layers.*.mlp.down_proj", "rowwise"),
+        ]
+    if experts:
+        rules.append(Rule(f"{p}layers.*.mlp.experts", "experts"))
+    rules.append(Rule("lm_head", "vocab_parallel" if vocab_parallel_loss
+                      else "colwise_gather_output"))
     if embedding:
         rules.append(Rule(f"{p}embed_tokens", "embedding_rowwise"))
     return rules
+
+
+def llama_rules_for(cfg: Any, **kwargs: Any) -> list[Rule]:
+    """:func:`llama_rules` for a :class:`funcpar.models.LlamaConfig`: the dense MLP rules when
+    some block is dense, the experts rule when some block is MoE (``kwargs``: the other
+    arguments of :func:`llama_rules`)."""
+    blocks = range(cfg.n_layers)
+    return llama_rules(cfg.head_dim, dense_mlp=not all(cfg.is_moe(i) for i in blocks),
+                       experts=any(cfg.is_moe(i) for i in blocks), **kwargs)
 
 
 def gpt2_rules(head_dim: int, *, prefix: str = "transformer.",

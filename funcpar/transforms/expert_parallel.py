@@ -49,7 +49,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from funcpar.models.moe import Experts, MoE, combine
+from funcpar.models.moe import Experts, MoE, expert_outputs
 from funcpar.shard import comm
 from funcpar.shard.layout import Layout, Shard, shard_tensor
 from funcpar.shard.mesh import DeviceMesh
@@ -110,10 +110,7 @@ def _dispatch(mesh: DeviceMesh, axis: str, who: str) -> Callable[..., Tensor]:
         send_l, recv_l = send.tolist(), recv.tolist()
         rows = _AllToAll.apply(x[token], mesh, axis, send_l, recv_l, f"{who}: tokens")
         got = comm.all_to_all(expert, mesh, axis, send_l, recv_l, purpose=f"{who}: expert ids")
-        n = got.shape[0]
-        ones = torch.ones(n, dtype=x.dtype, device=x.device)
-        y = combine(experts, rows, torch.arange(n, device=x.device), got, ones,
-                    first=rank * local)
+        y = expert_outputs(experts, rows, got, first=rank * local)
         back = _AllToAll.apply(y, mesh, axis, recv_l, send_l, f"{who}: expert outputs")
         return torch.zeros_like(x).index_add(0, token, back * gate[:, None].to(x.dtype))
 
@@ -158,6 +155,10 @@ def expert_parallel(
             if m.n_experts % ep:
                 raise ValueError(f"expert_parallel: {name!r} has {m.n_experts} experts, not "
                                  f"divisible by {axis}={ep}")
+        if step.pipeline is not None:
+            # pipeline_split (applied first) left this rank its stages' leaves only: the other
+            # stages' experts are split on their own ranks, over the same axis.
+            leaves = {n: m for n, m in leaves.items() if n in state.params}
         missing = [n for n in leaves if n not in state.params]
         if missing:
             raise ValueError(f"expert_parallel: expert leaves {missing} are not in the params")
@@ -165,8 +166,7 @@ def expert_parallel(
             n: None for n in state.params}
         params = dict(state.params)
         for n in leaves:
-            lay = Layout(mesh, params[n].shape, {axis: Shard(0)}, name=n)
-            layouts[n], params[n] = lay, shard_tensor(params[n], lay)
+            layouts[n], params[n] = _split_experts(n, params[n], layouts[n], mesh, axis)
         inner_batch, inner_grads, inner_loss = step.local_batch, step.sync_grads, step.sync_loss
         replicated = [n for n in state.params if n not in leaves]
 
@@ -200,6 +200,29 @@ def expert_parallel(
     return transform
 
 
+def _split_experts(name: str, local: Tensor, layout: Layout | None, mesh: DeviceMesh,
+                   axis: str) -> tuple[Layout, Tensor]:
+    """An expert leaf's layout with dim 0 (the experts) cut over ``axis``, and this rank's
+    shard. ``layout``: the leaf's layout so far, None (whole) or tensor parallelism's (the ffn
+    dim over ``tp``, from ``shard_params``), which keeps its splits: ``{ep: Shard(0), tp:
+    Shard(1 or 2)}``; ``local`` is already that layout's shard, so only dim 0 is cut here."""
+    if layout is None:
+        lay = Layout(mesh, local.shape, {axis: Shard(0)}, name=name)
+        return lay, shard_tensor(local, lay)
+    if layout.mesh is not mesh:
+        raise ValueError(f"expert_parallel: {name!r} was sharded by shard_params on another "
+                         "mesh; give expert_parallel and shard_params the same DeviceMesh")
+    if axis in {a for axes in layout.dim_axes for a in axes}:
+        raise ValueError(f"expert_parallel: {name!r} is already split over {axis!r}: apply "
+                         "expert_parallel once")
+    if layout.dim_axes[0]:
+        raise ValueError(f"expert_parallel: {name!r} has its expert dim (0) split over "
+                         f"{layout.dim_axes[0]} already; tensor parallelism inside the experts "
+                         "splits their ffn dim (rule style 'experts')")
+    cut = Layout(mesh, local.shape, {axis: Shard(0)}, name=name)
+    return layout.split(0, axis), shard_tensor(local, cut)
+
+
 def _check_world(mesh: DeviceMesh) -> None:
     import torch.distributed as dist
 
@@ -216,9 +239,3 @@ def _refuse(step: TrainStep, state: TrainState) -> None:
     if step.partition is not None:
         raise ValueError("apply expert_parallel before zero_partition: the partition cuts the "
                          "expert shards over their data-parallel group")
-    if step.layouts is not None:
-        raise ValueError("expert_parallel with shard_params (tensor parallelism inside the "
-                         "experts or around them) is not supported yet (docs/MOE.md, Not yet)")
-    if step.pipeline is not None:
-        raise ValueError("expert_parallel with pipeline_split is not supported yet "
-                         "(docs/MOE.md, Not yet)")

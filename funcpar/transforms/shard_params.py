@@ -14,7 +14,13 @@
   :func:`~funcpar.shard.tp_ops.vocab_parallel_cross_entropy` (only per-token maxima and sums
   cross the wire). This replaces the step's loss, so the step's loss must be token-mean
   cross-entropy, declared by a ``token_cross_entropy = True`` attribute (``funcpar.models.
-  lm_loss`` has it); any other loss needs the ``colwise_gather_output`` style.
+  lm_loss`` has it), plus, if the loss declares one, an ``extra_loss(output)`` term
+  (``moe_lm_loss``: the router losses); any other loss needs the ``colwise_gather_output``
+  style;
+* stacked MoE experts (style ``experts``) hold an ffn slice of every expert: the grouped expert
+  call sees its rows through ``enter_region`` and its unscaled outputs are summed with one
+  ``exit_region`` all-reduce, before the gates scale them; the router is replicated, so its
+  gradient is whole on every rank (``expert_parallel`` may then cut the experts over ``ep``).
 
 The optimizer receives the layouts, so every reduction it makes is global (DESIGN principle 2).
 
@@ -80,7 +86,14 @@ from torch import Tensor, nn
 from funcpar.shard import comm
 from funcpar.shard.layout import shard_tree
 from funcpar.shard.mesh import DeviceMesh
-from funcpar.shard.rules import LocalAttr, ModulePlan, Rule, ShardingPlan, plan_sharding
+from funcpar.shard.rules import (
+    LocalAttr,
+    ModulePlan,
+    Rule,
+    ShardingPlan,
+    is_experts,
+    plan_sharding,
+)
 from funcpar.shard.tp_ops import (
     enter_region,
     exit_region,
@@ -125,8 +138,9 @@ def shard_params(
             raise ValueError("apply shard_params before zero_partition: the partition cuts the "
                              "tensor-parallel shards")
         if step.layouts is not None:
-            raise ValueError("the step is already sharded (it has layouts): "
-                             "apply shard_params once")
+            raise ValueError("the step is already sharded (it has layouts): apply shard_params "
+                             "once, and before expert_parallel (which cuts the tensor-parallel "
+                             "expert shards over ep)")
         plan = plan_sharding(module, rules, mesh, axis)
         seq = _seq_plan(module, plan) if sequence_parallel else None
         layouts = {n: plan.layouts[n] for n in state.params}
@@ -153,17 +167,21 @@ def _vocab_parallel_loss(loss_fn: Callable, head: ModulePlan, plan: ShardingPlan
     if not getattr(loss_fn, "token_cross_entropy", False):
         raise ValueError(
             f"{head.name!r} is vocab-split (rule {head.rule.pattern!r}), so the loss is computed "
-            "vocab-parallel and must be token-mean cross-entropy: use funcpar.models.lm_loss, "
-            "or the style 'colwise_gather_output' for another loss"
+            "vocab-parallel and must be token-mean cross-entropy: use funcpar.models.lm_loss "
+            "(or moe_lm_loss), or the style 'colwise_gather_output' for another loss"
         )
     lay = plan.layouts[head.weight_name]
     start = lay.local_slices()[0].start
     ignore_index = getattr(loss_fn, "ignore_index", -100)
+    # A loss may declare a term of the output added to the cross-entropy (moe_lm_loss: the
+    # router losses, computed whole on every rank).
+    extra = getattr(loss_fn, "extra_loss", None)
 
     def loss(output: Any, targets: Tensor) -> Tensor:
-        return vocab_parallel_cross_entropy(
+        ce = vocab_parallel_cross_entropy(
             logits_of(output), targets, start, plan.mesh, plan.axis, ignore_index=ignore_index
         )
+        return ce if extra is None else ce + extra(output).to(ce.dtype)
 
     return loss
 
@@ -250,6 +268,14 @@ def _forward(mp: ModulePlan, plan: ShardingPlan, enter: Callable) -> Callable:
         start = plan.layouts[mp.weight_name].local_slices()[0].start
         return lambda ids: vocab_parallel_embedding(ids, m.weight, start, mesh, axis, who,
                                                     padding_idx=m.padding_idx)
+    if mp.style == "experts":
+        own = m.forward  # the class's: the local weights hold each expert's ffn slice
+
+        # The grouped call over every expert's rows is one Megatron MLP region: f on its
+        # input, g on its (unscaled) outputs - before the gates scale them, so that the
+        # gates' (and the router's) gradients see whole outputs, not this rank's partial sums.
+        return lambda x, counts: exit_region(own(enter(x, who), counts), mesh, axis,
+                                             f"{who}: output")
     raise AssertionError(mp.style)
 
 
@@ -290,6 +316,11 @@ def _seq_plan(module: nn.Module, plan: ShardingPlan) -> _SeqPlan:
     by_style: dict[str, list[ModulePlan]] = {}
     for mp in plan.modules:
         by_style.setdefault(mp.style, []).append(mp)
+    moe = next((n for n, m in module.named_modules() if is_experts(m)), None)
+    if moe is not None:
+        raise ValueError(
+            f"sequence_parallel with MoE experts ({moe!r}) is not supported: an MoE block "
+            "routes each whole sequence, which the sequence split would cut")
     if not by_style.get("embedding_rowwise"):
         raise ValueError("sequence_parallel needs a vocab-parallel embedding (style "
                          "'embedding_rowwise'): its reduce-scatter is where the split begins")

@@ -22,6 +22,7 @@ import torch
 
 import funcpar.optim as fo
 from funcpar.models import Llama, LlamaConfig, moe_lm_loss
+from funcpar.presets import pick_rules
 from funcpar.shard.layout import Shard
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import Rule, llama_rules, llama_rules_for, plan_sharding
@@ -94,6 +95,8 @@ def test_llama_rules_for_picks_the_mlp_rules():
     assert "layers.*.mlp.gate_proj" not in {r.pattern for r in llama_rules_for(MOE_CFG)}
     assert llama_rules_for(dataclasses.replace(MOE_CFG, n_experts=0)) == llama_rules(
         MOE_CFG.head_dim)
+    # The presets pick them for an MoE Llama (hybrid_parallel with tp_size).
+    assert pick_rules(Llama(MOE_CFG)) == llama_rules_for(MOE_CFG)
 
 
 def test_moe_tp_errors():

@@ -59,7 +59,7 @@ from funcpar.shard.rules import (
     bert_rules,
     gpt2_rules,
     hf_rules,
-    llama_rules,
+    llama_rules_for,
     plan_sharding,
 )
 from funcpar.state.functional import functionalize
@@ -146,18 +146,19 @@ def _head_dim(cfg: Any) -> int:
 def pick_rules(model: nn.Module, *, vocab_parallel_loss: bool = True) -> list[Rule | LocalAttr]:
     """The tensor-parallel rules funcpar knows for ``model``.
 
-    funcpar's :class:`~funcpar.models.Llama` -> ``llama_rules``; Hugging Face's
-    ``GPT2LMHeadModel``/``GPT2Model`` -> ``gpt2_rules``; ``BertForMaskedLM``/``BertModel`` ->
-    ``bert_rules``; any other Hugging Face model with a ``tp_plan`` -> ``hf_rules``. Anything
-    else is a ValueError asking for ``rules=``. ``vocab_parallel_loss``: keep the LM head's
-    logits split and compute the loss vocab-parallel (the loss must then be token-mean
-    cross-entropy, ``funcpar.models.lm_loss``).
+    funcpar's :class:`~funcpar.models.Llama` -> ``llama_rules_for`` (with its MoE blocks'
+    experts); Hugging Face's ``GPT2LMHeadModel``/``GPT2Model`` -> ``gpt2_rules``;
+    ``BertForMaskedLM``/``BertModel`` -> ``bert_rules``; any other Hugging Face model with a
+    ``tp_plan`` -> ``hf_rules``. Anything else is a ValueError asking for ``rules=``.
+    ``vocab_parallel_loss``: keep the LM head's logits split and compute the loss vocab-parallel
+    (the loss must then be token-mean cross-entropy, ``funcpar.models.lm_loss`` or
+    ``moe_lm_loss``).
     """
     from funcpar.models.llama import Llama
 
     vpl = vocab_parallel_loss
     if isinstance(model, Llama):
-        return list(llama_rules(model.cfg.head_dim, vocab_parallel_loss=vpl))
+        return list(llama_rules_for(model.cfg, vocab_parallel_loss=vpl))
     name = type(model).__name__
     cfg = getattr(model, "config", None)
     # By class name: importing transformers to test isinstance would cost seconds.

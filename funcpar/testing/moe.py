@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from funcpar.models import Llama, moe_lm_loss
+from funcpar.models import Llama, LlamaConfig, moe_lm_loss
 from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import llama_rules_for
@@ -38,7 +38,7 @@ from funcpar.transforms import (
 )
 
 __all__ = ["LAYOUTS", "MATRIX_OPTIMIZERS", "MOE_CFG", "TOL", "MoeLayout", "build", "check",
-           "one_thread", "routing_is_skewed", "skewed_model"]
+           "one_thread", "routing_is_skewed", "skew", "skewed_model"]
 
 MOE_CFG = dataclasses.replace(CFG, n_experts=4, top_k=1, capacity_factor=2.0,
                               aux_loss_weight=0.01, z_loss_weight=0.001)
@@ -86,19 +86,25 @@ LAYOUTS = {
 }
 
 
-def skewed_model(dtype: torch.dtype = torch.float64) -> Llama:
-    """:data:`MOE_CFG`'s Llama with skewed routers: each router's rows are scaled up and given
-    a common direction ``v`` weighted 3, 1, -1, -3, so that experts 0 and 3 take most tokens and
-    1 and 2 few or none."""
-    torch.manual_seed(0)
-    model = Llama(MOE_CFG).to(dtype)
+def skew(model: Llama) -> Llama:
+    """``model`` with its MoE blocks' routers skewed in place: each router's rows are scaled up
+    and given a common direction ``v`` weighted 3, 1, -1, -3 (4 experts), so that experts 0 and
+    3 take most tokens and 1 and 2 few or none."""
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        for block in model.layers:
+        for i, block in enumerate(model.layers):
+            if not model.cfg.is_moe(i):
+                continue
             w = block.mlp.router.weight
             v = torch.randn(w.shape[1], generator=gen, dtype=w.dtype)
             w.mul_(20.0).add_(torch.outer(torch.tensor([3.0, 1.0, -1.0, -3.0], dtype=w.dtype), v))
     return model
+
+
+def skewed_model(dtype: torch.dtype = torch.float64, cfg: LlamaConfig = MOE_CFG) -> Llama:
+    """The Llama of ``cfg`` (4 experts; default :data:`MOE_CFG`) in ``dtype``, :func:`skew`-ed."""
+    torch.manual_seed(0)
+    return skew(Llama(cfg).to(dtype))
 
 
 def build(layout: MoeLayout, optim: str, *, dtype: torch.dtype = torch.float64):
@@ -142,10 +148,11 @@ def _train(pairs: list[tuple[str, str]]) -> dict:
     return out
 
 
-def routing_is_skewed() -> tuple[bool, bool]:
-    """On one process: (an expert with no token in some step, uneven ep2 splits in some
-    step)."""
-    model = skewed_model()
+def routing_is_skewed(model: Llama | None = None) -> tuple[bool, bool]:
+    """Over the reference batches on one process (``model``: default :func:`skewed_model`):
+    (an expert with no token in some step, the two halves of a batch sending different numbers
+    of rows to ep rank 0 of ep2 in some step)."""
+    model = skewed_model() if model is None else model
     empty = uneven = False
     for tokens, _ in batches():
         out = model(tokens)

@@ -33,9 +33,15 @@ consult the layouts (``Shard(0)`` over ``ep`` on the experts), so they stay exac
 **Composition.** Apply ``expert_parallel`` before ``zero_partition`` (stages 1-3, which then
 partition the expert shards over ``dp``, their own data-parallel group), in any order with
 ``data_parallel`` and ``remat`` (all tested exact); ``amp_cast`` runs but is not tested.
-``pipeline_split`` and ``shard_params`` (tensor parallelism) are refused for now (docs/MOE.md,
-"Not yet"). Checkpoints reshard expert states like any ``Shard(0)`` layout (tested: saved
-under ep2 x dp2 + ZeRO-2, loaded under one process and under ep4).
+``shard_params`` goes *before* it: with the rule style ``"experts"`` each tp rank holds an ffn
+slice of every expert, and ``expert_parallel`` cuts that shard's expert dim over ``ep``, so an
+expert leaf's layout is ``{ep: Shard(0), tp: Shard(1)}`` (``Shard(2)`` for ``down_proj``). The
+all_to_all then runs over ``ep`` within each tp index (the tp ranks of an ep group route the
+same tokens, so they send the same counts), and the experts' tensor-parallel region (one
+all-reduce of their outputs, ``shard_params``) runs on the rows each rank received.
+``pipeline_split`` is refused for now (docs/MOE.md, "Not yet"). Checkpoints reshard expert
+states like any ``Shard(0)`` layout (tested: saved under ep2 x dp2 + ZeRO-2, loaded under one
+process and under ep4).
 """
 
 from __future__ import annotations

@@ -539,8 +539,10 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
                     "params": None}
     pp = (f"pp {args.pp} ({args.schedule}, {args.microbatches} micro-batches) x "
           if args.pp > 1 else "")
+    ep = f"ep {mesh.size('ep')} x " if "ep" in mesh.axis_names else ""
     where = f"{device}" if mesh.world_size == 1 else (
-        f"{mesh.world_size} x {device.type} ({pp}dp {mesh.size('dp')} x tp {mesh.size('tp')})")
+        f"{mesh.world_size} x {device.type} ({pp}{ep}dp {mesh.size('dp')} x tp "
+        f"{mesh.size('tp')})")
     say(f"model {n_params / 1e6:.2f}M params | corpus {loader.tokens.numel():,} tokens, "
         f"{loader.batches_per_epoch} batches/epoch | {args.optim} on {where}"
         + (f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""), flush=True)

@@ -305,14 +305,22 @@ def init_rules(module: nn.Module, inits: Mapping[str, Init] | None = None) -> di
 def llama_inits(cfg: Any) -> dict[str, Init]:
     """The distribution of :class:`funcpar.models.Llama`'s own init (norms 1, the residual
     outputs ``o_proj``/``down_proj`` N(0, (init_std / sqrt(2 n_layers))^2), every other
-    matrix and the embedding N(0, init_std^2)) as lazy ``inits``; ``cfg`` a ``LlamaConfig``."""
+    matrix and the embedding N(0, init_std^2)) as lazy ``inits``; ``cfg`` a ``LlamaConfig``.
+    With experts (``cfg.n_experts > 0``) the MoE blocks' stacked expert leaves too: ``down_proj``
+    as the residual outputs, ``gate_proj``/``up_proj`` N(0, init_std^2) (the router is a
+    ``*.weight``)."""
     std = cfg.init_std
-    return {
+    residual = normal(std / math.sqrt(2 * cfg.n_layers))
+    rules = {
         "*norm.weight": _ONES,
-        "*.o_proj.weight": normal(std / math.sqrt(2 * cfg.n_layers)),
-        "*.down_proj.weight": normal(std / math.sqrt(2 * cfg.n_layers)),
+        "*.o_proj.weight": residual,
+        "*.down_proj.weight": residual,
         "*.weight": normal(std),
     }
+    if cfg.n_experts:  # only then: each pattern must match a leaf
+        rules.update({"*.experts.down_proj": residual, "*.experts.gate_proj": normal(std),
+                      "*.experts.up_proj": normal(std)})
+    return rules
 
 
 # -------------------------------------------------------------------------- materialization

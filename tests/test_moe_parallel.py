@@ -18,8 +18,7 @@ import torch
 from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.testing import run_ranks
-from funcpar.testing.moe import LAYOUTS, MATRIX_OPTIMIZERS, MoeLayout, build, check, one_thread
-from funcpar.testing.reference import batches, loss_rel, max_rel, run
+from funcpar.testing.moe import MATRIX_OPTIMIZERS, check, check_resharding
 
 
 def test_ep2xdp2_zero2_matches_one_process():
@@ -47,37 +46,11 @@ def test_expert_parallel_compositions(world, pairs):
     check(world, pairs)
 
 
-def _save_half(lay, optim, path):
-    from funcpar.state import save
-
-    step, state = build(LAYOUTS[lay], optim)
-    for batch in batches()[:5]:
-        state, _ = step(state, batch)
-    save(state, path, step=step)
-
-
-def _resume(lay, optim, path):
-    from funcpar.state import load
-
-    step, like = build(LAYOUTS[lay], optim)
-    return run(step, load(path, like, step=step), batches()[5:])
-
-
 @pytest.mark.slow
 def test_checkpoint_ep2xdp2_zero2_loads_under_one_process_and_ep4(tmp_path):
     """Saved after 5 steps under ep2 x dp2 + ZeRO-2; resumed for 5 more under one process and
     under ep4: both equal 10 uninterrupted steps on one process."""
-    path = str(tmp_path / "ckpt")
-    run_ranks(_save_half, 4, "ep2xdp2+zero2", "adamw", path, timeout=900)
-    with one_thread():
-        ref_losses, ref_params = run(*build(MoeLayout(), "adamw"), batches())
-        step, like = build(MoeLayout(), "adamw")
-        from funcpar.state import load
-
-        one = run(step, load(path, like, step=step), batches()[5:])
-    for losses, params in [one, *run_ranks(_resume, 4, "ep4", "adamw", path, timeout=900)]:
-        assert loss_rel(losses, ref_losses[5:]) <= 1e-10
-        assert max_rel(params, ref_params) <= 1e-10
+    check_resharding(str(tmp_path / "ckpt"), "ep2xdp2+zero2", ["ep4"])
 
 
 def _a2a_uneven():

@@ -12,7 +12,8 @@ its quantized states amplify a reordered sum's last bit, as in test_moe_parallel
 
 Default: one spawn of 4 ranks, tp2 x dp2 + ZeRO-2 (no ep) with AdamW and ep2 x tp2 with CAME,
 plus the layout and error checks on virtual meshes (no spawn). ``-m slow``: every optimizer
-under tp2 and under ep2 x tp2, ep2 x tp2 + remat, and ep2 x tp2 x dp2 + ZeRO-2 (8 ranks).
+under tp2 and under ep2 x tp2, ep2 x tp2 + remat, ep2 x tp2 x dp2 + ZeRO-2 (8 ranks), and a
+checkpoint saved under ep2 x tp2 resumed under one process and tp2 x dp2 + ZeRO-2.
 """
 
 import dataclasses
@@ -27,7 +28,7 @@ from funcpar.shard.layout import Shard
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import Rule, llama_rules, llama_rules_for, plan_sharding
 from funcpar.state import functionalize, init_state
-from funcpar.testing.moe import MATRIX_OPTIMIZERS, MOE_CFG, check
+from funcpar.testing.moe import MATRIX_OPTIMIZERS, MOE_CFG, check, check_resharding
 from funcpar.train import make_train_step
 from funcpar.transforms import compose, expert_parallel, shard_params
 
@@ -56,6 +57,13 @@ def test_ep2xtp2_remat():
 @pytest.mark.slow
 def test_ep2xtp2xdp2_zero2():
     check(8, [("ep2xtp2xdp2+zero2", o) for o in ("adamw", "came", "galore_adamw")])
+
+
+@pytest.mark.slow
+def test_checkpoint_ep2xtp2_loads_under_one_process_and_tp2xdp2(tmp_path):
+    """Saved after 5 steps under ep2 x tp2 (experts over both axes); resumed for 5 more under
+    one process and under tp2 x dp2 + ZeRO-2: both equal 10 uninterrupted steps."""
+    check_resharding(str(tmp_path / "ckpt"), "ep2xtp2", ["tp2xdp2+zero2"], "came")
 
 
 # ----------------------------------------------------------------- layouts, no collectives

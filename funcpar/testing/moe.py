@@ -8,7 +8,8 @@ the routing unbalanced - uneven all_to_all splits between ep ranks and experts w
 some steps (:func:`routing_is_skewed` checks both on one process) - so that the exactness
 tests exercise the uneven and empty paths. :func:`check` trains 10 steps of each ``(layout,
 optimizer)`` pair on spawned gloo ranks and compares losses and whole parameters with one
-process (float64, max relative error :data:`TOL` or 1e-10: the collectives only reorder sums).
+process (float64, max relative error :data:`TOL` or 1e-10: the collectives only reorder sums);
+:func:`check_resharding` saves a checkpoint under one layout and resumes it under others.
 tests/test_moe_parallel.py (ep, dp, ZeRO) and tests/test_moe_tp.py (tp, ep x tp) use it.
 """
 
@@ -38,7 +39,7 @@ from funcpar.transforms import (
 )
 
 __all__ = ["LAYOUTS", "MATRIX_OPTIMIZERS", "MOE_CFG", "TOL", "MoeLayout", "build", "check",
-           "one_thread", "routing_is_skewed", "skew", "skewed_model"]
+           "check_resharding", "one_thread", "routing_is_skewed", "skew", "skewed_model"]
 
 MOE_CFG = dataclasses.replace(CFG, n_experts=4, top_k=1, capacity_factor=2.0,
                               aux_loss_weight=0.01, z_loss_weight=0.001)
@@ -201,3 +202,39 @@ def check(world: int, pairs: list[tuple[str, str]], *, timeout: float = 900) -> 
     for o in optimizers:
         assert refs[o][0][-1] < refs[o][0][0], o
     return worst
+
+
+def _save_after(lay: str, optim: str, path: str, steps: int) -> None:
+    from funcpar.state import save
+
+    step, state = build(LAYOUTS[lay], optim)
+    for batch in batches()[:steps]:
+        state, _ = step(state, batch)
+    save(state, path, step=step)
+
+
+def _resume(lay: str, optim: str, path: str, steps: int) -> tuple[list[float], dict]:
+    from funcpar.state import load
+
+    step, like = build(LAYOUTS[lay], optim)
+    return run(step, load(path, like, step=step), batches()[steps:])
+
+
+def check_resharding(path: str, saved: str, resumed: list[str], optim: str = "adamw",
+                     *, steps: int = 5, timeout: float = 900) -> None:
+    """Save after ``steps`` steps under layout ``saved``, resume under one process and under
+    each layout of ``resumed`` (one spawn each) for the rest of the 10, and assert that every
+    run's losses and whole parameters are within 1e-10 of 10 uninterrupted steps on one
+    process: the checkpoint reshards the layouts' leaves (experts over ep and tp included)."""
+    from funcpar.state import load
+
+    run_ranks(_save_after, LAYOUTS[saved].world, saved, optim, path, steps, timeout=timeout)
+    with one_thread():
+        ref_losses, ref_params = run(*build(MoeLayout(), optim), batches())
+        step, like = build(MoeLayout(), optim)
+        runs = [run(step, load(path, like, step=step), batches()[steps:])]
+    for lay in resumed:
+        runs += run_ranks(_resume, LAYOUTS[lay].world, lay, optim, path, steps, timeout=timeout)
+    for losses, params in runs:
+        assert loss_rel(losses, ref_losses[steps:]) <= 1e-10
+        assert max_rel(params, ref_params) <= 1e-10

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import funcpar.optim as fo
-from funcpar.models import Llama, LlamaConfig, moe_lm_loss
+from funcpar.models import Llama, moe_lm_loss
 from funcpar.presets import pick_rules
 from funcpar.shard.layout import Shard
 from funcpar.shard.mesh import DeviceMesh
@@ -136,5 +136,21 @@ def test_moe_tp_errors():
         expert_parallel(DeviceMesh.virtual(rank=0, ep=2, tp=2))(step, state)
 
 
-def test_moe_config_has_an_even_ffn():
-    assert isinstance(MOE_CFG, LlamaConfig) and MOE_CFG.hidden % 2 == 0  # split 21/21 over tp2
+def test_train_lm_composes_tp_with_experts(capsys):
+    """examples/train_lm.py: --tp with --experts and --ep gives shard_params(llama_rules_for)
+    then expert_parallel; --sequence-parallel with --experts is a usage error."""
+    from _examples import load_example
+
+    train_lm = load_example("train_lm.py", "train_lm_moe_tp")
+    argv = ["--experts", "4", "--ep", "2", "--tp", "2", "--top-k", "1", "--dtype", "float64"]
+    args = train_lm.parse_args(argv)
+    mesh = DeviceMesh.virtual(rank=0, ep=2, dp=1, tp=2)
+    cfg = dataclasses.replace(MOE_CFG, n_layers=2)
+    step, state = compose(*train_lm.manual_transforms(args, mesh, cfg))(*_inputs(cfg))
+    name = "layers.1.mlp.experts.down_proj"
+    assert step.layouts[name].dim_axes == (("ep",), (), ("tp",))
+    assert tuple(state.params[name].shape) == (2, 32, 21)  # 2 of 4 experts, 21 of 42 ffn
+    with pytest.raises(SystemExit):
+        train_lm.parse_args([*argv, "--sequence-parallel"])
+    assert "--sequence-parallel does not work with --experts" in capsys.readouterr().err
+

@@ -60,7 +60,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from funcpar.kernels.dispatch import use_kernels
+from funcpar.kernels import foreach_factored as _ff
+from funcpar.kernels.dispatch import current_mode, use_kernels
 
 __all__ = [
     "KERNEL_DTYPES",
@@ -235,9 +236,9 @@ def precond_apply_reference(
 # --------------------------------------------------------------------------------------------
 
 
-def _kernel_ok(*tensors: Tensor | None) -> bool:
+def _kernel_ok(*tensors: Tensor | None, hyper: Sequence[Any] = ()) -> bool:
     live = [t for t in tensors if t is not None]
-    if not use_kernels(*live):
+    if not use_kernels(*live, hyper=hyper):
         return False
     # float64 (the exactness tests' dtype) and empty shards take the reference.
     return all(t.dtype in KERNEL_DTYPES and t.numel() > 0 for t in live)
@@ -313,29 +314,60 @@ def _apply_reference(x, p, precond, kw):
     return precond_apply_reference(x, p, precond, **kw)
 
 
+def _tensors_in(args: Any) -> list[Tensor]:
+    """Every tensor in ``args`` (nested tuples, lists, dicts, :class:`Factors`): the
+    hyperparameters a pass was given count in its differentiability check."""
+    out, todo = [], [args]
+    while todo:
+        a = todo.pop()
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            todo.extend(a)
+        elif isinstance(a, Mapping):
+            todo.extend(a.values())
+    return out
+
+
 def execute_batched(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical: Any,
-                    reference: Any, many: Any) -> list[Any]:
+                    reference: Any, many: Any, eager: Any = None) -> list[Any]:
     """Run one pass for many leaves (a batched executor's body); results in call order.
 
     ``canonical(*args, **kwargs)`` checks a call and returns ``(arguments, tensors)``: the
-    arguments ``reference`` and ``many`` take, and the tensors that decide whether the call may
-    take the fast path. Each call takes its ``reference(*arguments)`` (in call order, exactly
-    as a one-leaf call would) where :func:`_kernel_ok` says no for its tensors (float64, empty,
-    not on CUDA in ``auto`` mode, ``reference`` mode); the others go together to ``many``
-    (a list of arguments -> the list of results): a function, or the name of one in the Triton
-    kernel module (imported then)."""
+    arguments ``reference``, ``many`` and ``eager`` take, and the tensors that decide whether
+    the call may take a fast path. Every tensor among the arguments (the step's tensor
+    hyperparameters: an ``lr`` that requires grad) counts in the differentiability check, so
+    a differentiable step never takes a path autograd cannot follow. The calls that
+    :func:`_kernel_ok` accepts go together to ``many`` (a list of arguments -> the list of
+    results): a function, or the name of one in the Triton kernel module (imported then).
+    Of the others (float64, empty, not on CUDA in ``auto`` mode, ``reference`` mode), those
+    :func:`funcpar.kernels.foreach_factored.eager_ok` accepts go together to ``eager`` (the
+    in-place plain-torch path, the references' operations; ``None``: none); the rest take
+    ``reference(*arguments)`` one by one, exactly as a one-leaf call would."""
     canon = [canonical(*args, **kwargs) for args, kwargs in calls]
     results: list[Any] = [None] * len(canon)
-    fast = []
+    fast, plain = [], []
+    # Asked once per batch, not per leaf (this runs for every pass of every step): the mode,
+    # and whether any tensor can require grad at all.
+    mode = current_mode()
+    grad_on = torch.is_grad_enabled()
     for i, (args, tensors) in enumerate(canon):
-        if _kernel_ok(*tensors):
+        hyper = _tensors_in(args) if grad_on else ()
+        # use_kernels says no in mode "reference", and in "auto" unless the leaf is on CUDA:
+        # asked only where it might say yes (or, in mode "triton", raise).
+        lead = next((t for t in tensors if t is not None), None)
+        maybe = mode == "triton" or (mode == "auto" and lead is not None and lead.is_cuda)
+        if maybe and _kernel_ok(*tensors, hyper=hyper):
             fast.append(i)
+        elif eager is not None and _ff.eager_ok(tensors, hyper):
+            plain.append(i)
         else:
             results[i] = reference(*args)
-    if fast:
-        run = getattr(_tk(), many) if isinstance(many, str) else many
-        for i, r in zip(fast, run([canon[i][0] for i in fast])):
-            results[i] = r
+    for idx, run in ((fast, many), (plain, eager)):
+        if idx:
+            run = getattr(_tk(), run) if isinstance(run, str) else run
+            for i, r in zip(idx, run([canon[i][0] for i in idx])):
+                results[i] = r
     return results
 
 
@@ -347,27 +379,32 @@ def execute_batched(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical:
 
 def sq_row_col_sums_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`sq_row_col_sums` for many leaves (one launch per launch group)."""
-    return execute_batched(calls, _sq_args, sq_row_col_sums_reference, "sq_row_col_sums_many")
+    return execute_batched(calls, _sq_args, sq_row_col_sums_reference, "sq_row_col_sums_many",
+                           _ff.sq_row_col_sums_fast)
 
 
 def scaled_norm_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`scaled_norm` for many leaves (two launches per launch group)."""
-    return execute_batched(calls, _norm_args, scaled_norm_reference, "scaled_norm_many")
+    return execute_batched(calls, _norm_args, scaled_norm_reference, "scaled_norm_many",
+                           _ff.scaled_norm_fast)
 
 
 def full_moment_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`full_moment` for many leaves (two launches per launch group)."""
-    return execute_batched(calls, _full_args, full_moment_reference, "full_moment_many")
+    return execute_batched(calls, _full_args, full_moment_reference, "full_moment_many",
+                           _ff.full_moment_fast)
 
 
 def came_residual_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`came_residual` for many leaves (two launches per launch group)."""
-    return execute_batched(calls, _came_args, came_residual_reference, "came_residual_many")
+    return execute_batched(calls, _came_args, came_residual_reference, "came_residual_many",
+                           _ff.came_residual_fast)
 
 
 def precond_apply_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`precond_apply` for many leaves (one launch per launch group)."""
-    return execute_batched(calls, _apply_args, _apply_reference, "precond_apply_many")
+    return execute_batched(calls, _apply_args, _apply_reference, "precond_apply_many",
+                           _ff.precond_apply_fast)
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,7 +469,8 @@ def _factor_ema_many(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
 
 def factor_ema_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`factor_ema_reference` for many leaves (foreach ops and one segment sum)."""
-    return execute_batched(calls, _factor_ema_args, factor_ema_reference, _factor_ema_many)
+    return execute_batched(calls, _factor_ema_args, factor_ema_reference, _factor_ema_many,
+                           _ff.factor_ema_fast)
 
 
 def clip_divisor_reference(norm: Tensor, threshold: float | Tensor, numel: int,
@@ -475,7 +513,8 @@ def _clip_many(calls: list[tuple]) -> list[Tensor]:
 
 def clip_divisor_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:
     """:func:`clip_divisor_reference` for many leaves (a few vector ops for all)."""
-    return execute_batched(calls, _clip_args, clip_divisor_reference, _clip_many)
+    # _clip_many is plain torch (vector ops over the leaves): the eager path too.
+    return execute_batched(calls, _clip_args, clip_divisor_reference, _clip_many, _clip_many)
 
 
 def sq_row_col_sums(

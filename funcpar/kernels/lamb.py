@@ -28,10 +28,12 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _access, _launch
+from funcpar.kernels.inplace import fast_path_ok
 
 __all__ = [
     "LambScalars",
     "lamb_direction",
+    "lamb_fast_ok",
     "lamb_kernels_apply",
     "lamb_moments_reference",
     "lamb_moments_triton",
@@ -313,10 +315,22 @@ def lamb_update_triton(
     return outs
 
 
-def lamb_kernels_apply(*tensors: Tensor | None) -> bool:
+def lamb_fast_ok(tensors: Sequence[Tensor], hyper: Sequence[object] = ()) -> bool:
+    """Whether a Lamb step over ``tensors`` (grads, params and moments of whole leaves) with
+    the tensor ``hyper``-parameters may take the eager in-place path of
+    :func:`funcpar.optim.lamb` (:func:`funcpar.kernels.inplace.fast_path_ok`: not when the step
+    must be differentiable, nor under a torch.func transform or torch.compile's tracing;
+    contiguous leaves of one dtype per leaf)."""
+    return (bool(tensors) and not torch.compiler.is_compiling()
+            and fast_path_ok(*tensors, *hyper) and all(t.is_contiguous() for t in tensors))
+
+
+def lamb_kernels_apply(*tensors: Tensor | None, hyper: Sequence[object] = ()) -> bool:
     """Whether a Lamb step over ``tensors`` runs the kernels: :func:`funcpar.kernels.use_kernels`
     says so, every tensor has a kernel dtype and all are on one device. (Lamb's reference is
     :func:`lamb_direction` a leaf at a time with the norms in between, in
     :func:`funcpar.optim.lamb`; :func:`lamb_moments_reference` and :func:`lamb_update_reference`
-    are the two passes in plain torch, what the kernels are tested against.)"""
-    return _launch.kernels_apply(*tensors, same_device=True)
+    are the two passes in plain torch, what the kernels are tested against.) ``hyper``: the
+    step's tensor hyperparameters, counted in the differentiability check (an ``lr`` that
+    requires grad keeps the kernels out; in mode ``triton`` it is an error)."""
+    return _launch.kernels_apply(*tensors, same_device=True, hyper=hyper)

@@ -126,18 +126,23 @@ def adafactor_step_size(
     ``RMS(param)`` is of the parameter *before* this step's update and decay, over the whole
     (global) leaf.
     """
-    t = step.to(torch.float64)
-    if relative_step:
-        cap = 1e-6 * t if warmup_init else torch.tensor(1e-2, dtype=torch.float64)
-        rho = torch.minimum(cap, 1.0 / t.sqrt())
-    else:
-        if lr is None:
-            raise ValueError("adafactor: lr is required when relative_step=False")
-        rho = torch.as_tensor(lr, dtype=torch.float64)
+    rho = _rho(step, lr, relative_step, warmup_init)
     if not scale_parameter:
         return rho
     p_rms = rms(param, layout=param_layout, purpose="param rms")
     return _scaled_step(p_rms, rho, eps2)
+
+
+def _rho(step: Tensor, lr: float | Tensor | None, relative_step: bool,
+         warmup_init: bool) -> Tensor:
+    """``rho_t`` (0-d float64): :func:`adafactor_step_size` without ``scale_parameter``."""
+    t = step.to(torch.float64)
+    if relative_step:
+        cap = 1e-6 * t if warmup_init else torch.tensor(1e-2, dtype=torch.float64)
+        return torch.minimum(cap, 1.0 / t.sqrt())
+    if lr is None:
+        raise ValueError("adafactor: lr is required when relative_step=False")
+    return torch.as_tensor(lr, dtype=torch.float64)
 
 
 def _scaled_step(p_rms: Tensor, rho: Tensor, eps2: float) -> Tensor:
@@ -148,16 +153,17 @@ def _scaled_step(p_rms: Tensor, rho: Tensor, eps2: float) -> Tensor:
 
 
 def _step_size_phases(step, param, *, lr, eps2, scale_parameter, relative_step, warmup_init,
-                      param_layout, weight_decay=None):
+                      param_layout, weight_decay=None, rho=None):
     """:func:`adafactor_step_size` as a phased step (funcpar.shard.reduce.run_phased), with the
     weight-decay coefficient: returns ``(alpha_t, weight_decay alpha_t or None)``.
 
     With ``scale_parameter`` (``RMS(param)`` on the parameter's device) the device work is
     batched over the leaves: a pass for this shard's ``sum(param^2)`` (sharded parameter),
     its completion, and a pass forming ``alpha_t`` (:func:`_step_size_reference`). ``param``
-    is in its own dtype (the references compute in :func:`compute_dtype`)."""
-    rho = adafactor_step_size(step, param, lr=lr, eps2=eps2, scale_parameter=False,
-                              relative_step=relative_step, warmup_init=warmup_init)
+    is in its own dtype (the references compute in :func:`compute_dtype`). ``rho``: ``rho_t``
+    when the caller formed it once for all leaves."""
+    if rho is None:
+        rho = _rho(step, lr, relative_step, warmup_init)
     if not scale_parameter:  # host scalars only
         return rho, (None if weight_decay is None else weight_decay * rho)
     sq = None
@@ -243,6 +249,12 @@ def _step_size_batch(calls):
         _step_size_many)
 
 
+def _step_scalars(step, *, lr, decay_rate, relative_step, warmup_init):
+    """``(beta2_t, rho_t)`` of step ``t``: ``1 - t^decay_rate`` and the unscaled step size
+    (:func:`adafactor_step_size` without ``scale_parameter``), the same for every leaf."""
+    return 1.0 - step.to(torch.float64) ** decay_rate, _rho(step, lr, relative_step, warmup_init)
+
+
 class AdafactorLeafUpdate(NamedTuple):
     """What :func:`adafactor_leaf_update` returns (a tuple: unpack it or use the names)."""
 
@@ -303,7 +315,7 @@ def adafactor_leaf_update(
 
 def _leaf_step(grad, param, state, step, *, lr, eps, clip_threshold, decay_rate, beta1,
                scale_parameter, relative_step, warmup_init, layout, param_layout,
-               target=None, weight_decay=None, out="direction"):
+               target=None, weight_decay=None, out="direction", shared=None):
     """The Hugging Face step as passes over the leaf: statistics, the update's norm, the update.
 
     A phased step (funcpar.shard.reduce.run_phased), so that the optimizer completes all
@@ -317,14 +329,18 @@ def _leaf_step(grad, param, state, step, *, lr, eps, clip_threshold, decay_rate,
     ``"update"`` / ``"param"``: ``target - weight_decay alpha_t target - update`` as a difference
     or as the new parameter (the weight decay and the subtraction fused into the update pass;
     ``weight_decay=None``: no decay, for leaves the mask leaves out).
+
+    ``shared``: ``(beta2_t, rho_t)`` (:func:`_step_scalars`) formed once for all leaves of a
+    step, instead of per leaf (a handful of 0-d ops each).
     """
     eps1, eps2 = eps
-    beta2t = 1.0 - step.to(torch.float64) ** decay_rate
+    beta2t, rho = shared or _step_scalars(step, lr=lr, decay_rate=decay_rate,
+                                          relative_step=relative_step, warmup_init=warmup_init)
     moments = {k: v for k, v in state.items() if k != "exp_avg"}
     (alpha, decay), (precond, new_state, local_norm) = yield from together(
         _step_size_phases(step, param, lr=lr, eps2=eps2, scale_parameter=scale_parameter,
                           relative_step=relative_step, warmup_init=warmup_init,
-                          param_layout=param_layout, weight_decay=weight_decay),
+                          param_layout=param_layout, weight_decay=weight_decay, rho=rho),
         second_moment_phases(grad, moments, SECOND_MOMENT, beta2t, eps1, layout=layout))
     clip = yield from clip_divisor_phases(local_norm, clip_threshold,
                                           shape=global_shape(grad, layout), layout=layout)
@@ -370,6 +386,8 @@ def _adafactor(
         check_grads(params, grads)
         decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
+        shared = _step_scalars(count, lr=lr, decay_rate=decay_rate,
+                               relative_step=relative_step, warmup_init=warmup_init)
 
         def leaf(g, p, st, use_decay, layout):
             if g is None:
@@ -382,7 +400,7 @@ def _adafactor(
                 decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
                 relative_step=relative_step, warmup_init=warmup_init, layout=layout,
                 param_layout=layout, target=p, out=out,
-                weight_decay=weight_decay if use_decay else None,
+                weight_decay=weight_decay if use_decay else None, shared=shared,
             )
             return result, st
 

@@ -13,6 +13,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from funcpar.kernels import lamb as _lk
+from funcpar.kernels.foreach_factored import host_equals
+from funcpar.kernels.inplace import inplace_allowed
 from funcpar.kernels.lamb import (
     LambScalars,
     lamb_direction,
@@ -108,8 +111,13 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
                         in_update=weight_decay_mode == "in_update", maximize=maximize)
         spec, g, (p, m, v, dec, lay) = leaf_columns(
             grads, params, state.exp_avg, state.exp_avg_sq, decay, layouts)
-        if lamb_kernels_apply(*g, *p, *m, *v):
+        hyper = [x for x in (lr, weight_decay, eps) if torch.is_tensor(x)]
+        if lamb_kernels_apply(*g, *p, *m, *v, hyper=hyper):
             out, m, v, ratio = fused(g, p, m, v, dec, lay, s, step_size, write_params)
+        elif (all(x is None for x in lay)
+              and all(x.dtype == y.dtype == z.dtype == w.dtype for x, y, z, w in zip(g, p, m, v))
+              and _lk.lamb_fast_ok([*g, *p, *m, *v], hyper)):
+            out, m, v, ratio = eager(g, p, m, v, dec, s, step_size, write_params)
         else:
             out, m, v, ratio = reference(g, p, m, v, dec, lay, s, step_size)
             if write_params:
@@ -139,6 +147,73 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
             ratio = _trust_ratio(w_norm, a_norm, eps, **ratio_opts)
             used = torch.ones_like(ratio) if adam else ratio
             out.append((w - p_j) - (step_size * used) * a)
+            ms.append(m_j)
+            vs.append(v_j)
+            ratios.append(ratio)
+        return out, ms, vs, ratios
+
+    def eager(g, p, m, v, dec, s, step_size, write_params):
+        # Whole leaves need no reduction between the passes: each leaf's step runs to its end
+        # before the next one's (one leaf-sized scratch pair, reused), in place. The reference's
+        # torch operations in its order, written into buffers: the same bits, up to the sign
+        # of a zero (p + (0 - c a) is formed as p - c a). Inside inplace_updates the moments
+        # (and, writing them, the params) are updated in place, else written fresh by the
+        # same operations, so donated and undonated steps are bit-identical. A decay of
+        # exactly 0 is skipped (a + 0 p is a, but for the sign of a zero).
+        donated = inplace_allowed()
+        sizes: dict[tuple, int] = {}
+        for x in p:
+            sizes[(x.device, x.dtype)] = max(x.numel(), sizes.get((x.device, x.dtype), 0))
+        scratch = {(dev, dt): [torch.empty(n, dtype=dt, device=dev) for _ in range(2)]
+                   for (dev, dt), n in sizes.items()}
+        decays = not host_equals(weight_decay, 0.0)
+        out, ms, vs, ratios = [], [], [], []
+        for g_j, p_j, m_j, v_j, dec_j in zip(g, p, m, v, dec):
+            if p_j.dim() == 0:  # 0-d arithmetic promotes with the 0-d hyperparameters
+                (u,), (m_new,), (v_new,), (r,) = reference([g_j], [p_j], [m_j], [v_j],
+                                                           [dec_j], [None], s, step_size)
+                res = p_j + u.to(p_j.dtype) if write_params else u
+                if donated:  # the results into the donated storage
+                    m_new, v_new = m_j.copy_(m_new), v_j.copy_(v_new)
+                    res = p_j.copy_(res) if write_params else res
+                out.append(res)
+                ms.append(m_new)
+                vs.append(v_new)
+                ratios.append(r)
+                continue
+            bufs = scratch[(p_j.device, p_j.dtype)]
+            a_buf, b_buf = (x[: p_j.numel()].view(p_j.shape) for x in bufs)
+            if s.maximize:
+                g_j = -g_j
+            m_j = (m_j.mul_(beta1) if donated else torch.mul(m_j, beta1)).add_(g_j,
+                                                                              alpha=m_coef)
+            v_j = (v_j.mul_(beta2) if donated else torch.mul(v_j, beta2)).addcmul_(
+                g_j, g_j, value=1 - beta2)
+            if s.moments:  # (m / bc1) / (sqrt(v / bc2) + eps)
+                den = torch.div(v_j, s.bc2, out=b_buf).sqrt_().add_(s.eps)
+                a = torch.div(m_j, s.bc1, out=a_buf).div_(den)
+            else:  # m / (sqrt(v) + eps)
+                a = torch.div(m_j, torch.sqrt(v_j, out=b_buf).add_(s.eps), out=a_buf)
+            w = p_j
+            if dec_j and s.in_update and decays:
+                a.add_(torch.mul(p_j, s.weight_decay, out=b_buf))
+            elif dec_j and not s.in_update and decays:
+                w = torch.mul(p_j, s.shrink, out=b_buf)
+            ratio = _trust_ratio(torch.linalg.vector_norm(w), torch.linalg.vector_norm(a), eps,
+                                 **ratio_opts)
+            ca = a.mul_(step_size * (torch.ones_like(ratio) if adam else ratio))
+            if w is p_j:  # (p - p) - c a = -(c a)
+                if write_params:
+                    res = p_j.sub_(ca) if donated else torch.sub(p_j, ca)
+                else:
+                    res = torch.neg(ca)
+            else:
+                u = w.sub_(p_j).sub_(ca)  # (w - p) - c a
+                if write_params:
+                    res = p_j.add_(u) if donated else torch.add(p_j, u)
+                else:
+                    res = u.clone()
+            out.append(res)
             ms.append(m_j)
             vs.append(v_j)
             ratios.append(ratio)

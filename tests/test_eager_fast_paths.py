@@ -1,0 +1,151 @@
+"""The eager (no Triton) fast paths of Adafactor, CAME and Lamb: the in-place plain-torch passes
+(funcpar.kernels.foreach_factored, funcpar.kernels.lamb.lamb_fast) give the per-leaf
+references' bits exactly, donated (in place) or not, and step aside for autograd; the kernel
+choice counts the step's tensor hyperparameters (issue 17)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcpar.optim as fo
+from funcpar.kernels import factored, foreach_factored
+from funcpar.kernels import lamb as lamb_kernels
+from funcpar.kernels.dispatch import kernel_mode
+from funcpar.kernels.inplace import inplace_updates
+
+SHAPES = {"emb": (9, 6), "w3": (2, 5, 4), "vec": (7,), "s": (), "col": (5, 1)}
+STEPS = 3
+
+OPTS = {
+    "adafactor": lambda: fo.adafactor(),  # relative step, RMS(param) scaling, decay 0 skipped
+    "adafactor_b1_wd": lambda: fo.adafactor(lr=1e-2, relative_step=False, beta1=0.9,
+                                            weight_decay=0.1, clip_threshold=0.5),
+    "came": lambda: fo.came(lr=1e-2),
+    "came_wd": lambda: fo.came(lr=1e-2, weight_decay=0.1, clip_threshold=0.5),
+    "lamb": lambda: fo.lamb(lr=1e-2, weight_decay=0.1),
+    "lamb_pytorch_optimizer": lambda: fo.lamb(lr=1e-2, weight_decay=0.1,
+                                              variant="pytorch_optimizer"),
+    "lamb_adam": lambda: fo.lamb(lr=1e-2, adam=True, maximize=True),
+}
+
+
+def _problem(dtype):
+    gen = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(s, generator=gen, dtype=dtype) for k, s in SHAPES.items()}
+    grads = [{k: torch.randn(s, generator=gen, dtype=dtype) for k, s in SHAPES.items()}
+             for _ in range(STEPS)]
+    # A transposed (non-contiguous) gradient: that leaf takes the reference, the rest not.
+    grads[1]["emb"] = torch.randn(6, 9, generator=gen, dtype=dtype).T
+    return params, grads
+
+
+def _run(name, dtype, *, eager, donate, monkeypatch):
+    """``STEPS`` of ``update`` (undonated runs) and ``update_params``: the new params, state
+    and updates."""
+    with monkeypatch.context() as mp:
+        if not eager:
+            mp.setattr(foreach_factored, "eager_ok", lambda *a, **k: False)
+            mp.setattr(lamb_kernels, "lamb_fast_ok", lambda *a, **k: False)
+        params, grads = _problem(dtype)
+        opt = OPTS[name]()
+        state = opt.init(params)
+        updates = []
+        for g in grads:
+            if not donate:  # under donation update() would consume the state
+                updates.append(opt.update(g, state, params)[0])
+            with inplace_updates(donate):
+                params, state = fo.update_params(opt, g, state, params)
+    return params, state, updates
+
+
+def _leaves(tree):
+    from funcpar.state import tree_flatten
+
+    return tree_flatten(tree)[0]
+
+
+def _assert_bits(a, b):
+    la, lb = _leaves(a), _leaves(b)
+    assert len(la) == len(lb)
+    for i, (x, y) in enumerate(zip(la, lb)):
+        if torch.is_tensor(x):
+            assert x.dtype == y.dtype and torch.equal(x, y), f"leaf {i} differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", sorted(OPTS))
+def test_eager_path_gives_the_references_bits(name, dtype, monkeypatch):
+    ref = _run(name, dtype, eager=False, donate=False, monkeypatch=monkeypatch)
+    fast = _run(name, dtype, eager=True, donate=False, monkeypatch=monkeypatch)
+    _assert_bits(ref, fast)
+    donated = _run(name, dtype, eager=True, donate=True, monkeypatch=monkeypatch)
+    _assert_bits(ref[:2], donated[:2])
+
+
+@pytest.mark.parametrize("name", ["adafactor_b1_wd", "came_wd"])
+def test_factored_passes_take_the_eager_path(name, monkeypatch):
+    """With the per-leaf references made to fail, a float32 step on contiguous leaves still
+    runs: every pass took the eager path."""
+
+    def boom(*a, **k):
+        raise AssertionError("the reference ran")
+
+    for ref in ("sq_row_col_sums_reference", "scaled_norm_reference", "full_moment_reference",
+                "came_residual_reference", "_apply_reference", "factor_ema_reference",
+                "clip_divisor_reference"):
+        monkeypatch.setattr(factored, ref, boom)
+    params, grads = _problem(torch.float32)
+    opt = OPTS[name]()
+    state = opt.init(params)
+    params, state = fo.update_params(opt, grads[0], state, params)
+    with pytest.raises(AssertionError, match="the reference ran"):  # a transposed gradient
+        fo.update_params(opt, grads[1], state, params)
+
+
+@pytest.mark.parametrize("name", ["adafactor_b1_wd", "came_wd", "lamb"])
+def test_donated_step_writes_params_and_state_in_place(name):
+    params, grads = _problem(torch.float32)
+    opt = OPTS[name]()
+    state = opt.init(params)
+    ptrs = {k: v.data_ptr() for k, v in params.items()}
+    with inplace_updates(True):
+        new, _ = fo.update_params(opt, grads[0], state, params)
+    assert {k: v.data_ptr() for k, v in new.items()} == ptrs
+
+
+@pytest.mark.parametrize("name", ["adafactor_b1_wd", "came_wd", "lamb"])
+def test_a_hyperparameter_requiring_grad_keeps_fast_paths_out(name):
+    """Only ``lr`` requires grad: in mode auto the step keeps its graph (the eager in-place
+    paths and the kernels step aside) and its hypergradient is finite; Lamb's kernel choice
+    (one for the whole step) refuses it by name in mode triton."""
+    make = {"adafactor_b1_wd": lambda lr: fo.adafactor(lr=lr, relative_step=False, beta1=0.9),
+            "came_wd": lambda lr: fo.came(lr=lr, weight_decay=0.1),
+            "lamb": lambda lr: fo.lamb(lr=lr, weight_decay=0.1)}[name]
+    params, grads = _problem(torch.float32)
+    lr = torch.tensor(0.01, dtype=torch.float64, requires_grad=True)
+    opt = make(lr)
+    if name == "lamb":
+        with kernel_mode("triton"), pytest.raises(RuntimeError, match="not differentiable"):
+            opt.update(grads[0], opt.init(params), params)
+    with kernel_mode("auto"), inplace_updates(True):
+        new, _ = fo.update_params(opt, grads[0], opt.init(params), params)
+    assert all(v.requires_grad for v in new.values())
+    (sum(v.sum() for v in new.values())).backward()
+    assert lr.grad is not None and torch.isfinite(lr.grad)
+
+
+@pytest.mark.parametrize("arg", ["pre", "post", "decay"])
+def test_factored_kernel_choice_counts_tensor_hyperparameters(arg):
+    """A factored pass whose only tensor requiring grad is a hyperparameter (Adafactor's
+    ``alpha_t`` is ``pre``, CAME's ``lr`` is ``post``, a decay ``lr * wd``): mode triton
+    refuses the kernel by name (before any Triton import), mode auto keeps the graph."""
+    x, p = torch.randn(4, 3), torch.randn(4, 3)
+    v = torch.rand(4, 3) + 0.5
+    h = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    p0 = p.clone()
+    with kernel_mode("triton"), pytest.raises(RuntimeError, match="not differentiable"):
+        factored.precond_apply(x, p, v, **{arg: h})
+    with kernel_mode("auto"), inplace_updates(True):
+        out, _ = factored.precond_apply(x, p, v, **{arg: h})
+    assert out.requires_grad and torch.equal(p, p0)  # the reference: p not written

@@ -27,23 +27,43 @@ data-parallel axis and precision - and derives, without running it:
   - ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054): stage 1-2, one all-gather of the
     updates per partitioned leaf; stage 2, one reduce-scatter per partitioned leaf (an
     all-reduce per leaf too small to cut); stage 3, per partitioned leaf one all-gather in the
-    forward, one more in the backward for each leaf whose gathered value autograd saved (every
-    leaf of a module other than an ``nn.Embedding``, whose backward needs only the indices),
-    and the reduce-scatter of its gradient (in the compute dtype: it is the gradient of the
-    gathered leaf);
+    forward, one more in the backward for each use of a leaf whose gathered value autograd
+    saved (every leaf of a module other than an ``nn.Embedding``, whose backward needs only the
+    indices; once per local expert for the stacked expert leaves of an MoE block), and the
+    reduce-scatter of its gradient (in the compute dtype: it is the gradient of the gathered
+    leaf);
   - norms: the ``grad_norm`` metric and each ``clip_by_global_norm`` sum the squares with one
     all-reduce per mesh axis per distinct set of splitting axes
     (:func:`~funcpar.shard.reduce.total_sum_of_squares`), except the first clip, which takes
     the metric's norm (``TrainStep.share_grad_norm``; not under ZeRO-1, whose optimizer sees
     partitioned views of the gradients);
-  - fp16: one all-reduce (max) per mesh axis for the agreed inf/nan check.
+  - fp16: one all-reduce (max) per mesh axis for the agreed inf/nan check;
+  - expert parallelism (detected from the layouts: the stacked expert leaves of every
+    :class:`~funcpar.models.moe.MoE` block split on dim 0 over an axis ``ep``), per MoE block
+    and step: one ``all_to_all`` of the ``ep`` token counts (int64, ``8 ep`` bytes); then, with
+    ``R = max(sent, received)`` the assignment rows this rank sends or receives, the token rows
+    and the expert outputs forward and the reverse of both in the backward (four of
+    ``R * dim * s``) and the expert ids (``8 R``). ``R`` depends on the routing: with ``g``
+    local groups (sequences; ``batch / (ep dp)``) of ``T`` tokens, ``k`` choices, ``E``
+    experts and the capacity ``C`` per expert and group, the value given is that of
+    *balanced* routing (every expert receives ``kT/E`` of every group's assignments:
+    ``R = g min(kT, E C)``; exact when ``E`` divides ``kT``) and the bound the most any routing
+    can give, ``R <= max(g min(kT, E C), ep g min(T min(k, E/ep), C E/ep))`` (what a rank sends,
+    what its ``E/ep`` experts can receive from the ``ep`` ranks). :meth:`Plan.expected_comm`
+    takes the routing's kept assignments per expert (``routing=``) for the exact value. Also
+    the loss's all-reduce over ``ep`` and the mean over ``ep`` of the gradients of the leaves
+    not split over it (in ``bucket_mb`` buckets, of the gradients as ZeRO-2/3 left them: their
+    ``dp`` parts); the expert leaves are reduced over ``dp`` only (their expert-data-parallel
+    group), by the data-parallel buckets or ZeRO's reduce-scatter above. Tensor parallelism
+    together with experts is not modeled (:meth:`Plan.expected_comm` refuses).
 
   Not modeled: an optimizer's own reductions beyond clipping (factored statistics of Adafactor
   or CAME, Lamb's trust ratios, GaLore's projections; elementwise optimizers such as SGD and
   AdamW issue none), and any step under ``pipeline_split`` (its point-to-point transfers and
   per-stage collectives depend on the schedule: :meth:`Plan.expected_comm` refuses, and the
   printed plan says so; measure with ``comm_report``). A model whose column-split siblings do not
-  share one input, or that runs a sharded module more than once per step, issues more.
+  share one input, or that runs a sharded module more than once per step (``remat``'s
+  recompute repeats an MoE block's four forward all_to_alls), issues more.
 * **memory per rank**: parameters as stored, gradients as the optimizer receives them (after the
   reductions; ZeRO-2/3 keep their part), optimizer state (:func:`funcpar.optim.memory.
   state_bytes`) on the device and in an offload store, and the transient copies: the compute
@@ -51,7 +71,8 @@ data-parallel axis and precision - and derives, without running it:
   every block plus the largest block).
 
 ``tests/test_presets.py`` checks the communication against :func:`~funcpar.shard.comm.
-comm_report`'s records of a real step, count and bytes per (op, axis).
+comm_report`'s records of a real step, count and bytes per (op, axis); ``tests/test_moe_plan.py``
+does under expert parallelism (the all_to_all within its bound, exact given the routing).
 """
 
 from __future__ import annotations
@@ -64,6 +85,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from funcpar.models.moe import expert_capacity
 from funcpar.optim.memory import state_bytes
 from funcpar.shard.comm import chunk_sizes
 from funcpar.shard.layout import Layout
@@ -73,8 +95,9 @@ from funcpar.state.train_state import TrainState
 from funcpar.state.tree import named_leaves, tree_flatten
 from funcpar.train.step import TrainStep
 from funcpar.transforms.amp_cast import PRECISIONS
+from funcpar.transforms.expert_parallel import expert_leaves
 
-__all__ = ["CommRow", "LayoutRow", "MemoryReport", "Plan", "describe"]
+__all__ = ["CommRow", "LayoutRow", "MemoryReport", "MoEBlock", "Plan", "describe"]
 
 _COLUMN = ("colwise", "vocab_parallel", "colwise_gather_output")
 _HEADS = ("vocab_parallel", "colwise_gather_output")
@@ -83,7 +106,9 @@ _HEADS = ("vocab_parallel", "colwise_gather_output")
 @dataclasses.dataclass(frozen=True)
 class CommRow:
     """``count`` collectives ``op`` over ``axis`` moving ``nbytes`` in all (per local token
-    when ``per_token``: activation traffic with no batch shape given)."""
+    when ``per_token``: activation traffic with no batch shape given). ``bound``: for traffic
+    that depends on the routing (expert parallelism's all_to_all), the most any routing moves;
+    ``nbytes`` is then the value under balanced routing. None: ``nbytes`` is exact."""
 
     op: str
     axis: str
@@ -91,6 +116,21 @@ class CommRow:
     nbytes: int
     what: str
     per_token: bool = False
+    bound: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEBlock:
+    """An MoE block as expert parallelism splits it: ``n_experts`` over ``axis``, tokens of
+    width ``dim`` routed to ``top_k`` experts with ``capacity_factor`` (None: dropless)."""
+
+    name: str
+    axis: str
+    n_experts: int
+    top_k: int
+    capacity_factor: float | None
+    dim: int
+    inner_axes: tuple[str, ...] = ()  # what else splits the experts (tensor parallelism)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,19 +228,21 @@ class _Rows:
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
-        self.rows: dict[tuple[str, str, str, bool], list[int]] = {}
+        self.rows: dict[tuple[str, str, str, bool], list[Any]] = {}
 
     def add(self, op: str, axis: str, nbytes: int, what: str, *, count: int = 1,
-            per_token: bool = False) -> None:
+            per_token: bool = False, bound: int | None = None) -> None:
         if count == 0 or self.mesh.size(axis) == 1:  # size-1 axes issue nothing
             return
-        acc = self.rows.setdefault((op, axis, what, per_token), [0, 0])
+        acc = self.rows.setdefault((op, axis, what, per_token), [0, 0, None])
         acc[0] += count
         acc[1] += nbytes
+        if bound is not None:
+            acc[2] = (acc[2] or 0) + bound
 
     def out(self) -> list[CommRow]:
-        return [CommRow(op, axis, c, n, what, pt)
-                for (op, axis, what, pt), (c, n) in self.rows.items()]
+        return [CommRow(op, axis, c, n, what, pt, b)
+                for (op, axis, what, pt), (c, n, b) in self.rows.items()]
 
 
 class Plan:
@@ -225,6 +267,7 @@ class Plan:
         self.batch_shape = batch_shape
         self.max_norm = max_norm
         self.pipelined = getattr(step, "pipeline", None) is not None
+        self.moe_blocks = _moe_blocks(step, mesh)
         leaves = [x for _, x in named_leaves(state.params) if torch.is_tensor(x)]
         floating = [x.dtype for x in leaves if x.is_floating_point()]
         self.param_dtype = floating[0] if floating else torch.float32
@@ -284,18 +327,35 @@ class Plan:
         return rest + max(per_block, default=0)
 
     # ------------------------------------------------------------------- communication
-    def expected_comm(self, batch_shape: tuple[int, int] | None = None) -> list[CommRow]:
+    def expected_comm(self, batch_shape: tuple[int, int] | None = None, *,
+                      routing: Sequence[Any] | None = None) -> list[CommRow]:
         """The collectives of one step (see the module docstring). ``batch_shape``: the global
         ``(batch, seq)`` (default: the one given to the preset); without one, the activation
-        traffic of tensor parallelism is given per local token."""
+        traffic of tensor parallelism and of expert parallelism's all_to_all is given per
+        local token (for the latter: balanced routing, nothing dropped).
+
+        ``routing`` (expert parallelism): the kept assignments per expert of each rank of this
+        rank's ``ep`` group, in ``ep`` order - ``[moe_blocks, n_experts]`` each, the
+        ``tokens_per_expert`` of :class:`~funcpar.models.llama.MoEOutput` on that rank's
+        batch. With it the all_to_all bytes are exact instead of balanced (with a bound)."""
         if self.pipelined:
             raise ValueError("the expected communication is not modeled under pipeline_split "
                              "(point-to-point transfers by schedule); measure a step with "
                              "funcpar.shard.comm.comm_report")
+        if self.moe_blocks and (self.sharding is not None
+                                or any(b.inner_axes for b in self.moe_blocks)):
+            raise ValueError("the expected communication of expert parallelism with tensor "
+                             "parallelism is not modeled; measure a step with "
+                             "funcpar.shard.comm.comm_report")
+        if routing is not None and not self.moe_blocks:
+            raise ValueError("expected_comm: routing= is for expert parallelism, and this "
+                             "step splits no MoE block's experts")
         batch_shape = batch_shape if batch_shape is not None else self.batch_shape
         rows = _Rows(self.mesh)
         if self.sharding is not None:
             self._tp_rows(rows, batch_shape)
+        if self.moe_blocks:
+            self._ep_rows(rows, batch_shape, routing)
         self._dp_rows(rows)
         self._norm_rows(rows)
         scaler = self.step.loss_scaler
@@ -304,17 +364,20 @@ class Plan:
                 rows.add("all_reduce", axis, 4, "amp fp16 inf/nan check")
         return rows.out()
 
-    def comm_totals(self, batch_shape: tuple[int, int] | None = None
+    def comm_totals(self, batch_shape: tuple[int, int] | None = None, *,
+                    routing: Sequence[Any] | None = None, bound: bool = False
                     ) -> dict[tuple[str, str], tuple[int, int]]:
         """``{(op, axis): (count, bytes)}`` of :meth:`expected_comm` (a batch shape is needed
-        when tensor parallelism moves activations)."""
+        when tensor or expert parallelism moves activations). ``bound``: the routing-dependent
+        rows at their upper bound instead of their balanced value."""
         out: dict[tuple[str, str], tuple[int, int]] = {}
-        for row in self.expected_comm(batch_shape):
+        for row in self.expected_comm(batch_shape, routing=routing):
             if row.per_token:
                 raise ValueError("comm_totals needs batch_shape=(batch, seq): the activation "
-                                 "traffic of tensor parallelism depends on it")
+                                 "traffic of tensor or expert parallelism depends on it")
+            nbytes = row.bound if bound and row.bound is not None else row.nbytes
             c, n = out.get((row.op, row.axis), (0, 0))
-            out[(row.op, row.axis)] = (c + row.count, n + row.nbytes)
+            out[(row.op, row.axis)] = (c + row.count, n + nbytes)
         return out
 
     def _local_batch(self, batch_shape: tuple[int, int] | None) -> tuple[int, int, bool]:
@@ -417,13 +480,76 @@ class Plan:
         for n in by_dtype.values():
             rows.add("all_reduce", axis, n, "sp: grads of leaves not split over tp")
 
+    def _loss_bytes(self) -> int:
+        """The reported loss: float32 at least under amp, else the parameters' dtype."""
+        return max(_size(self.compute_dtype), 4) if self.step.precision else _size(
+            self.param_dtype)
+
+    def _ep_rows(self, rows: _Rows, batch_shape: tuple[int, int] | None,
+                 routing: Sequence[Any] | None) -> None:
+        """Expert parallelism's collectives (see the module docstring)."""
+        blocks = self.moe_blocks
+        axis = blocks[0].axis
+        ep = self.mesh.size(axis)
+        dp = self.mesh.size(self.step.dp_axis) if self.step.dp_axis is not None else 1
+        act = _size(self.compute_dtype)
+        rows.add("all_reduce", axis, self._loss_bytes(), "ep: loss mean")
+        # The leaves not split over ep: their gradients as the step hands them to the ep mean
+        # (after data_parallel's and ZeRO's reductions: ZeRO-2/3's parts), in one dict.
+        glay = self.step.grad_layouts if self.step.grad_layouts is not None else self.step.layouts
+        experts = {f"{b.name}.experts.{leaf}" for b in blocks
+                   for leaf in ("gate_proj", "up_proj", "down_proj")}
+        rep = {}
+        for (n, x), lay in zip(named_leaves(self.state.params), tree_flatten(glay)[0]):
+            if torch.is_tensor(x) and n not in experts:
+                shape = tuple(x.shape) if lay is None else lay.local_shape()
+                rep[n] = torch.empty(shape, dtype=x.dtype, device="meta")
+        for nbytes in _buckets(tree_flatten(rep)[0], self.bucket_bytes):
+            rows.add("all_reduce", axis, nbytes, "ep: grads of leaves not split over ep (mean)")
+        if routing is not None:
+            routing = [torch.as_tensor(r) for r in routing]
+            want = (len(blocks), blocks[0].n_experts)
+            if len(routing) != ep or any(tuple(r.shape) != want for r in routing):
+                raise ValueError(f"expected_comm: routing= needs {ep} (ep) tensors of shape "
+                                 f"{list(want)} (moe blocks, experts), got "
+                                 f"{[tuple(r.shape) for r in routing]}")
+        if batch_shape is not None:
+            b, t = batch_shape
+            if b % (ep * dp):
+                raise ValueError(f"batch_shape {batch_shape}: a batch of {b} does not split "
+                                 f"over ep={ep} x dp={dp}")
+            groups = b // (ep * dp)
+        me = self.mesh.rank(axis)
+        for i, blk in enumerate(blocks):
+            rows.add("all_to_all", axis, 8 * ep, "ep: token counts")
+            e, k = blk.n_experts, blk.top_k
+            per_row = 4 * blk.dim * act  # tokens, outputs, and their gradients
+            if batch_shape is None:  # balanced, nothing dropped: k rows per local token
+                rows.add("all_to_all", axis, k * per_row, "ep: token rows, expert outputs "
+                         "(forward) and their grads (backward)", count=4, per_token=True)
+                rows.add("all_to_all", axis, k * 8, "ep: expert ids", per_token=True)
+                continue
+            cap = expert_capacity(blk.capacity_factor, k, t, e)
+            local = e // ep
+            balanced = groups * min(k * t, e * cap)
+            most = max(balanced, ep * groups * min(t * min(k, local), local * cap))
+            if routing is None:
+                r, bound = balanced, most
+            else:  # what this rank sends, what its experts receive from the ep group: exact
+                sent = int(routing[me][i].sum())
+                got = sum(int(x[i][me * local:(me + 1) * local].sum()) for x in routing)
+                r, bound = max(sent, got), None
+            rows.add("all_to_all", axis, r * per_row, "ep: token rows, expert outputs "
+                     "(forward) and their grads (backward)", count=4,
+                     bound=None if bound is None else bound * per_row)
+            rows.add("all_to_all", axis, r * 8, "ep: expert ids",
+                     bound=None if bound is None else bound * 8)
+
     def _dp_rows(self, rows: _Rows) -> None:
         step, state = self.step, self.state
         zero = step.partition
         if step.dp_axis is not None:
-            loss = max(_size(self.compute_dtype), 4) if step.precision else _size(
-                self.param_dtype)
-            rows.add("all_reduce", step.dp_axis, loss, "dp: loss mean")
+            rows.add("all_reduce", step.dp_axis, self._loss_bytes(), "dp: loss mean")
             if zero is None or zero.stage < 2:
                 for nbytes in _buckets(tree_flatten(state.params)[0], self.bucket_bytes):
                     rows.add("all_reduce", step.dp_axis, nbytes, "dp: gradient buckets")
@@ -432,7 +558,11 @@ class Plan:
         leaves = tree_flatten(state.params)[0]
         n = self.mesh.size(zero.axis)
         comp = _size(self.compute_dtype)
-        saved = _saved_leaves(getattr(step.apply_fn, "module", None), zero.names)
+        module = getattr(step.apply_fn, "module", None)
+        saved = _saved_leaves(module, zero.names)
+        experts = {f"{b.name}.experts.{leaf}" for b in self.moe_blocks
+                   for leaf in ("gate_proj", "up_proj", "down_proj")}
+        stacked = set(expert_leaves(module)) if module is not None else set()
         for i in range(len(zero.names)):
             elem = leaves[i].element_size()
             whole = self._whole_local(i)
@@ -446,13 +576,20 @@ class Plan:
             if zero.stage < 3:
                 rows.add("all_gather", zero.axis, moved * elem, "zero: updates gathered")
                 if zero.stage == 2:
+                    # An expert shard's gradient is reduced over dp only: its own
+                    # (expert-)data-parallel group.
                     rows.add("reduce_scatter", zero.axis, moved * elem,
-                             "zero: grads reduce-scattered")
+                             "zero: expert grads reduce-scattered (their dp group)"
+                             if zero.names[i] in experts else "zero: grads reduce-scattered")
                 continue
             rows.add("all_gather", zero.axis, moved * comp, "zero-3: params gathered (forward)")
             if saved[i]:
-                rows.add("all_gather", zero.axis, moved * comp,
-                         "zero-3: params gathered again (backward)")
+                # Each saved use is gathered again when the backward unpacks it: a stacked
+                # expert leaf is used once per expert of this rank (Experts runs each expert's
+                # slice as its own product), any other leaf once.
+                uses = whole[0] if zero.names[i] in stacked else 1
+                rows.add("all_gather", zero.axis, uses * moved * comp,
+                         "zero-3: params gathered again (backward)", count=uses)
             rows.add("reduce_scatter", zero.axis, moved * comp, "zero-3: grads reduce-scattered")
 
     def _norm_rows(self, rows: _Rows) -> None:
@@ -507,13 +644,22 @@ class Plan:
             lines.append(f"  {'op':<15} {'axis':<5} {'count':>6} {'bytes':>14}  what")
             for r in comm:
                 nb = f"{r.nbytes:,}" + (" /tok" if r.per_token else "")
-                lines.append(f"  {r.op:<15} {r.axis:<5} {r.count:>6} {nb:>14}  {r.what}")
+                what = r.what
+                if r.bound is not None:
+                    what += f" [balanced routing; at most {r.bound:,}]"
+                elif r.per_token and r.op == "all_to_all":
+                    what += " [balanced routing, nothing dropped]"
+                lines.append(f"  {r.op:<15} {r.axis:<5} {r.count:>6} {nb:>14}  {what}")
             for axis in mesh.axis_names:
                 sel = [r for r in comm if r.axis == axis]
                 if sel:
                     fixed = sum(r.nbytes for r in sel if not r.per_token)
                     tok = sum(r.nbytes for r in sel if r.per_token)
                     more = f" + {tok:,} per local token" if tok else ""
+                    if any(r.bound is not None for r in sel):
+                        most = sum(r.nbytes if r.bound is None else r.bound
+                                   for r in sel if not r.per_token)
+                        more += f" (at most {most:,} under any routing)"
                     lines.append(f"  total over {axis}: {sum(r.count for r in sel)} "
                                  f"collectives, {fixed:,} bytes{more}")
         lines.append("  not modeled: reductions inside the optimizer passed in (its own "
@@ -589,6 +735,27 @@ def _saved_leaves(module: nn.Module | None, names: Sequence[str]) -> list[bool]:
             if n in params else True for n in names]
 
 
+def _moe_blocks(step: TrainStep, mesh: DeviceMesh) -> list[MoEBlock]:
+    """The MoE blocks whose experts the step splits (expert parallelism: the stacked expert
+    leaves' dim 0 over a mesh axis of more than one rank), read from the layouts."""
+    module = getattr(step.apply_fn, "module", None)
+    if module is None or step.layouts is None:
+        return []
+    layouts = step.layouts
+    out: dict[str, MoEBlock] = {}
+    for leaf, m in expert_leaves(module).items():
+        lay = layouts.get(leaf) if isinstance(layouts, dict) else None
+        axes = [a for a in (lay.dim_axes[0] if lay is not None else ()) if mesh.size(a) > 1]
+        if not axes:
+            continue
+        block = leaf.rpartition(".experts.")[0]
+        inner = tuple(a for d in lay.dim_axes[1:] for a in d if mesh.size(a) > 1)
+        if block not in out or inner:
+            out[block] = MoEBlock(block, axes[0], lay.global_shape[0], m.top_k,
+                                  m.capacity_factor, m.router.weight.shape[1], inner)
+    return list(out.values())
+
+
 def _norm(rows: _Rows, dtypes: list[torch.dtype], layouts: Any, mesh: DeviceMesh,
           what: str) -> None:
     """The all-reduces of one total_sum_of_squares over leaves of ``layouts``."""
@@ -623,8 +790,9 @@ def describe(
 
     What the step does not record is passed in: ``sharding`` (``plan_sharding(module, rules,
     mesh)``, for tensor parallelism's activation traffic), ``sequence_parallel``,
-    ``bucket_mb`` (data_parallel's), ``clip_norms`` (how many ``clip_by_global_norm`` the
-    optimizer holds), ``transforms`` (text of the manual calls, for printing).
+    ``bucket_mb`` (data_parallel's, and expert_parallel's for its mean over ``ep``),
+    ``clip_norms`` (how many ``clip_by_global_norm`` the optimizer holds), ``transforms``
+    (text of the manual calls, for printing). Expert parallelism is read from the layouts.
     """
     if sequence_parallel and sharding is None:
         raise ValueError("describe: sequence_parallel needs sharding= (the sharding plan)")

@@ -282,9 +282,9 @@ class Preset:
                                                       for s in self.batch_shape)):
             raise ValueError(f"{who}: batch_shape must be (batch, seq) of positive ints, got "
                              f"{self.batch_shape!r}")
-        if self.ep_size > 1 and (self.tp_size > 1 or self.pp_size > 1 or self.plan):
-            raise ValueError(f"{who}: ep_size={self.ep_size} with tp_size > 1, pp_size > 1 or "
-                             "plan=True is not supported yet (docs/MOE.md, Not yet)")
+        if self.ep_size > 1 and (self.tp_size > 1 or self.pp_size > 1):
+            raise ValueError(f"{who}: ep_size={self.ep_size} with tp_size > 1 or pp_size > 1 "
+                             "is not supported yet (docs/MOE.md, Not yet)")
         if self.mesh is not None:
             self._check_mesh(self.mesh)
 
@@ -352,7 +352,8 @@ class Preset:
             out.append((f"shard_params({_rules_text(module, rules)}, mesh{sp})",
                         shard_params(rules, mesh, sequence_parallel=self.sequence_parallel)))
         if self.ep_size > 1:  # before ZeRO, which partitions the expert shards over dp
-            out.append(("expert_parallel(mesh)", expert_parallel(mesh)))
+            out.append((f"expert_parallel(mesh, bucket_mb={self.bucket_mb})",
+                        expert_parallel(mesh, bucket_mb=self.bucket_mb)))
         if mesh.size("dp") > 1:
             out.append((f"data_parallel(mesh, bucket_mb={self.bucket_mb})",
                         data_parallel(mesh, bucket_mb=self.bucket_mb)))
@@ -416,9 +417,6 @@ class Preset:
         clip = 0 if self.max_norm is None else 1
 
         def make_plan() -> Plan:
-            if self.ep_size > 1:
-                raise NotImplementedError(f"{self.name}: the plan does not predict expert "
-                                          "parallelism's all_to_all yet (docs/MOE.md)")
             return describe(step, state, mesh, name=self.name, transforms=texts,
                             sharding=sharding, sequence_parallel=self.sequence_parallel,
                             bucket_mb=self.bucket_mb, clip_norms=clip,
@@ -550,6 +548,8 @@ def moe_hybrid(
     max_norm: float | None = None,
     keep_fp32: Any = None,
     bucket_mb: float = 25.0,
+    batch_shape: tuple[int, int] | None = None,
+    plan: bool = False,
     params: Any = None,
     buffers: Any = None,
     seed: int = 0,
@@ -559,14 +559,18 @@ def moe_hybrid(
     """Colossal-AI's ``MoeHybridParallelPlugin`` (its ep x dp part): experts over ``ep``, the
     batch over ``ep x dp``, ZeRO 0-3 over dp (the experts' own data-parallel group).
 
-    ``compose(expert_parallel(mesh), data_parallel(mesh), zero_partition(zero_stage, mesh),
-    [amp_cast(precision)])`` over ``DeviceMesh.from_env(ep=ep_size, dp=-1, tp=1)``
-    (docs/MOE.md; tp, pp and the plan are not supported with experts yet).
+    ``compose(expert_parallel(mesh, bucket_mb=...), data_parallel(mesh, bucket_mb=...),
+    zero_partition(zero_stage, mesh), [amp_cast(precision)])`` over
+    ``DeviceMesh.from_env(ep=ep_size, dp=-1, tp=1)`` (docs/MOE.md; tp and pp are not supported
+    with experts yet). The plan (``.plan``, printed with ``plan=True``) gives the all_to_all
+    bytes under balanced routing with their bound for any routing (``batch_shape`` for bytes
+    rather than bytes per token; :mod:`funcpar.presets.plan`).
     """
     return _preset(
         "moe_hybrid", model, loss_fn, optimizer, params, buffers, seed, compile, donate,
         ep_size=ep_size, dp_size=dp_size, zero_stage=zero_stage, precision=precision,
         mesh=mesh, max_norm=max_norm, keep_fp32=keep_fp32, bucket_mb=bucket_mb,
+        batch_shape=batch_shape, plan=plan,
     )
 
 

@@ -8,8 +8,11 @@ weights). Measured, on one torch thread:
 
 * tokens/s of the full AdamW train step on one process, dense and MoE interleaved round by
   round, the median of ``--rounds`` rounds of ``--steps`` steps each, and the ratio;
-* under ``expert_parallel`` over 2 ranks (gloo): the all_to_all bytes per step and rank as
-  ``comm_log`` records them (counts, token rows, expert ids, outputs, and their backward);
+* under ``expert_parallel`` over 2 ranks (gloo): the all_to_all bytes of the first step on
+  each rank as ``comm_log`` records them (counts, token rows, expert ids, outputs, and their
+  backward), beside the plan's prediction (:mod:`funcpar.presets.plan`): exact given the
+  routing (each rank's kept assignments per expert, from a one-process forward of its
+  sequences), the value under balanced routing, and the bound for any routing;
 * load balance on the MoE's first step: kept tokens per expert and the dropped fraction, per
   MoE block, at capacity factor ``--capacity-factor``.
 
@@ -32,6 +35,7 @@ from funcpar.shard import comm
 from funcpar.state import functionalize, init_state
 from funcpar.testing import run_ranks
 from funcpar.train import make_train_step
+from funcpar.train.cli import positive_int
 
 
 def _config(experts: int, capacity_factor: float) -> LlamaConfig:
@@ -58,27 +62,42 @@ def _tokens_per_s(step, state, batch, steps: int) -> float:
     return steps * batch[0].numel() / (time.perf_counter() - start)
 
 
-def _a2a_bytes(experts: int, capacity_factor: float) -> float:
-    """all_to_all bytes per step on this rank under ep2 (3 steps, mean)."""
+def _a2a_bytes(experts: int, capacity_factor: float) -> dict[str, int]:
+    """This rank's all_to_all bytes of the first step under ep2, measured and planned."""
+    from funcpar.presets import describe
     from funcpar.shard.mesh import DeviceMesh
     from funcpar.transforms import expert_parallel
 
     torch.set_num_threads(1)
-    step, state, batch, _ = _setup(_config(experts, capacity_factor))
-    step, state = expert_parallel(DeviceMesh.from_env(ep=2))(step, state)
+    step, state, batch, model = _setup(_config(experts, capacity_factor))
+    mesh = DeviceMesh.from_env(ep=2)
+    step, state = expert_parallel(mesh)(step, state)
+    # The routing of this rank's sequences (the module still holds the initial weights, and
+    # routing is per sequence), then the ep group's: what the plan needs for the exact bytes.
+    with torch.no_grad():
+        mine = model(step.local_batch(batch)[0]).tokens_per_expert
+    group = list(comm.all_gather(mine[None], mesh, "ep"))
     with comm.comm_log.capture() as recs:
-        for _ in range(3):
-            state, _ = step(state, batch)
-    return sum(r.nbytes for r in recs if r.op == "all_to_all") / 3
+        step(state, batch)
+    plan = describe(step, state, mesh, batch_shape=tuple(batch[0].shape))
+    key = ("all_to_all", "ep")
+    return {"measured": sum(r.nbytes for r in recs if r.op == "all_to_all"),
+            "routed": plan.comm_totals(routing=group)[key][1],
+            "balanced": plan.comm_totals()[key][1],
+            "bound": plan.comm_totals(bound=True)[key][1]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--experts", type=positive_int, default=4, help="an even count (ep2)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="0: dropless")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--steps", type=positive_int, default=5)
     args = p.parse_args()
+    if args.experts % 2:
+        p.error(f"--experts {args.experts}: the ep2 run splits the experts over 2 ranks")
+    if args.capacity_factor < 0:
+        p.error(f"--capacity-factor must be >= 0 (0: dropless), got {args.capacity_factor}")
     torch.set_num_threads(1)
     dense, moe = (_setup(_config(e, args.capacity_factor)) for e in (0, args.experts))
     active = {}
@@ -104,7 +123,12 @@ def main() -> None:
         print(f"MoE block {i}: tokens per expert {counts.tolist()}, dropped "
               f"{int(dropped)}/{n} = {int(dropped) / n:.1%}")
     per_rank = run_ranks(_a2a_bytes, 2, args.experts, args.capacity_factor, timeout=300)
-    print(f"ep2 all_to_all bytes per step and rank: {[f'{b:,.0f}' for b in per_rank]}")
+    print("ep2 all_to_all bytes of the first step (plan: funcpar.presets.plan):")
+    print(f"{'rank':<5} {'measured':>10} {'plan, routing':>14} {'plan, balanced':>15} "
+          f"{'plan bound':>11}")
+    for rank, b in enumerate(per_rank):
+        print(f"{rank:<5} {b['measured']:>10,} {b['routed']:>14,} {b['balanced']:>15,} "
+              f"{b['bound']:>11,}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ recomputes every K-th block's activations in the backward instead of keeping the
 
 ``--experts E`` gives every ``--moe-every``-th block a Mixture-of-Experts feed-forward
 (docs/MOE.md); ``--ep P`` spreads the experts over an ``ep`` axis (``expert_parallel``) and
-``--tp`` splits every expert's ffn as well as attention (mesh ``ep x dp x tp``).
+``--tp`` splits every expert's ffn as well as attention (mesh ``ep x dp x tp``); ``--pp`` cuts
+an MoE model into stages like a dense one, every stage's router losses reaching the loss
+(mesh ``pp x ep x dp x tp``).
 
 ``--preset {hybrid,zero,ddp,gemini}`` composes through :mod:`funcpar.presets` (Colossal-AI's
 plugin names: ``hybrid_parallel``, ``low_level_zero``, ``ddp``, ``gemini``) instead of listing
@@ -306,9 +308,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--preset gemini is ZeRO-3: drop --zero or pass --zero 3")
     if args.ep > 1 and (args.experts == 0 or args.experts % args.ep):
         p.error(f"--ep {args.ep} needs --experts divisible by it, got --experts {args.experts}")
-    if args.experts and (args.preset is not None or args.pp > 1):
-        p.error("--experts works with --ep, --tp, --dp, --zero, --remat and --precision; not yet "
-                "with --preset or --pp (docs/MOE.md, Not yet)")
+    if args.experts and args.preset is not None:
+        p.error("--experts works with --ep, --pp, --tp, --dp, --zero, --remat and --precision; "
+                "not yet with --preset (docs/MOE.md, Not yet)")
     if args.experts and args.sequence_parallel:
         p.error("--sequence-parallel does not work with --experts: an MoE block routes each "
                 "whole sequence (docs/MOE.md)")
@@ -328,10 +330,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if stages > args.layers:
             p.error(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = {stages} "
                     f"stages but --layers {args.layers}: every stage needs a block")
-        local = args.batch_size // (args.dp or 1)
+        local = args.batch_size // ((args.dp or 1) * args.ep)
         if local % args.microbatches:
-            p.error(f"each rank's batch ({local} = --batch-size / --dp) does not split into "
-                    f"--microbatches {args.microbatches} equal micro-batches")
+            p.error(f"each rank's batch ({local} = --batch-size / (--dp x --ep)) does not split "
+                    f"into --microbatches {args.microbatches} equal micro-batches")
         # --save writes rank 0's whole params, and under --pp rank 0 holds only its stages';
         # --save-every/--resume work (each stage's ranks write their leaves, once each, under
         # their global names; a checkpoint loads into any layout).

@@ -25,6 +25,7 @@ import weakref
 
 import pytest
 import torch
+from _lazy_check import assert_same_state
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves as torch_tree_leaves
@@ -48,7 +49,6 @@ from funcpar.shard.layout import Layout, Shard, shard_tensor
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import Rule, llama_rules
 from funcpar.state import functionalize, init_state
-from funcpar.state.tree import named_leaves
 from funcpar.testing import run_ranks
 from funcpar.testing.reference import CFG, LAYOUTS, OPTIMIZERS, batches, loss_rel, max_rel, run
 from funcpar.train import make_train_step
@@ -125,14 +125,7 @@ def test_lazy_equals_full_init_shard_for_shard(layout):
         lazy_step, lazy_state = build_lazy(mesh, tp, dp, zero)
         full_step, full_state = build_full(mesh, tp, dp, zero)
         assert lazy_step.layouts == full_step.layouts or tp == dp == 1
-        for tree in ("params", "opt_state"):
-            a = named_leaves(getattr(lazy_state, tree))
-            b = named_leaves(getattr(full_state, tree))
-            assert [n for n, _ in a] == [n for n, _ in b]
-            for (name, x), (_, y) in zip(a, b):
-                if torch.is_tensor(y):
-                    assert not x.is_meta and x.shape == y.shape, (rank, tree, name)
-                    assert torch.equal(x, y), (layout, rank, tree, name)
+        assert_same_state(lazy_state, full_state, layout, rank)
         check_materialized(lazy_state)
     # And the shards are not all alike: the init differs by leaf and position.
     q = lazy_state.params["layers.0.self_attn.q_proj.weight"]

@@ -24,6 +24,7 @@ thousand sin/cos, negligible next to the matmuls), so the functional state is pa
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 from funcpar.models.moe import MoE, MoEStats
 
 __all__ = ["Llama", "LlamaConfig", "MoEOutput", "RMSNorm", "lm_loss", "moe_lm_loss",
-           "rotary_cos_sin"]
+           "moe_output", "rotary_cos_sin", "router_loss"]
 
 
 @dataclass(frozen=True)
@@ -346,11 +347,27 @@ class Llama(nn.Module):
         logits = self.lm_head(self.norm(x))
         if not stats:
             return logits
-        cfg = self.cfg
-        router_loss = (cfg.aux_loss_weight * sum(s.aux_loss for s in stats)
-                       + cfg.z_loss_weight * sum(s.z_loss for s in stats))
-        return MoEOutput(logits, router_loss, torch.stack([s.tokens_per_expert for s in stats]),
-                         torch.stack([s.dropped for s in stats]))
+        return moe_output(self.cfg, logits, stats)
+
+
+def router_loss(cfg: LlamaConfig, stats: Sequence[MoEStats]) -> Tensor:
+    """``aux_loss_weight * sum(aux losses) + z_loss_weight * sum(z-losses)`` over the MoE blocks
+    of ``stats`` (at least one)."""
+    return (cfg.aux_loss_weight * sum(s.aux_loss for s in stats)
+            + cfg.z_loss_weight * sum(s.z_loss for s in stats))
+
+
+def moe_output(cfg: LlamaConfig, logits: Float[Tensor, "batch seq vocab"],
+               stats: Sequence[MoEStats]) -> MoEOutput:
+    """The :class:`MoEOutput` of ``logits`` and the MoE blocks' ``stats`` (in model order).
+    No block (a pipeline's last stage may hold none): a zero router loss, no rows."""
+    if not stats:
+        zero = torch.zeros((), dtype=_compute_dtype(logits.dtype), device=logits.device)
+        none = torch.zeros((0, cfg.n_experts), dtype=torch.int64, device=logits.device)
+        return MoEOutput(logits, zero, none, none[:, 0])
+    return MoEOutput(logits, router_loss(cfg, stats),
+                     torch.stack([s.tokens_per_expert for s in stats]),
+                     torch.stack([s.dropped for s in stats]))
 
 
 def lm_loss(

@@ -8,8 +8,10 @@ single-pass forward/backward. It walks this rank's action list (:mod:`.schedules
   received from stage ``s - 1`` (detached, made a leaf that requires grad, so the stage's
   backward stops there); the last stage also computes ``step.loss_fn(out, targets_mb)``;
 * ``B(s, mb)``: ``torch.autograd.grad`` of the stage's output against the received gradient
-  (the last stage: of ``loss_mb / m``, times the loss scale under fp16) with respect to the
-  stage's parameter leaves (summed into the step's gradients) and to ``x`` (sent back);
+  (the last stage: of ``loss_mb / m``, times the loss scale under fp16; a stage that returned
+  a :class:`~.stages.SideLoss`: of its hidden states against the received gradient and of
+  ``side_loss_mb / m`` likewise) with respect to the stage's parameter leaves (summed into the
+  step's gradients) and to ``x`` (sent back);
 * transfers: consecutive ones are posted together (:func:`funcpar.shard.comm.batch_p2p`,
   recorded in the comm log as ``send``/``recv`` over ``pp``); sends are not waited for until
   the step's end, receives right away - the semantics :func:`.schedules.simulate` verified the
@@ -27,9 +29,12 @@ stream would advance by its own stages' draws only and differ between ranks).
 
 The loss is the mean over micro-batches of the micro-batch losses - the full-batch loss when
 the loss is a mean over equal-size micro-batches (as data parallelism assumes for its ranks) -
-and its gradients are those of that mean. The last stage's loss is broadcast over ``pp`` (as
-float64), so every rank reports it. Leaves held by two ranks (tied embeddings) get the sum of
-both ranks' gradients, added in rank order so both hold the same bits.
+and its gradients are those of that mean; side losses (an MoE model's router losses on the
+stages before the last) are terms of it, averaged over micro-batches likewise. Each rank's
+share - the last stage's mean loss, the other stages' mean side losses - is all-reduced over
+``pp`` (as float64), so every rank reports the whole loss. Leaves held by two ranks (tied
+embeddings) get the sum of both ranks' gradients, added in rank order so both hold the same
+bits.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 from torch import Tensor
 
 from funcpar.pipeline.schedules import COMPUTE, Action
-from funcpar.pipeline.stages import StagePlan
+from funcpar.pipeline.stages import SideLoss, StagePlan
 from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.reduce import tree_split_over
@@ -140,6 +145,7 @@ class Pipeline:
         sent: list[comm.Pending] = []
         shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
         loss_sum: Tensor | None = None
+        side_sum: Tensor | None = None  # this rank's stages' side losses (SideLoss), float64
         new_buffers = buffers
         self.trace = []
         self.peak_in_flight = 0
@@ -150,7 +156,7 @@ class Pipeline:
             recvs: list[tuple[tuple[str, int, int], int]] = []
             for a in pending_comm:
                 if a.kind == "SEND_F":
-                    out = held[(a.stage, a.mb)][1].detach().contiguous()
+                    out = _hidden(held[(a.stage, a.mb)][1]).detach().contiguous()
                     peer = plan.rank_of(a.stage + 1)
                     if a.stage not in shapes:
                         shapes[a.stage] = (tuple(out.shape), out.dtype)
@@ -185,7 +191,7 @@ class Pipeline:
                                           f"pp activation s{src}->s{a.stage}"))
                     recvs.append((("x", a.stage, a.mb), len(ops) - 1))
                 elif a.kind == "RECV_B":
-                    like = held[(a.stage, a.mb)][1]
+                    like = _hidden(held[(a.stage, a.mb)][1])
                     buf = torch.empty(like.shape, dtype=like.dtype, device=self.mesh.device)
                     ops.append(comm.P2POp("recv", buf, plan.rank_of(a.stage + 1),
                                           self._tag(1, a.stage + 1, a.mb),
@@ -221,30 +227,35 @@ class Pipeline:
                     if a.stage == last:
                         out = _checked_loss(step.loss_fn(out, mb_targets[a.mb]))
                         loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
-                    elif not torch.is_tensor(out):
-                        raise TypeError(f"pipeline stage {a.stage} returned a "
-                                        f"{type(out).__name__}; a stage before the last must "
-                                        "return one tensor (the hidden states)")
+                    else:
+                        out = _checked_stage_output(out, a.stage)
+                        if isinstance(out, SideLoss):
+                            side = out.loss.detach().double()
+                            side_sum = side if side_sum is None else side_sum + side
                 held[(a.stage, a.mb)] = (x, out)
                 self.peak_in_flight = max(self.peak_in_flight, len(held))
                 if a.stage < last and plan.rank_of(a.stage + 1) == self.rank:
-                    local[("y", a.stage, a.mb)] = out.detach()
+                    local[("y", a.stage, a.mb)] = _hidden(out).detach()
             else:
                 x, out = held.pop((a.stage, a.mb))
                 if a.stage == last:
-                    target = out if loss_scale is None else out.float() * loss_scale
-                    target, g_out = target / m, None
+                    targets, g_outs = [_as_loss_target(out, loss_scale, m)], [None]
                 else:
-                    target = out
                     g_out = inbox.pop(("g", a.stage, a.mb), None)
                     if g_out is None:
                         g_out = local.pop(("dx", a.stage + 1, a.mb))
+                    targets, g_outs = [_hidden(out)], [g_out]
+                    if isinstance(out, SideLoss) and out.loss.requires_grad:
+                        # The side loss is a term of every micro-batch's loss, as the last
+                        # stage's: d loss / d side = 1 / m (times the loss scale).
+                        targets.append(_as_loss_target(out.loss, loss_scale, m))
+                        g_outs.append(None)
                 names = stage_leaves[a.stage]
                 wanted = [live[n] for n in names]
                 want_x = x is not None and x.requires_grad
                 if want_x:
                     wanted.append(x)
-                got = torch.autograd.grad(target, wanted, grad_outputs=g_out,
+                got = torch.autograd.grad(targets, wanted, grad_outputs=g_outs,
                                           allow_unused=True)
                 for n, g in zip(names, got):
                     if g is not None:
@@ -264,15 +275,19 @@ class Pipeline:
                                f"held {sorted(held)}, received {sorted(inbox)}")
         flat = {n: (torch.zeros_like(params[n]) if g is None else g) for n, g in grads.items()}
         flat = self._sum_shared(flat)
-        loss = self._loss_everywhere(loss_sum)
+        loss = self._loss_everywhere(loss_sum, side_sum)
         return loss, flat, new_buffers
 
-    def _loss_everywhere(self, loss_sum: Tensor | None) -> Tensor:
-        """The mean micro-batch loss, broadcast from the last stage's rank over pp."""
-        src = self.plan.rank_of(self.plan.n_stages - 1)
-        mine = (loss_sum.double() / self.m) if loss_sum is not None else torch.zeros(
-            (), dtype=torch.float64, device=self.mesh.device)
-        return comm.broadcast(mine, self.mesh, self.axis, src=src, purpose="pp loss")
+    def _loss_everywhere(self, loss_sum: Tensor | None, side_sum: Tensor | None) -> Tensor:
+        """The step's loss on every pp rank: the mean micro-batch loss (the last stage's) plus
+        the mean side losses of the other stages, one all-reduce (sum, float64) over pp of
+        each rank's share (0 where a rank has neither, so a dense model's loss comes back
+        bit for bit)."""
+        mine = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        for part in (loss_sum, side_sum):
+            if part is not None:
+                mine = mine + part.double() / self.m
+        return comm.all_reduce(mine, self.mesh, self.axis, purpose="pp loss")
 
     def _sum_shared(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """Leaves held by several ranks (tied weights): the sum of their gradients, in rank
@@ -338,6 +353,29 @@ def _seed_draws(device: torch.device, entry: bytes, *key: Any) -> None:
             torch.cuda.manual_seed(seed)
     else:
         torch.default_generator.manual_seed(seed)
+
+
+def _hidden(out: Tensor | SideLoss) -> Tensor:
+    """The hidden states a stage before the last sends on."""
+    return out.hidden if isinstance(out, SideLoss) else out
+
+
+def _as_loss_target(loss: Tensor, loss_scale: Tensor | None, m: int) -> Tensor:
+    """What a micro-batch's loss term is differentiated as: ``loss / m``, times the loss scale
+    under fp16 (in float32, as the one-process step scales it)."""
+    target = loss if loss_scale is None else loss.float() * loss_scale
+    return target / m
+
+
+def _checked_stage_output(out: Any, stage: int) -> Tensor | SideLoss:
+    if torch.is_tensor(out):
+        return out
+    if (isinstance(out, SideLoss) and torch.is_tensor(out.hidden) and torch.is_tensor(out.loss)
+            and out.loss.dim() == 0):
+        return out
+    raise TypeError(f"pipeline stage {stage} returned a {type(out).__name__}; a stage before "
+                    "the last must return one tensor (the hidden states) or "
+                    "SideLoss(hidden, 0-d loss term)")
 
 
 def _checked_loss(loss: Any) -> Tensor:

@@ -9,6 +9,21 @@ too (every rank has the batch), so a stage can derive positions or masks from th
 never from the hidden states it was sent. :func:`llama_stages` describes funcpar's
 :class:`~funcpar.models.Llama`.
 
+Side losses: a stage before the last may return ``SideLoss(hidden, loss)`` instead of the
+hidden states alone, where ``loss`` is a 0-d term of the training loss computed inside the
+stage (an MoE block's weighted router losses). The pipeline sends ``hidden`` on, adds ``loss``
+(its mean over micro-batches) to the step's loss and backpropagates it with the stage
+(``d loss / d side loss = 1 / microbatches``). Between the blocks of one stage the value handed
+on may be anything ``block`` and ``head`` agree on; ``hand_over(module, x)`` turns the stage's
+last value into what it sends. For an MoE :class:`~funcpar.models.Llama` the blocks carry
+``(hidden, stats of the stage's MoE blocks)``: a stage before the last sends ``SideLoss(hidden,
+router_loss(its blocks))``, the last stage's head returns the
+:class:`~funcpar.models.MoEOutput` of *its* blocks, whose ``router_loss`` ``moe_lm_loss`` adds,
+so the loss is ``lm_loss + router_loss`` over every block of every stage, as in one process.
+The loss function must declare that it adds the output's router loss as a plain term
+(``loss_fn.extra_loss``, which ``moe_lm_loss`` has), else :func:`~funcpar.transforms.pipeline_split`
+refuses the model: the other stages' router losses could not enter it as it does.
+
 :func:`plan_stages` cuts the ``n`` blocks into ``S`` contiguous runs - at explicit cut points,
 or balanced so that the largest stage's parameter count (the embedding counted on the first
 stage, norm and head on the last) is as small as it can be (exact min-max partition by dynamic
@@ -22,24 +37,37 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["StagePlan", "StagedModel", "llama_stages", "plan_stages", "staged_model_for"]
+__all__ = ["SideLoss", "StagePlan", "StagedModel", "llama_stages", "plan_stages",
+           "staged_model_for"]
+
+
+class SideLoss(NamedTuple):
+    """What a stage before the last returns when its blocks add a term to the training loss
+    (module docstring): the hidden states to send on, and that 0-d term."""
+
+    hidden: Tensor
+    loss: Tensor
 
 
 @dataclass(frozen=True)
 class StagedModel:
-    """How to run a model piecewise (module docstring)."""
+    """How to run a model piecewise (module docstring). ``hand_over(module, x)``: what a
+    stage before the last returns from its last block's value (default: the value itself);
+    ``side_losses(module)``: whether such stages return :class:`SideLoss` for this model."""
 
     blocks: str
     first: tuple[str, ...]
     last: tuple[str, ...]
     embed: Callable[..., Tensor]
-    block: Callable[..., Tensor]
+    block: Callable[..., Any]
     head: Callable[..., Any]
+    hand_over: Callable[[nn.Module, Any], Tensor | SideLoss] | None = None
+    side_losses: Callable[[nn.Module], bool] | None = None
 
 
 def _llama_rotary(module: nn.Module, x: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
@@ -59,20 +87,54 @@ def _llama_embed(module: nn.Module, tokens: Tensor) -> Tensor:
     return module.embed_tokens(tokens)
 
 
-def _llama_block(module: nn.Module, i: int, x: Tensor, tokens: Tensor) -> Tensor:
-    cos, sin = _llama_rotary(module, x, tokens)
-    return module.layers[i](x, cos, sin)
+class _MoEHidden(NamedTuple):
+    """Between the blocks of a stage of an MoE Llama: the hidden states and the stats of the
+    stage's MoE blocks so far (module docstring)."""
+
+    hidden: Tensor
+    stats: tuple[Any, ...]
 
 
-def _llama_head(module: nn.Module, x: Tensor, tokens: Tensor) -> Tensor:
-    return module.lm_head(module.norm(x))
+def _llama_block(module: nn.Module, i: int, x: Tensor | _MoEHidden,
+                 tokens: Tensor) -> Tensor | _MoEHidden:
+    if not module.cfg.n_experts:
+        cos, sin = _llama_rotary(module, x, tokens)
+        return module.layers[i](x, cos, sin)
+    h, stats = x if isinstance(x, _MoEHidden) else (x, ())
+    cos, sin = _llama_rotary(module, h, tokens)
+    if not module.cfg.is_moe(i):
+        return _MoEHidden(module.layers[i](h, cos, sin), stats)
+    h, s = module.layers[i](h, cos, sin)
+    return _MoEHidden(h, (*stats, s))
+
+
+def _llama_hand_over(module: nn.Module, x: Tensor | _MoEHidden) -> Tensor | SideLoss:
+    from funcpar.models.llama import router_loss
+
+    if not isinstance(x, _MoEHidden):
+        return x
+    return SideLoss(x.hidden, router_loss(module.cfg, x.stats)) if x.stats else x.hidden
+
+
+def _llama_head(module: nn.Module, x: Tensor | _MoEHidden, tokens: Tensor) -> Any:
+    if not module.cfg.n_experts:
+        return module.lm_head(module.norm(x))
+    from funcpar.models.llama import moe_output
+
+    h, stats = x if isinstance(x, _MoEHidden) else (x, ())
+    return moe_output(module.cfg, module.lm_head(module.norm(h)), stats)
+
+
+def _llama_side_losses(module: nn.Module) -> bool:
+    return module.cfg.n_experts > 0
 
 
 def llama_stages() -> StagedModel:
     """The :class:`StagedModel` of :class:`funcpar.models.Llama` (same computation as its
-    ``forward``, piecewise)."""
+    ``forward``, piecewise; with experts, the router losses as side losses: module
+    docstring)."""
     return StagedModel("layers", ("embed_tokens",), ("norm", "lm_head"), _llama_embed,
-                       _llama_block, _llama_head)
+                       _llama_block, _llama_head, _llama_hand_over, _llama_side_losses)
 
 
 def staged_model_for(module: nn.Module, given: StagedModel | None) -> StagedModel:
@@ -230,14 +292,17 @@ class StageRunner(nn.Module):
             x = st.embed(m, *inputs)
         for i in range(lo, hi):
             x = st.block(m, i, x, *inputs)
-        return st.head(m, x, *inputs) if last else x
+        if last:
+            return st.head(m, x, *inputs)
+        return x if st.hand_over is None else st.hand_over(m, x)
 
 
 def stage_apply(module: nn.Module, staged: StagedModel, plan: StagePlan) -> Callable:
     """``apply(params, buffers, stage, x, *inputs) -> (output, new_buffers)``: virtual stage
     ``stage`` of the model on ``x`` (None on the first stage, which embeds ``inputs``); the
-    last stage returns the model's output, the others hidden states. ``params`` holds (at
-    least) the stage's leaves, by their dotted names; the module's own tensors are untouched.
+    last stage returns the model's output, the others hidden states (or a :class:`SideLoss`).
+    ``params`` holds (at least) the stage's leaves, by their dotted names; the module's own
+    tensors are untouched.
     ``apply.module`` is the model, for the transforms that look at its structure."""
     runner = StageRunner(module, staged)
     k = plan.n_stages

@@ -15,6 +15,14 @@ What the step computes is the single-process step on the whole batch:
   equal micro-batches), reported on every rank; the gradients are those of that mean, summed
   over micro-batches in this rank's leaves; a weight tied between the first and last stage
   gets the sum of both stages' gradients on both;
+* an MoE model's router losses: each stage's MoE blocks' weighted router losses enter the
+  loss where they are computed - a stage before the last returns them as a side loss
+  (:class:`funcpar.pipeline.stages.SideLoss`) that its backward differentiates with its
+  output, the last stage's are in the output its ``loss_fn`` (``moe_lm_loss``) adds - and
+  the loss reported adds every stage's (the pp all-reduce of the loss). Routing is per
+  sequence, so micro-batching changes neither the routing nor the capacity; the
+  load-balancing loss (a mean over sequences) and the z-loss (a mean over tokens) of the full
+  batch are the means of the equal micro-batches' (docs/MOE.md, "Pipelines");
 * the ``grad_norm`` metric and the norm that ``clip_by_global_norm`` clips by are over *all*
   stages' leaves: the optimizer's ``update``/``apply`` and the metric run under
   :func:`funcpar.shard.reduce.tree_split_over` (the tree is split over ``pp`` by leaf), so
@@ -112,6 +120,14 @@ def pipeline_split(
         if not isinstance(state.params, dict):
             raise TypeError("pipeline_split needs state.params as functionalize's dict")
         staged = staged_model_for(module, stages)
+        if (staged.side_losses is not None and staged.side_losses(module)
+                and getattr(step.loss_fn, "extra_loss", None) is None):
+            raise ValueError(
+                f"pipeline_split: the stages of this {type(module).__name__} add side losses "
+                "(an MoE model's router losses, funcpar.pipeline.stages.SideLoss) to the "
+                f"loss, but loss_fn {getattr(step.loss_fn, '__name__', step.loss_fn)!r} does "
+                "not declare that it adds the output's own as a plain term "
+                "(loss_fn.extra_loss): use funcpar.models.moe_lm_loss, or declare it")
         plan = plan_stages(module, staged, p, virtual_stages, cuts)
         known = {n for ns in plan.names for n in ns}
         if set(state.params) != known:

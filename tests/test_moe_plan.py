@@ -83,12 +83,22 @@ def _case(name):
         "bound": plan.comm_totals(bound=True),
         "routed": plan.comm_totals(routing=list(group)),
         "routed_rows": plan.expected_comm(routing=list(group)),
+        "rows": plan.expected_comm(),
+        "per_token_rows": _without_batch_shape(plan),
         "params": sum(x.numel() * x.element_size() for x in tree_leaves(state.params)),
         "opt_state": state_bytes(state.opt_state),
         "memory": plan.memory,
         "text": str(plan),
         "errors": _errors(plan, group),
     }
+
+
+def _without_batch_shape(plan):
+    plan.batch_shape, saved = None, plan.batch_shape
+    try:
+        return plan.expected_comm()
+    finally:
+        plan.batch_shape = saved
 
 
 def _errors(plan, group):
@@ -177,6 +187,15 @@ def test_plan_text_and_errors(default):
     assert "tensor or expert parallelism depends on it" in per_token
     for r in default:
         assert "expert parallelism with tensor parallelism is not modeled" in r["tp"]
+    # Without a batch shape the routed all_to_alls are given per local token (balanced,
+    # nothing dropped): times this rank's 8 * 12 / 4 tokens, the balanced bytes (capacity
+    # factor 2 drops nothing under balanced routing).
+    c = default[0]["zero2+clip"]
+    per_token = {r.what: r for r in c["per_token_rows"] if r.op == "all_to_all" and r.per_token}
+    whole = {r.what: r for r in c["rows"] if r.op == "all_to_all"}
+    assert len(per_token) == 2
+    for what, r in per_token.items():
+        assert r.nbytes * 24 == whole[what].nbytes and r.count == whole[what].count, what
 
 
 @pytest.mark.slow

@@ -175,3 +175,24 @@ def test_against_bitsandbytes_quantize_blockwise():
             y_bnb = bf.dequantize_blockwise(ours.codes, absmax=ours.absmax, code=code.clone(),
                                             blocksize=bs)
             assert torch.equal(dequantize(ours, code, bs), y_bnb)
+
+
+def test_code_search_by_table_is_the_binary_search():
+    """nearest_code's table lookup on the top 16 bits (funcpar.kernels.quant8._count_le) gives
+    torch.searchsorted's counts exactly: random float32 bit patterns (every sign, exponent,
+    NaN and infinity), the codes themselves, their midpoints and float neighbours, signed
+    zeros and denormals."""
+    from funcpar.kernels.quant8 import _count_le
+
+    gen = torch.Generator().manual_seed(5)
+    bits = torch.randint(-2**31, 2**31 - 1, (200_000,), generator=gen, dtype=torch.int64)
+    for code in (SIGNED, UNSIGNED):
+        xs = [bits.to(torch.int32).view(torch.float32), torch.rand(100_000, generator=gen) * 2 - 1,
+              code, (code[1:] + code[:-1]) / 2, torch.nextafter(code, torch.tensor(2.0)),
+              torch.nextafter(code, torch.tensor(-2.0)),
+              torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, -math.nan,
+                            1e-45, -1e-45])]
+        for x in xs:
+            x = x.contiguous()
+            assert torch.equal(_count_le(code, x).long(),
+                               torch.searchsorted(code, x, right=True))

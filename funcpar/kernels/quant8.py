@@ -86,10 +86,57 @@ def nearest_code(
     order of operations of bitsandbytes' CPU quantizer, so exact ties resolve alike).
     """
     last = code.numel() - 1
-    left = (torch.searchsorted(code, scaled.contiguous(), right=True) - 1).clamp(0, last - 1)
+    left = (_count_le(code, scaled.contiguous()) - 1).clamp(0, last - 1)
     lo, hi = code[left], code[left + 1]
     go_right = (hi - scaled).abs() < (scaled - lo).abs()
     return (left + go_right.to(left.dtype)).to(torch.uint8)
+
+
+# The count tables of _count_le, per code map (the maps are a few constant tensors).
+_tables: dict[tuple, tuple[Tensor, Tensor, int, int, Tensor]] = {}
+
+
+def _count_table(code: Tensor) -> tuple[Tensor, int, int, Tensor]:
+    """For each of the 2^16 float32 buckets sharing their top 16 bits (sign, exponent, 7
+    mantissa bits: an interval of reals, or NaNs), the least ``#{codes <= x}`` over the bucket,
+    the most the count grows inside any bucket, the count torch gives a NaN, and ``code``
+    followed by a NaN."""
+    key = (code.data_ptr(), code._version, code.device, code.numel())
+    hit = _tables.get(key)
+    if hit is None:
+        bits = torch.arange(-32768, 32768, dtype=torch.int32, device=code.device) << 16
+        ends = [(b.view(torch.float32)) for b in (bits, bits | 0xFFFF)]
+        counts = [torch.searchsorted(code, e, right=True) for e in ends]
+        nan = [torch.isnan(e) for e in ends]
+        # A bucket's non-NaN members form an interval: its count lies between its ends' counts.
+        low = torch.where(nan[0], counts[1], torch.where(nan[1], counts[0],
+                                                         torch.minimum(*counts)))
+        high = torch.where(nan[0], counts[1], torch.where(nan[1], counts[0],
+                                                          torch.maximum(*counts)))
+        nan_count = int(torch.searchsorted(code, torch.tensor([float("nan")],
+                                                              device=code.device), right=True))
+        # A NaN after the last code: no x is >= it, so a count never steps past the end.
+        ext = torch.cat([code, code.new_full((1,), float("nan"))])
+        hit = (code, low.to(torch.int32), int((high - low).max()), nan_count, ext)
+        _tables[key] = hit  # code kept alive: its address is not reused while cached
+    return hit[1:]
+
+
+def _count_le(code: Tensor, x: Tensor) -> Tensor:
+    """``torch.searchsorted(code, x, right=True)`` (how many codes are <= each ``x``), for a
+    sorted float32 ``code`` and contiguous float32 ``x``, by a table lookup on the top 16 bits
+    of ``x`` and as many compare-and-step passes as one such bucket holds codes (1 for the
+    dynamic maps): a few cheap vector passes instead of a binary search per element, the
+    same integers (tests/test_quant8.py compares them). Other dtypes, and inside a torch.func
+    transform or torch.compile's tracing, the binary search itself."""
+    if (x.dtype != torch.float32 or code.dtype != torch.float32 or torch.compiler.is_compiling()
+            or torch._C._functorch.maybe_current_level() is not None):
+        return torch.searchsorted(code, x, right=True)
+    table, extra, nan_count, ext = _count_table(code)
+    count = table[(x.view(torch.int32) >> 16) + 32768]
+    for _ in range(extra):
+        count += ext[count] <= x
+    return torch.where(torch.isnan(x), nan_count, count)
 
 
 def _blocks(x: Tensor, block_size: int) -> tuple[Tensor, int]:

@@ -23,7 +23,9 @@ adds ZeRO-0, ZeRO-1, ZeRO-3 and bf16 amp.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -64,9 +66,11 @@ def _model(cfg, dtype):
 def _case(name):
     cfg, zero, dtype, precision, max_norm = CASES[name]
     mesh = DeviceMesh.from_env(ep=2, dp=2)
-    composed = moe_hybrid(_model(cfg, dtype), moe_lm_loss, fo.adamw(lr=1e-2), ep_size=2,
-                          zero_stage=zero, precision=precision, max_norm=max_norm, mesh=mesh,
-                          batch_shape=BATCH)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # plan=True: printed on rank 0
+        composed = moe_hybrid(_model(cfg, dtype), moe_lm_loss, fo.adamw(lr=1e-2), ep_size=2,
+                              zero_stage=zero, precision=precision, max_norm=max_norm,
+                              mesh=mesh, batch_shape=BATCH, plan=True)
     step, state = composed
     batch = batches()[0]
     with comm.comm_log.capture() as recs:
@@ -89,6 +93,7 @@ def _case(name):
         "opt_state": state_bytes(state.opt_state),
         "memory": plan.memory,
         "text": str(plan),
+        "printed": printed.getvalue(),
         "errors": _errors(plan, group),
     }
 
@@ -181,6 +186,8 @@ def test_plan_text_and_errors(default):
                  "zero: expert grads reduce-scattered (their dp group)",
                  "under any routing"]:
         assert want in text, want
+    assert default[0]["zero2+clip"]["printed"] == text + "\n"
+    assert all(r["zero2+clip"]["printed"] == "" for r in default[1:])
     wrong_routing, indivisible, per_token = default[0]["zero2+clip"]["errors"]
     assert "routing= needs 2 (ep) tensors of shape [2, 4]" in wrong_routing
     assert "does not split over ep=2 x dp=2" in indivisible

@@ -40,23 +40,14 @@ def test_tp_and_ep_x_tp_match_one_process():
 
 
 @pytest.mark.slow
-def test_tp2_every_optimizer():
-    check(2, [("tp2", o) for o in MATRIX_OPTIMIZERS])
-
-
-@pytest.mark.slow
-def test_ep2xtp2_every_optimizer():
-    check(4, [("ep2xtp2", o) for o in MATRIX_OPTIMIZERS])
-
-
-@pytest.mark.slow
-def test_ep2xtp2_remat():
-    check(4, [("ep2xtp2+remat", "adamw")])  # the recompute repeats the a2a and the all-reduce
-
-
-@pytest.mark.slow
-def test_ep2xtp2xdp2_zero2():
-    check(8, [("ep2xtp2xdp2+zero2", o) for o in ("adamw", "came", "galore_adamw")])
+@pytest.mark.parametrize("world,pairs", [
+    (2, [("tp2", o) for o in MATRIX_OPTIMIZERS]),
+    (4, [("ep2xtp2", o) for o in MATRIX_OPTIMIZERS]),
+    (4, [("ep2xtp2+remat", "adamw")]),  # the recompute repeats the a2a and the all-reduce
+    (8, [("ep2xtp2xdp2+zero2", o) for o in ("adamw", "came", "galore_adamw")]),
+], ids=["tp2", "ep2xtp2", "ep2xtp2+remat", "ep2xtp2xdp2+zero2"])
+def test_moe_tp_matrix(world, pairs):
+    check(world, pairs)
 
 
 @pytest.mark.slow

@@ -5,9 +5,9 @@ ep x dp, CAME's state partitioned over dp. In float64 the two runs differ only b
 floating-point sums (the collectives), ~1e-16 relative per step.
 
 How long they stay that close is a property of CAME, not of the experts (measured, docs/MOE.md
-"The example"): CAME's confidence step ``M / sqrt(mean (u - M)^2)`` is invariant to the scale
-of ``M``, so last-bit differences of near-zero statistics grow ~10x per step once they reach
-them: the acceptance run agrees to <= 2e-15 through step 12 and to 3e-4 at step 50, and the
+"The example over 50 steps"): CAME's confidence step divides by ``sqrt(mean (u - M)^2)``, and
+``u - M`` cancels for a confident update, so last bits grow, ~2.4x per step on average: the
+acceptance run agrees to <= 2e-15 through step 12 and to 3e-4 at step 50, and the
 dense model under ``--dp 4 --zero 2`` parts from one process at the same rate, while AdamW in
 the very MoE layout agrees to 1.6e-15 over all 50 steps (no routing flip). Hence: 1e-10 over
 the first steps (a wrong reduction is off by O(1)), and over 50 steps the mean of the last 10

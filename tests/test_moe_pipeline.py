@@ -12,7 +12,8 @@ stage; measured <= 3e-13).
 
 Default: in one process a pp=1 pipeline of 4 virtual stages (stages with no MoE block, a last
 stage with none, side losses handed over on the rank) and the micro-batch means of the router
-losses; pp2 with gpipe (AdamW) and 1f1b (CAME); pp2 x ep2 (1f1b, AdamW). ``-m slow``: every
+losses; pp2 with gpipe (AdamW) and 1f1b (CAME); pp2 x ep2 (1f1b, AdamW) and the same through
+``moe_hybrid(pp_size=2, ep_size=2)`` (CAME). ``-m slow``: every
 optimizer on pp2 and on pp2 x ep2, the interleaved schedule and uneven cuts.
 """
 
@@ -21,6 +22,7 @@ import torch
 from _moe_model import routing_is_skewed, skewed_model
 
 from funcpar.models import lm_loss, moe_lm_loss
+from funcpar.presets import moe_hybrid
 from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state import functionalize, init_state
@@ -47,6 +49,8 @@ LAYOUTS = {
     "pp2 1f1b cut 1": (2, 2, 1, "1f1b", 2, 1, [1]),
     "pp2xep2 1f1b": (4, 2, 2, "1f1b", 2, 1, None),
     "pp2xep2 gpipe": (4, 2, 2, "gpipe", 4, 1, None),
+    # the same composition through Colossal-AI's MoeHybridParallelPlugin mirror
+    "moe_hybrid(pp2, ep2)": (4, 2, 2, "1f1b", 2, 1, None),
 }
 
 
@@ -61,6 +65,9 @@ def build(layout, optim, *, loss_fn=moe_lm_loss):
     if layout is None:
         return step, state
     _, pp, ep, schedule, m, v, cuts = LAYOUTS[layout]
+    if layout.startswith("moe_hybrid"):  # its own mesh: from_env(pp=, ep=, dp=-1, tp=1)
+        return tuple(moe_hybrid(ep_size=ep, pp_size=pp, microbatches=m, pp_style=schedule)(
+            step, state))
     mesh = DeviceMesh.from_env(pp=pp, ep=ep) if ep > 1 else DeviceMesh.from_env(pp=pp)
     transforms = [pipeline_split(mesh, microbatches=m, schedule=schedule, virtual_stages=v,
                                  cuts=cuts)]
@@ -134,7 +141,7 @@ def test_pp2_gpipe_and_1f1b_match_one_process():
 
 
 def test_pp2_x_ep2_matches_one_process():
-    _check(4, [("pp2xep2 1f1b", "adamw")])
+    _check(4, [("pp2xep2 1f1b", "adamw"), ("moe_hybrid(pp2, ep2)", "came")])
 
 
 @pytest.mark.slow

@@ -282,9 +282,9 @@ class Preset:
                                                       for s in self.batch_shape)):
             raise ValueError(f"{who}: batch_shape must be (batch, seq) of positive ints, got "
                              f"{self.batch_shape!r}")
-        if self.ep_size > 1 and (self.tp_size > 1 or self.pp_size > 1):
-            raise ValueError(f"{who}: ep_size={self.ep_size} with tp_size > 1 or pp_size > 1 "
-                             "is not supported yet (docs/MOE.md, Not yet)")
+        if self.ep_size > 1 and self.tp_size > 1:
+            raise ValueError(f"{who}: ep_size={self.ep_size} with tp_size > 1 is not supported "
+                             "yet (docs/MOE.md, Not yet)")
         if self.mesh is not None:
             self._check_mesh(self.mesh)
 
@@ -541,9 +541,13 @@ def moe_hybrid(
     optimizer: GradientTransformation | None = None,
     *,
     ep_size: int = 2,
+    pp_size: int = 1,
     dp_size: int | None = None,
     zero_stage: int = 0,
     precision: str = "fp32",
+    microbatches: int | None = None,
+    pp_style: str = "1f1b",
+    num_model_chunks: int = 1,
     mesh: DeviceMesh | None = None,
     max_norm: float | None = None,
     keep_fp32: Any = None,
@@ -556,21 +560,25 @@ def moe_hybrid(
     compile: bool = False,
     donate: bool = True,
 ) -> Preset | Composed:
-    """Colossal-AI's ``MoeHybridParallelPlugin`` (its ep x dp part): experts over ``ep``, the
-    batch over ``ep x dp``, ZeRO 0-3 over dp (the experts' own data-parallel group).
+    """Colossal-AI's ``MoeHybridParallelPlugin`` (its pp x ep x dp part): experts over ``ep``,
+    the batch over ``ep x dp``, ZeRO 0-3 over dp (the experts' own data-parallel group), with
+    ``pp_size > 1`` the model cut into pipeline stages first (``microbatches``, ``pp_style``,
+    ``num_model_chunks`` as in :func:`hybrid_parallel`).
 
-    ``compose(expert_parallel(mesh, bucket_mb=...), data_parallel(mesh, bucket_mb=...),
-    zero_partition(zero_stage, mesh), [amp_cast(precision)])`` over
-    ``DeviceMesh.from_env(ep=ep_size, dp=-1, tp=1)`` (docs/MOE.md; tp and pp are not supported
-    with experts yet). The plan (``.plan``, printed with ``plan=True``) gives the all_to_all
-    bytes under balanced routing with their bound for any routing (``batch_shape`` for bytes
-    rather than bytes per token; :mod:`funcpar.presets.plan`).
+    ``compose([pipeline_split(mesh, microbatches=...)], expert_parallel(mesh, bucket_mb=...),
+    data_parallel(mesh, bucket_mb=...), zero_partition(zero_stage, mesh), [amp_cast(precision)])``
+    over ``DeviceMesh.from_env([pp=pp_size,] ep=ep_size, dp=-1, tp=1)`` (docs/MOE.md; tp is not
+    supported with experts here yet). The plan (``.plan``, printed with ``plan=True``) gives
+    the all_to_all bytes under balanced routing with their bound for any routing
+    (``batch_shape`` for bytes rather than bytes per token; :mod:`funcpar.presets.plan`; not
+    modeled under a pipeline).
     """
     return _preset(
         "moe_hybrid", model, loss_fn, optimizer, params, buffers, seed, compile, donate,
-        ep_size=ep_size, dp_size=dp_size, zero_stage=zero_stage, precision=precision,
-        mesh=mesh, max_norm=max_norm, keep_fp32=keep_fp32, bucket_mb=bucket_mb,
-        batch_shape=batch_shape, plan=plan,
+        ep_size=ep_size, pp_size=pp_size, dp_size=dp_size, zero_stage=zero_stage,
+        precision=precision, microbatches=microbatches, pp_style=pp_style,
+        num_model_chunks=num_model_chunks, mesh=mesh, max_norm=max_norm, keep_fp32=keep_fp32,
+        bucket_mb=bucket_mb, batch_shape=batch_shape, plan=plan,
     )
 
 

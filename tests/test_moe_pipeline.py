@@ -11,7 +11,8 @@ reassociates the sums (the gradient summed over micro-batches, the router losses
 stage; measured <= 3e-13).
 
 Default: in one process a pp=1 pipeline of 4 virtual stages (stages with no MoE block, a last
-stage with none, side losses handed over on the rank) and the micro-batch means of the router
+stage with none, side losses handed over on the rank), the same under amp_cast bf16 and fp16
+against one-process amp (parameters bit for bit), and the micro-batch means of the router
 losses; pp2 with gpipe (AdamW) and 1f1b (CAME); pp2 x ep2 (1f1b, AdamW) and the same through
 ``moe_hybrid(pp_size=2, ep_size=2)`` (CAME). ``-m slow``: every
 optimizer on pp2 and on pp2 x ep2, the interleaved schedule and uneven cuts.
@@ -30,7 +31,7 @@ from funcpar.testing import run_ranks
 from funcpar.testing.moe import one_thread
 from funcpar.testing.reference import OPTIMIZERS, batches, loss_rel, max_rel, run
 from funcpar.train import make_train_step
-from funcpar.transforms import compose, expert_parallel, pipeline_split
+from funcpar.transforms import amp_cast, compose, expert_parallel, pipeline_split
 
 # As funcpar.testing.moe: 8-bit GaLore's quantized states amplify a reordered sum's last bit.
 TOL = {"galore_adamw8bit": 1e-8}
@@ -115,6 +116,31 @@ def test_pipeline_stages_on_one_rank_add_every_stages_router_losses():
     # Four stages on one rank: the hand-overs are local, two stages hold no MoE block (one
     # of them the last) and two return side losses. 3 steps keep it cheap.
     _check(1, [("pp1 interleaved v4", "adamw")], steps=3)
+
+
+def _amp(precision, piped):
+    apply_fn, params, buffers = functionalize(skewed_model(torch.float32))
+    opt = OPTIMIZERS["adamw_small_lr"](params)
+    step = make_train_step(apply_fn, moe_lm_loss, opt)
+    mesh = DeviceMesh.from_env(pp=1)
+    transforms = [pipeline_split(mesh, microbatches=1, schedule="interleaved",
+                                 virtual_stages=4)] if piped else []
+    transforms.append(amp_cast(precision, mesh=mesh))
+    return compose(*transforms)(step, init_state(params, buffers, opt))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_pipeline_under_amp_equals_one_process_amp(precision):
+    # 4 stages on one rank, one micro-batch: the same bf16/fp16 products as one process, the
+    # side losses in float32 and scaled like the last stage's under fp16 (whose first two steps
+    # overflow the initial scale and are skipped: both paths run). Parameters bit for bit; the
+    # loss to float32 rounding (the pipeline adds the stages' parts in float64).
+    with one_thread():
+        one = run(*_amp(precision, False), batches()[:5])
+        piped = run(*_amp(precision, True), batches()[:5])
+    assert loss_rel(piped[0], one[0]) <= 1e-6
+    assert all(torch.equal(piped[1][n], one[1][n]) for n in one[1])
+    assert one[0][3] != one[0][1]  # it trained
 
 
 def test_router_losses_of_equal_microbatches_average_to_the_full_batch():

@@ -106,16 +106,104 @@ def test_stacked_batches_and_lr_metric():
         assert torch.equal(a, b) if torch.is_tensor(a) else a is b is None
 
 
-def test_amp_cast_bf16_composes_and_remat_is_refused():
+def test_amp_cast_bf16_composes():
     step, states = _members(fo.adamw(lr=1e-2), dtype=torch.float32)
     bf16 = amp_cast("bf16")(step, states[0])[0]
     # The bf16 matmuls of the batched forward (bmm) accumulate in another order than the
     # separate ones (mm), and each bf16 output rounds to 2^-8 relative: measured 3.5e-4 on the
     # losses, so one bf16 ulp (2^-8) is the bound, not float32's.
     _assert_members_equal(bf16, states, _batches(torch.float32)[:3], 2.0**-8)
-    with_remat = remat(lambda name, mod: isinstance(mod, nn.Linear))(step, states[0])[0]
-    with pytest.raises(ValueError, match="remat"):
-        vmap_step(with_remat)(stack_states(states), _batches(torch.float32)[0])
+
+
+class _Blocks(nn.Module):
+    """Two residual blocks (Linear, Tanh, Dropout) in a ModuleList: remat's default choice."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        self.inp = nn.Linear(5, 12)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(12, 12), nn.Tanh(),
+                                                  nn.Dropout(dropout)) for _ in range(2))
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = x + b(x)
+        return self.out(x)
+
+
+def _block_members(opt, dropout=0.0):
+    states = []
+    for i, lr in enumerate(LRS):
+        torch.manual_seed(i)
+        apply_fn, params, buffers = functionalize(_Blocks(dropout).double())
+        st = init_state(params, buffers, opt, seed=7)
+        states.append(st._replace(opt_state=set_hyperparams(st.opt_state, lr=lr)))
+    step = make_train_step(apply_fn, _mse, opt)
+    return step, remat()(step, states[0])[0], states
+
+
+def _exactly(a, b):
+    (sa, la), (sb, lb) = a, b
+    assert torch.equal(la, lb)
+    for x, y in zip(tree_leaves(sa), tree_leaves(sb)):
+        assert torch.equal(x, y) if torch.is_tensor(x) else x is y is None
+
+
+@pytest.mark.parametrize("randomness, dropout", [
+    ("error", 0.0), pytest.param("same", 0.5, marks=pytest.mark.slow), ("different", 0.5),
+])
+def test_remat_composes(randomness, dropout):
+    """vmap_step of a remat step (funcpar.transforms.remat's torch.func checkpoint)."""
+    step, rstep, states = _block_members(fo.adamw(lr=1e-2, weight_decay=0.1), dropout)
+    batches = _batches() if randomness == "error" else _batches()[:3]
+    # The recompute runs the same ops on the same values (dropout: from the forward's
+    # generator state), so the vmapped step with remat is the one without it, bit for bit.
+    got = _vmapped(rstep, states, batches, randomness=randomness)
+    _exactly(got, _vmapped(step, states, batches, randomness=randomness))
+    if randomness != "different":  # "different" draws are not a separate run's
+        # 4 members x 10 steps with remat equal 4 separate runs with remat: 1e-12, the batched
+        # kernels' summation order (as test_vmapped_members_equal_separate_runs).
+        _assert_members_equal(rstep, states, batches, 1e-12, randomness=randomness)
+
+
+def test_remat_under_vmap_frees_activations():
+    """Peak live bytes of vmapped forward + backward (4 members, 8 blocks): the torch.func
+    checkpoint keeps one block's activations at a time, as remat does eagerly."""
+    from test_lazy_init import LiveBytes
+
+    from funcpar.train.step import loss_and_grads
+
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.Tanh(),
+                                                      nn.Linear(128, 32), nn.Tanh())
+                                        for _ in range(8))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    states = []
+    for i in range(N):
+        torch.manual_seed(i)
+        apply_fn, params, buffers = functionalize(Deep().double())
+        states.append(init_state(params, buffers, fo.sgd(lr=0.1)))
+    step = make_train_step(apply_fn, _mse, fo.sgd(lr=0.1))
+    stacked = stack_states(states)
+    x, y = torch.randn(256, 32, dtype=torch.float64), torch.randn(256, 32, dtype=torch.float64)
+    peaks, grads = [], []
+    for s in (step, remat()(step, states[0])[0]):
+        f = torch.func.vmap(lambda p, b, s=s: loss_and_grads(s.apply_fn, _mse, p, b, (x, y))[1])
+        with LiveBytes() as mem:
+            grads.append(f(stacked.params, stacked.buffers))
+        peaks.append(mem.peak)
+    print(f"\nvmapped forward + backward peak: {peaks[0] / 2**20:.1f} MiB without remat, "
+          f"{peaks[1] / 2**20:.1f} MiB with")
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+    assert peaks[1] < 0.5 * peaks[0]
 
 
 def test_randomness():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,13 @@ from funcpar.train.whole_step import WholeStep, applies, select
 __all__ = ["GradSync", "LossScaler", "TrainStep", "loss_and_grads", "make_train_step"]
 
 LossFn = Callable[[Any, Any], Tensor]
+
+#: True while :func:`loss_and_grads` takes its gradients by ``torch.func.grad`` (inside a
+#: torch.func transform: vmap_step). They are first order (data, as on the autograd path), so
+#: remat's torch.func checkpoint records no graph of its recompute for a higher order and
+#: frees each block's recompute as the backward passes it (funcpar.transforms.remat).
+FIRST_ORDER_GRADS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "funcpar_first_order_grads", default=False)
 
 
 def loss_and_grads(
@@ -94,8 +102,12 @@ def _func_loss_and_grads(apply_fn, loss_fn, leaves, spec, buffers, args, targets
         target = loss if loss_scale is None else loss.float() * loss_scale
         return target, (loss, new_buffers)
 
-    diff_grads, (loss, new_buffers) = torch.func.grad(scaled_loss, has_aux=True)(
-        [leaves[i] for i in wanted])
+    token = FIRST_ORDER_GRADS.set(True)
+    try:
+        diff_grads, (loss, new_buffers) = torch.func.grad(scaled_loss, has_aux=True)(
+            [leaves[i] for i in wanted])
+    finally:
+        FIRST_ORDER_GRADS.reset(token)
     flat = [torch.zeros_like(p) for p in leaves]  # torch.func.grad gives zeros where unused
     for i, g in zip(wanted, diff_grads):
         flat[i] = g

@@ -40,11 +40,12 @@ state), member ``i`` of the vmapped run follows the same equations as a separate
 ``step`` on member ``i``'s state: the results agree to rounding (the batched kernels may sum
 in another order: ~1e-16 relative in float64, tested to 1e-12 over 10 steps), not bit for bit.
 
-**Transforms.** ``amp_cast("bf16")`` composes (it rewrites ``apply_fn`` only). ``remat`` does
-not: the gradients under vmap come from ``torch.func.grad`` (``requires_grad_`` is refused
-inside a functorch transform), which refuses the saved-tensor hooks of
-``torch.utils.checkpoint``, and a checkpoint recomputed by an ``autograd.grad`` outside the vmap
-meets dead batched tensors (torch 2.13, both tried); the call raises a ValueError naming remat.
+**Transforms.** ``amp_cast("bf16")`` composes (it rewrites ``apply_fn`` only), and so does
+``remat``: under a torch.func transform its blocks run as a transform-composable checkpoint
+(:class:`funcpar.transforms.remat._FuncCheckpoint`: saves the block's inputs, recomputes it
+with ``torch.func.vjp`` in the backward under the forward's generator state), so the
+vmapped step with remat gives the results of the vmapped step without it and of separate
+runs with it, with the activations of one block alive at a time in the backward.
 Refused before any call, with a ValueError naming the transform: ``shard_params`` /
 ``expert_parallel`` (``layouts``), ``data_parallel`` (``local_batch`` / ``sync_grads`` /
 ``overlap_grads``),
@@ -205,18 +206,7 @@ def vmap_step(
                                      "generator states; stack states built with one seed, or "
                                      "use randomness='different'")
                 _set_rng(device, state.rng[0])
-            try:
-                new_tensors, metrics = fn([leaves[i] for i in batched], b_leaves)
-            except RuntimeError as err:
-                # remat's checkpoint: its saved-tensor hooks and its autograd.Function (no
-                # setup_context) are both refused inside torch.func transforms.
-                if not any(m in str(err) for m in ("saved tensor hooks", "setup_context")):
-                    raise
-                raise ValueError(
-                    "vmap_step: remat (torch.utils.checkpoint) does not compose with vmap: the "
-                    "gradients under vmap come from torch.func.grad, which refuses a "
-                    "checkpoint's saved-tensor hooks and autograd.Function (torch 2.13); build "
-                    "the step without remat") from err
+            new_tensors, metrics = fn([leaves[i] for i in batched], b_leaves)
             rng = state.rng if randomness == "error" else (
                 _get_rng(device).unsqueeze(0).expand(n, -1).clone())
         flat = list(leaves)

@@ -49,6 +49,22 @@ never replaced, so ``remat()`` goes anywhere in the chain. Under tensor or seque
 parallelism the recompute repeats the forward's activation collectives (every rank recomputes
 the same blocks in the same order).
 
+**Under torch.func transforms** (``vmap_step``, whose gradients come from ``torch.func.grad``
+under ``torch.func.vmap``; a user's ``torch.func.grad``/``vjp`` of the step's ``apply_fn``).
+torch.func refuses ``torch.utils.checkpoint``'s saved-tensor hooks, so there each chosen
+forward runs as :class:`_FuncCheckpoint`, an ``autograd.Function`` with ``setup_context`` and
+a generated vmap rule: its forward runs the block and saves only its inputs, the block's
+parameters and buffers among them (explicit inputs, so they get their gradients); its backward
+reinstalls the module state recorded at the forward's start with those tensors and the
+forward's generator states, and takes the vector-Jacobian product of the recomputed block by
+``torch.func.vjp``. Same ops on the same values: the results equal the step without remat
+(tested bit for bit under vmap, dropout included with ``randomness="same"`` and
+``"different"``). ``torch.func.grad`` differentiates with ``create_graph=True``, which would
+keep every recompute in the graph; under :class:`~funcpar.train.step.TrainStep`'s first-order
+gradients (:data:`funcpar.train.step.FIRST_ORDER_GRADS`) the backward records nothing for the
+outer levels, so one block's activations are alive at a time; elsewhere the graph is kept and
+higher derivatives through remat stay exact (tested: a Hessian-vector product).
+
 **Under compile=True.** Dynamo makes each checkpoint call its checkpoint higher-order op: the
 forward is traced into the compiled graph and AOTAutograd's partitioner recomputes the region
 inside the compiled backward, which reads no module state, so nothing is recorded (the
@@ -74,11 +90,14 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
+    get_device_states,
+    set_device_states,
 )
 
 from funcpar.shard.rules import _matches
 from funcpar.state.train_state import TrainState
-from funcpar.train.step import TrainStep
+from funcpar.state.tree import tree_flatten, tree_unflatten
+from funcpar.train.step import FIRST_ORDER_GRADS, TrainStep
 
 __all__ = ["remat", "remat_modules"]
 
@@ -164,9 +183,11 @@ _TENSOR_DICTS = ("_parameters", "_buffers")
 class _Snapshot:
     """The state of a module and of every module under it at a forward's start, to reinstall
     around the recompute: each ``__dict__`` (dicts copied: parameters, buffers, hooks), the
-    parameter and buffer tensors stashed through the saved-tensor hooks."""
+    parameter and buffer tensors stashed through the saved-tensor hooks (``stash=True``) or
+    left in ``tensors`` for the caller to pass back to :meth:`installed` (``stash=False``:
+    the torch.func path, where they are explicit inputs of :class:`_FuncCheckpoint`)."""
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, stash: bool = True) -> None:
         self.modules = list(root.modules())
         self.dicts: list[dict[str, Any]] = []
         tensors: list[Tensor] = []
@@ -183,12 +204,15 @@ class _Snapshot:
                 else:
                     d[k] = copy.copy(v) if isinstance(v, dict) else v
             self.dicts.append(d)
-        anchor = torch.zeros((), requires_grad=True)
-        self.node = _Stash.apply(anchor, *tensors) if tensors else None
+        self.tensors = [] if stash else tensors
+        self.node = None
+        if stash and tensors:
+            self.node = _Stash.apply(torch.zeros((), requires_grad=True), *tensors)
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        tensors = self.node.grad_fn.saved_tensors if self.node is not None else ()
+    def installed(self, tensors: Sequence[Tensor] | None = None) -> Iterator[None]:
+        if tensors is None:
+            tensors = self.node.grad_fn.saved_tensors if self.node is not None else ()
         current = [m.__dict__ for m in self.modules]
         for m, d in zip(self.modules, self.dicts):
             new = {k: ({n: None if i is None else tensors[i] for n, i in v.items()}
@@ -202,6 +226,13 @@ class _Snapshot:
                 object.__setattr__(m, "__dict__", d)
 
 
+class _FuncSnapshot(_Snapshot):
+    """The torch.func path's record: the tensors are left for the caller (no stash node)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__(root, stash=False)
+
+
 def _context_fn(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
     """The checkpoint's ``context_fn`` for ``module``: made when the transform is applied, not
     while dynamo traces, which takes a function made outside the trace (not a closure made
@@ -213,17 +244,155 @@ def _context_fn(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
     return contexts
 
 
-def _checkpointed(name: str, inner: Callable, contexts: Callable) -> Callable:
+def _checkpointed(name: str, module: nn.Module, inner: Callable, contexts: Callable
+                  ) -> Callable:
     """The forward ``inner`` under a non-reentrant checkpoint whose recompute context
     reinstalls the module state recorded when the forward ran (see :func:`_contexts`)."""
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return inner(*args, **kwargs)
+        if _under_func_transform():
+            # Inside a torch.func transform (vmap_step's torch.func.grad under vmap), which
+            # refuses the checkpoint's saved-tensor hooks: the transform-composable path.
+            return _func_checkpoint(module, inner, args, kwargs)
         return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     forward.remat_of = name
     return forward
+
+
+_FUNC_TRANSFORMS = frozenset({torch._C._functorch.TransformType.Grad,
+                              torch._C._functorch.TransformType.Jvp,
+                              torch._C._functorch.TransformType.Vmap})
+
+
+def _under_func_transform() -> bool:
+    """A torch.func grad/jvp/vmap is active (not dynamo's trace, not a functionalization
+    alone, as make_fx's: torch.utils.checkpoint works there)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    return any(i.key() in _FUNC_TRANSFORMS for i in torch._C._functorch.get_interpreter_stack())
+
+
+def _differentiable(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class _Call:
+    """One checkpointed call under a torch.func transform: the block's forward, its
+    arguments' structure, the module state recorded at the call's start (:class:`_Snapshot`
+    without its tensors, which are explicit inputs) and the random generator states then."""
+
+    def __init__(self, module: nn.Module, inner: Callable, args: tuple, kwargs: dict) -> None:
+        self.inner = inner
+        leaves, self.spec = tree_flatten((args, kwargs))
+        self.slots = [i for i, x in enumerate(leaves) if torch.is_tensor(x)]
+        self.consts = leaves
+        self.snapshot = _FuncSnapshot(module)
+        self.tensors = [leaves[i] for i in self.slots] + self.snapshot.tensors
+        self.n_args = len(self.slots)
+        # The recompute must draw what the forward drew (dropout): the generator states at the
+        # forward's start, reinstalled around the recompute (preserve_rng_state's job in
+        # torch.utils.checkpoint). Under vmap(randomness="different") the draw is the batched
+        # one of the generator, so the same state gives the same per-member draws.
+        self.cpu_rng = torch.get_rng_state()
+        self.devices, self.device_rngs = get_device_states(*self.tensors)
+        # Read here, in the caller's thread (a CUDA backward runs in autograd's device thread).
+        self.first_order = FIRST_ORDER_GRADS.get()
+        self.out_spec: Any = None
+        self.out_consts: list[Any] = []
+        self.out_diff: list[bool] = []
+        self.out_tensor: list[bool] = []
+
+    def run(self, tensors: Sequence[Tensor], record: bool = True) -> tuple[Tensor, ...]:
+        """The block's forward on ``tensors`` (arguments, then parameters and buffers): its
+        tensor outputs, flat (with ``record``, the structure and non-tensor leaves are kept on
+        ``self``; the recompute's are not, as they would keep its graph alive)."""
+        leaves = list(self.consts)
+        for i, t in zip(self.slots, tensors[:self.n_args]):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(self.spec, leaves)
+        with self.snapshot.installed(tensors[self.n_args:]):
+            out = self.inner(*args, **kwargs)
+        flat, spec = tree_flatten(out)
+        # An output that is an input as is: a custom Function must return new tensors.
+        out = tuple(x.clone() if any(x is t for t in tensors) else x
+                    for x in flat if torch.is_tensor(x))
+        if record:
+            self.out_spec = spec
+            self.out_consts = [None if torch.is_tensor(x) else x for x in flat]
+            self.out_tensor = [torch.is_tensor(x) for x in flat]
+            self.out_diff = [_differentiable(x) for x in out]
+        return out
+
+    def output(self, tensors: Sequence[Tensor]) -> Any:
+        it = iter(tensors)
+        return tree_unflatten(self.out_spec, [next(it) if tensor else x for x, tensor in
+                                              zip(self.out_consts, self.out_tensor)])
+
+    @contextlib.contextmanager
+    def rng(self) -> Iterator[None]:
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu_rng)
+            set_device_states(self.devices, self.device_rngs)
+            yield
+
+
+class _FuncCheckpoint(torch.autograd.Function):
+    """A checkpoint that composes with torch.func transforms (``setup_context`` and a
+    generated vmap rule): the forward runs the block and saves only its inputs (arguments,
+    parameters, buffers); the backward recomputes it with ``torch.func.vjp`` under the
+    forward's generator states and returns the vector-Jacobian product for every input,
+    parameters included (they are explicit inputs, so they get their gradients)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(call: _Call, *tensors: Tensor) -> tuple[Tensor, ...]:
+        return call.run(tensors)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.call = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        ctx.mark_non_differentiable(*[o for o in output if not _differentiable(o)])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        call: _Call = ctx.call
+        tensors = list(ctx.saved_tensors)
+        diff = [i for i, t in enumerate(tensors) if _differentiable(t)]
+
+        def recompute(*xs: Tensor) -> tuple[Tensor, ...]:
+            full = list(tensors)
+            for i, x in zip(diff, xs):
+                full[i] = x
+            return tuple(o for o in call.run(full, record=False) if _differentiable(o))
+
+        # torch.func.grad differentiates with create_graph=True, so this backward runs with
+        # grad mode on and would record the recompute and its vjp in the outer graph, keeping
+        # every block's activations alive until the gradients are out (no memory saved).
+        # Under TrainStep's first-order gradients nothing differentiates them again: no_grad
+        # for the outer levels (the vjp's own level still records). Otherwise (a user's
+        # torch.func.grad of a grad) the graph is kept, for a correct higher order.
+        outer = torch.no_grad() if call.first_order else contextlib.nullcontext()
+        with outer, call.rng():
+            _, vjp_fn = torch.func.vjp(recompute, *(tensors[i] for i in diff))
+        # One cotangent per differentiable output (the others were marked non-differentiable).
+        cotangents = tuple(g for g, keep in zip(grads, call.out_diff, strict=True) if keep)
+        with outer:
+            got = iter(vjp_fn(cotangents))
+        back: list[Tensor | None] = [None] * len(tensors)
+        for i in diff:
+            back[i] = next(got)
+        return (None, *back)
+
+
+def _func_checkpoint(module: nn.Module, inner: Callable, args: tuple, kwargs: dict) -> Any:
+    """``inner(*args, **kwargs)`` as a :class:`_FuncCheckpoint` (the torch.func path)."""
+    call = _Call(module, inner, args, kwargs)
+    return call.output(_FuncCheckpoint.apply(call, *call.tensors))
 
 
 @torch.compiler.disable
@@ -262,7 +431,8 @@ def _remat_apply(apply_fn: Callable, chosen: list[tuple[str, nn.Module]]) -> Cal
                 if getattr(own, "remat_of", None) is not None:
                     raise ValueError(f"remat: {name!r} is checkpointed twice (remat applied "
                                      "twice to it)")
-                wrapper = _checkpointed(name, own if own is not None else m.forward, context_fn)
+                wrapper = _checkpointed(name, m, own if own is not None else m.forward,
+                                        context_fn)
                 saved.append((m, own))
                 m.forward = wrapper
                 # Not while dynamo traces: it cannot build a hook's handle (nor set an item of

@@ -15,7 +15,8 @@ stage with none, side losses handed over on the rank), the same under amp_cast b
 against one-process amp (parameters bit for bit), and the micro-batch means of the router
 losses; pp2 with gpipe (AdamW) and 1f1b (CAME); pp2 x ep2 (1f1b, AdamW) and the same through
 ``moe_hybrid(pp_size=2, ep_size=2)`` (CAME). ``-m slow``: every
-optimizer on pp2 and on pp2 x ep2, the interleaved schedule and uneven cuts.
+optimizer on pp2 and on pp2 x ep2, the interleaved schedule, uneven cuts, and pp2 x tp2 (the
+experts' ffn split over tp inside each stage).
 """
 
 import pytest
@@ -26,12 +27,13 @@ from funcpar.models import lm_loss, moe_lm_loss
 from funcpar.presets import moe_hybrid
 from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.rules import llama_rules_for
 from funcpar.state import functionalize, init_state
 from funcpar.testing import run_ranks
 from funcpar.testing.moe import one_thread
 from funcpar.testing.reference import OPTIMIZERS, batches, loss_rel, max_rel, run
 from funcpar.train import make_train_step
-from funcpar.transforms import amp_cast, compose, expert_parallel, pipeline_split
+from funcpar.transforms import amp_cast, compose, expert_parallel, pipeline_split, shard_params
 
 # As funcpar.testing.moe: 8-bit GaLore's quantized states amplify a reordered sum's last bit.
 TOL = {"galore_adamw8bit": 1e-8}
@@ -39,7 +41,8 @@ MATRIX_OPTIMIZERS = ["sgd", "adamw", "adafactor", "adafactor_torch", "came", "la
                      "galore_adamw", "galore_adamw8bit"]
 
 
-#: name -> (world, pp, ep, schedule, microbatches, virtual stages, cuts)
+#: name -> (world, pp, ep, schedule, microbatches, virtual stages, cuts); "xtp2": shard_params
+#: (the experts' ffn over tp, llama_rules_for) after pipeline_split, on 4 ranks
 LAYOUTS = {
     "pp1 interleaved v4": (1, 1, 1, "interleaved", 2, 4, None),
     "pp2 gpipe": (2, 2, 1, "gpipe", 2, 1, None),
@@ -50,6 +53,7 @@ LAYOUTS = {
     "pp2 1f1b cut 1": (2, 2, 1, "1f1b", 2, 1, [1]),
     "pp2xep2 1f1b": (4, 2, 2, "1f1b", 2, 1, None),
     "pp2xep2 gpipe": (4, 2, 2, "gpipe", 4, 1, None),
+    "pp2xtp2 1f1b": (4, 2, 1, "1f1b", 2, 1, None),
     # the same composition through Colossal-AI's MoeHybridParallelPlugin mirror
     "moe_hybrid(pp2, ep2)": (4, 2, 2, "1f1b", 2, 1, None),
 }
@@ -69,9 +73,12 @@ def build(layout, optim, *, loss_fn=moe_lm_loss):
     if layout.startswith("moe_hybrid"):  # its own mesh: from_env(pp=, ep=, dp=-1, tp=1)
         return tuple(moe_hybrid(ep_size=ep, pp_size=pp, microbatches=m, pp_style=schedule)(
             step, state))
-    mesh = DeviceMesh.from_env(pp=pp, ep=ep) if ep > 1 else DeviceMesh.from_env(pp=pp)
+    tp = 2 if "xtp2" in layout else 1
+    mesh = DeviceMesh.from_env(pp=pp, ep=ep, tp=tp)
     transforms = [pipeline_split(mesh, microbatches=m, schedule=schedule, virtual_stages=v,
                                  cuts=cuts)]
+    if tp > 1:
+        transforms.append(shard_params(llama_rules_for(model.cfg), mesh))
     if ep > 1:
         transforms.append(expert_parallel(mesh))
     return compose(*transforms)(step, state)
@@ -181,7 +188,8 @@ def test_pp2_every_optimizer_schedules_and_cuts():
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_pp2_x_ep2_every_optimizer():
-    _check(4, [("pp2xep2 1f1b", o) for o in MATRIX_OPTIMIZERS] + [("pp2xep2 gpipe", "came")])
+    _check(4, [("pp2xep2 1f1b", o) for o in MATRIX_OPTIMIZERS] + [("pp2xep2 gpipe", "came")]
+           + [("pp2xtp2 1f1b", o) for o in ("adamw", "came")])
 
 
 def test_a_loss_that_does_not_add_the_router_loss_is_refused():

@@ -6,6 +6,8 @@ Per element, with ``g`` the gradient (negated with ``maximize``) and the scalars
 ``m' = lerp(m, g, 1 - b1)``, ``v' = b2 v + (1 - b2) g^2``, ``vmax' = max(vmax, v')`` (amsgrad),
 ``u = -step_size * m' / (sqrt(v' or vmax') / bc2_sqrt + eps) [- lr_wd * p]``,
 and ``p' = p + u`` (:func:`adamw_step` with ``write_params=True``) or ``u`` itself.
+On CPU with ``write_params`` the fast path is torch's fused kernel, which rounds
+``p' = p (1 - lr_wd) - step_size m' / denom`` as one expression (:func:`adamw_fast`).
 
 Bytes per parameter (fp32 everything): ``p`` read and written, ``g`` read, ``m`` and ``v`` read
 and written: 28 B (36 B with amsgrad); returning ``u`` instead writes ``u`` and does not read
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _access, _launch
-from funcpar.kernels.inplace import fast_path_ok, writable
+from funcpar.kernels.inplace import fast_path_ok, fused_leaves_ok, writable
 
 __all__ = [
     "AdamWScalars", "adamw_fast", "adamw_leaf", "adamw_reference", "adamw_step", "adamw_triton",
@@ -29,7 +31,9 @@ __all__ = [
 
 
 class AdamWScalars(NamedTuple):
-    """The step's scalars: 0-d float64 tensors (or floats) and the static betas."""
+    """The step's scalars: 0-d float64 tensors (or floats) and the static betas; ``lr``,
+    ``weight_decay`` and ``count`` (the step ``t``, from 1), when given, are the raw values
+    torch's fused kernel derives the others from (:func:`adamw_fast` takes it only then)."""
 
     step_size: Tensor | float  # lr / (1 - b1^t)
     bc2_sqrt: Tensor | float  # sqrt(1 - b2^t)
@@ -37,6 +41,9 @@ class AdamWScalars(NamedTuple):
     lr_wd: Tensor | float  # lr * weight_decay
     beta1: float
     beta2: float
+    lr: Tensor | float | None = None
+    weight_decay: Tensor | float | None = None
+    count: Tensor | int | None = None
 
 
 def _t(x: Tensor | float) -> Tensor:
@@ -116,13 +123,20 @@ def adamw_fast(
     max_exp_avg_sq: Sequence[Tensor | None], decay: Sequence[bool], s: AdamWScalars, *,
     amsgrad: bool = False, maximize: bool = False, write_params: bool = False,
 ) -> Out:
-    """:func:`adamw_reference` by multi-tensor ops: in place on the inputs inside
-    :func:`funcpar.kernels.inplace.inplace_updates`, else on clones (one maths path, so
+    """:func:`adamw_reference` by torch's fused or multi-tensor ops: in place on the inputs
+    inside :func:`funcpar.kernels.inplace.inplace_updates`, else on clones (one maths path, so
     donated and undonated results are bit-identical).
 
-    Not torch's fused ``torch._fused_adamw_``: it rounds ``p (1 - lr wd) - ...`` differently
-    from ``p + u``, and ``apply`` must give the bits of ``update`` + ``apply_updates``
-    (funcpar.optim.base)."""
+    Writing the parameters (``apply``) on CPU, torch's own fused kernel
+    (``torch._fused_adamw_``, what ``torch.optim.AdamW(fused=True)`` runs) when
+    :func:`_fused_ok` allows: one pass over ``p, g, m, v``, no temporaries. It rounds the new
+    parameter its own way (``p (1 - lr wd) - step_size m / denom`` in one expression), so
+    ``apply`` equals ``update`` + ``apply_updates`` to round-off, not bit for bit
+    (funcpar.optim.base). Returning the updates (``update``), multi-tensor ops."""
+    if write_params and _fused_ok(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, s,
+                                  amsgrad=amsgrad):
+        return _adamw_fused(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s,
+                            amsgrad=amsgrad, maximize=maximize)
     # Promoted states (a bf16 m with float32 grads) cannot be written in place: clone-promote.
     m = [x if x.dtype == torch.promote_types(x.dtype, g.dtype) else x.to(g.dtype)
          for x, g in zip(writable(exp_avg), grads, strict=True)]
@@ -142,6 +156,49 @@ def adamw_fast(
         pick = [grads, p, m, v, vmax, decay]
         _adamw_foreach(*([xs[i] for i in ids] for xs in pick), s, amsgrad=amsgrad,
                        maximize=maximize, write_params=True)
+    return p, m, v, vmax
+
+
+def _fused_ok(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves,
+              max_exp_avg_sq: Sequence[Tensor | None], s: AdamWScalars, *,
+              amsgrad: bool) -> bool:
+    """``torch._fused_adamw_`` computes this step: the raw ``lr``, ``weight_decay`` and
+    ``count`` are known, the count is exact in the float32 step tensor the kernel reads, and
+    the leaves pass :func:`fused_leaves_ok`."""
+    if s.lr is None or s.weight_decay is None or s.count is None:
+        return False
+    if not 1 <= int(s.count) <= 2**24:
+        return False
+    return fused_leaves_ok(grads, params, exp_avg, exp_avg_sq,
+                           max_exp_avg_sq if amsgrad else [None] * len(grads))
+
+
+def _adamw_fused(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves,
+                 max_exp_avg_sq: Sequence[Tensor | None], decay: Sequence[bool],
+                 s: AdamWScalars, *, amsgrad: bool, maximize: bool) -> Out:
+    """The step by ``torch._fused_adamw_`` on :func:`writable` buffers: per element
+    ``p' = p (1 - lr wd) - step_size m' / (sqrt(v' or vmax') / bc2_sqrt + eps)`` with ``m'``,
+    ``v'``, ``vmax'`` as :func:`adamw_leaf`; ``step_size`` and ``bc2_sqrt`` computed by the
+    kernel in float64 from ``lr`` and ``t`` exactly as torch.optim.AdamW. Leaves without decay
+    go in a call of their own with ``weight_decay=0`` (the kernel then skips the decay).
+    Gradients are only read (no ``grad_scale``: the kernel would write the unscaled ones)."""
+    p, m, v = writable(params), writable(exp_avg), writable(exp_avg_sq)
+    vmax = writable(max_exp_avg_sq) if amsgrad else list(max_exp_avg_sq)
+    # The kernel reads the step as float32 (exact up to 2^24, _fused_ok) and the hyper-
+    # parameters as Python floats: this path runs eagerly on CPU, never traced.
+    step = torch.tensor(float(s.count), dtype=torch.float32)
+    lr, wd, eps = float(s.lr), float(s.weight_decay), float(s.eps)
+    every = list(range(len(p)))
+    calls = [(wd, every)] if wd == 0 else [(wd, [i for i in every if decay[i]]),
+                                            (0.0, [i for i in every if not decay[i]])]
+    for weight_decay, ids in calls:
+        if not ids:
+            continue
+        torch._fused_adamw_(
+            [p[i] for i in ids], [grads[i] for i in ids], [m[i] for i in ids],
+            [v[i] for i in ids], [vmax[i] for i in ids] if amsgrad else [], [step] * len(ids),
+            lr=lr, beta1=s.beta1, beta2=s.beta2, weight_decay=weight_decay, eps=eps,
+            amsgrad=amsgrad, maximize=maximize)
     return p, m, v, vmax
 
 

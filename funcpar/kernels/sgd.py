@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _access, _launch
-from funcpar.kernels.inplace import fast_path_ok, writable
+from funcpar.kernels.inplace import fast_path_ok, fused_leaves_ok, writable
 
 __all__ = ["SGDScalars", "sgd_fast", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
 
@@ -77,7 +77,14 @@ def sgd_fast(
     """:func:`sgd_reference` by multi-tensor ops (every leaf's tensors of one dtype): the
     buffers (and params with ``write_params``) in place inside
     :func:`funcpar.kernels.inplace.inplace_updates`, else in clones; the same operations in the
-    same order as :func:`sgd_leaf`, so the bits are the reference's."""
+    same order as :func:`sgd_leaf`, so the bits are the reference's.
+
+    Writing the parameters (``apply``) on CPU with contiguous leaves
+    (:func:`funcpar.kernels.inplace.fused_leaves_ok`), torch's own fused kernel instead
+    (:func:`_sgd_fused`), which rounds the new parameter as one fused multiply-add: ``apply``
+    then equals ``update`` + ``apply_updates`` (and the reference) to round-off."""
+    if write_params and fused_leaves_ok(grads, params, bufs if s.momentum else [None] * len(grads)):
+        return _sgd_fused(grads, params, bufs, decay, s, nesterov=nesterov, maximize=maximize)
     dts = [g.dtype for g in grads]
     # The hyperparameters in each leaf's dtype, one 0-d tensor per dtype.
     cast = {dt: (_t(s.weight_decay).to(dt), -_t(s.lr).to(dt)) for dt in set(dts)}
@@ -110,6 +117,34 @@ def sgd_fast(
     out = writable(params)
     torch._foreach_add_(out, u)
     return out, new_bufs
+
+
+def _sgd_fused(
+    grads: Leaves, params: Leaves, bufs: Sequence[Tensor | None], decay: Sequence[bool],
+    s: SGDScalars, *, nesterov: bool, maximize: bool,
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """The step by ``torch._fused_sgd_`` (what ``torch.optim.SGD(fused=True)`` runs) on
+    :func:`writable` buffers: per element ``d = g [+ wd p]``, ``b' = d`` on the first step else
+    ``mu b + (1 - dampening) d``, ``p' = p - lr (d + mu b')`` (Nesterov) or ``p - lr b'``,
+    with the last product and sum rounded once where the CPU has fused multiply-adds. Leaves
+    without decay go in a call of their own with ``weight_decay=0``."""
+    p = writable(params)
+    b = writable(bufs) if s.momentum else list(bufs)
+    # Hyperparameters as Python floats and the first-step flag as a bool: read on the host,
+    # which this eager CPU path may do (it is never traced, sgd_step).
+    lr, wd = float(s.lr), float(s.weight_decay)
+    every = list(range(len(p)))
+    calls = [(wd, every)] if wd == 0 else [(wd, [i for i in every if decay[i]]),
+                                            (0.0, [i for i in every if not decay[i]])]
+    for weight_decay, ids in calls:
+        if not ids:
+            continue
+        torch._fused_sgd_(
+            [p[i] for i in ids], [grads[i] for i in ids],
+            [b[i] for i in ids] if s.momentum else [], weight_decay=weight_decay,
+            momentum=s.momentum, lr=lr, dampening=s.dampening, nesterov=nesterov,
+            maximize=maximize, is_first_step=bool(s.first))
+    return p, b
 
 
 def _fast_ok(grads: Leaves, params: Leaves, bufs: Sequence[Tensor | None], s: SGDScalars) -> bool:

@@ -58,6 +58,25 @@ def train(opt, params, steps, *, fused=True):
     return params, state
 
 
+def check_apply_equals_update(opt, params, steps, tol):
+    """``steps`` of ``opt`` by its ``apply`` (``update_params``) and by ``update`` +
+    ``apply_updates``: the same bits on the per-leaf reference (parameters that require grad,
+    grad mode on: there ``apply`` is ``p + u``), and within ``tol`` (max relative error; 0:
+    bit for bit) on the default path, where ``apply`` may run torch's fused CPU kernel, which
+    rounds the new parameter as one expression (the contract of funcpar.optim.base)."""
+    with torch.enable_grad():
+        ref = {k: x.clone().requires_grad_() for k, x in params.items()}
+        ra, rb = train(opt, ref, steps), train(opt, ref, steps, fused=False)
+    for x, y in zip(leaves_of(ra), leaves_of(rb), strict=True):
+        assert torch.equal(x.detach(), y.detach())
+    a, b = train(opt, params, steps), train(opt, params, steps, fused=False)
+    for x, y in zip(leaves_of(a), leaves_of(b), strict=True):
+        if tol and x.is_floating_point():
+            assert max_rel_err(x, y) <= tol, max_rel_err(x, y)
+        else:
+            assert torch.equal(x, y)
+
+
 def leaves_of(tree):
     return [x for x in tree_leaves(tree) if torch.is_tensor(x)]
 

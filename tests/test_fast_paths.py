@@ -117,14 +117,16 @@ def test_adamw_differentiable_lr_takes_reference():
 @pytest.mark.parametrize("kw", [dict(momentum=0.9, weight_decay=0.1, nesterov=True),
                                 dict(momentum=0.8, dampening=0.3, maximize=True)])
 def test_sgd_foreach_bits_equal_per_leaf_reference(kw):
-    # float32: the multi-tensor path runs sgd_leaf's operations in sgd_leaf's order, so the bits
+    # float32: the multi-tensor path (``update``; ``apply`` runs torch's fused kernel,
+    # tests/test_fused_cpu.py) runs sgd_leaf's operations in sgd_leaf's order, so the bits
     # must agree exactly, first step (buffer = d) and later ones alike.
     opt = fo.sgd(lr=0.1, **kw)
     params = _tree(0, torch.float32)
     state = opt.init(params)
     for step in range(3):
         grads = _tree(10 + step, torch.float32)
-        fast_p, fast_s = fo.update_params(opt, grads, state, params)
+        fast_u, fast_s = opt.update(grads, state, params)
+        fast_p = fo.apply_updates(params, fast_u)
         with kernel_mode("reference"), torch.enable_grad():
             # a parameter that requires grad forces the per-leaf reference (differentiable)
             ref_in = {k: v.clone().requires_grad_() for k, v in params.items()}

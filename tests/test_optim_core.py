@@ -218,8 +218,10 @@ def test_accumulate_equals_big_batch():
 @pytest.mark.parametrize("inner", ["adamw", "clip+adamw"])
 def test_accumulate_apply_equals_update(dtype, inner):
     # The fused path through accumulate: params unchanged (the same tensors) between inner
-    # steps, inner.apply on the mean at every 3rd call - the bits of update + apply_updates
-    # (exact: both run the same ops on the same values; the fused-kernel contract of base.py).
+    # steps, inner.apply on the mean at every 3rd call - update + apply_updates to round-off
+    # (base.py's contract: on CPU apply runs torch's fused AdamW, which rounds the new
+    # parameter as one expression; a few ulps per step, 3 steps: 10 ulps of the dtype, relative
+    # to the leaf's largest entry). The inner state is the same either way up to an fma.
     def make():
         opt = fo.adamw(lr=0.01, weight_decay=0.1)
         return fo.accumulate(fo.chain(fo.clip_by_global_norm(0.5), opt) if inner != "adamw"
@@ -243,10 +245,12 @@ def test_accumulate_apply_equals_update(dtype, inner):
         else:
             assert not torch.equal(new_a["w"], p_a["w"])
         p_a = new_a
+        tol = 10 * torch.finfo(dtype).eps
         for k in SHAPES:
-            assert p_a[k].dtype == dtype and torch.equal(p_a[k], p_u[k]), (i, k)
+            assert p_a[k].dtype == dtype and max_rel_err(p_a[k], p_u[k]) <= tol, (i, k)
         for x, y in zip(optree.tree_leaves(st_a), optree.tree_leaves(st_u), strict=True):
-            assert torch.equal(x, y), i
+            assert (max_rel_err(x, y) <= tol if x.is_floating_point()
+                    else torch.equal(x, y)), i
     assert int(st_a.micro_step) == 1
 
 

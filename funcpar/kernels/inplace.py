@@ -11,6 +11,11 @@ The contract (re-exported by :mod:`funcpar.kernels.dispatch`):
   are never written. The caller must treat the inputs as consumed.
 * **One maths path.** Donated or not, the same in-place fused/foreach code computes the result
   (on the inputs or on their clones), so the two are bit-identical.
+* **torch's fused kernels.** On CPU, a parameter-writing step (``apply``) of AdamW or SGD runs
+  torch's own fused kernel (``torch._fused_adamw_``/``torch._fused_sgd_``, what
+  ``torch.optim.AdamW(fused=True)``/``SGD(fused=True)`` run) where :func:`fused_leaves_ok`
+  allows: one pass, no temporaries. Its rounding of the new parameter is its own, so there
+  ``apply`` equals ``update`` + ``apply_updates`` to round-off (funcpar.optim.base).
 * **Stepping aside.** The fast paths are in-place and not differentiable, and in-place writes
   into a ``torch.func.vmap``-batched tensor are refused; :func:`fast_path_ok` says False when the
   step must be differentiable (:func:`funcpar.kernels.dispatch.differentiable`) or runs under a
@@ -25,7 +30,10 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["fast_path_ok", "inplace_allowed", "inplace_updates", "writable"]
+__all__ = [
+    "FUSED_DTYPES", "fast_path_ok", "fused_leaves_ok", "inplace_allowed", "inplace_updates",
+    "writable",
+]
 
 _depth: list[bool] = []
 
@@ -65,3 +73,23 @@ def writable(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
     if inplace_allowed():
         return list(tensors)
     return [None if t is None else t.clone() for t in tensors]
+
+
+# The dtypes torch's CPU fused AdamW/SGD kernels dispatch on.
+FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def fused_leaves_ok(*columns: Sequence[Tensor | None]) -> bool:
+    """Whether torch's CPU fused optimizer kernels can run over these lists of leaves
+    (``columns[k][i]``: tensor ``k`` of leaf ``i``, ``None`` skipped): every tensor on the CPU
+    and contiguous (the kernels walk raw storage and accept strided views silently), and the
+    tensors of each leaf of one dtype among :data:`FUSED_DTYPES` (they do not promote)."""
+    for row in zip(*columns, strict=True):
+        live = [t for t in row if t is not None]
+        dtype = live[0].dtype
+        if dtype not in FUSED_DTYPES:
+            return False
+        for t in live:
+            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+                return False
+    return True

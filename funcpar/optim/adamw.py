@@ -43,8 +43,10 @@ def _adamw(lr, weight_decay, eps, *, betas, amsgrad, maximize, weight_decay_mask
         decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
         t = count.to(torch.float64)
+        # lr, weight_decay and count too: torch's fused CPU kernel derives the rest itself.
         scalars = AdamWScalars(step_size=lr / (1 - beta1**t), bc2_sqrt=(1 - beta2**t).sqrt(),
-                               eps=eps, lr_wd=lr * weight_decay, beta1=beta1, beta2=beta2)
+                               eps=eps, lr_wd=lr * weight_decay, beta1=beta1, beta2=beta2,
+                               lr=lr, weight_decay=weight_decay, count=count)
         spec, g, (p, m, v, vmax, dec) = leaf_columns(
             grads, params, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq, decay)
         # The multi-tensor kernel on CUDA, torch's multi-tensor ops elsewhere, the per-leaf

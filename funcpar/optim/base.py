@@ -9,8 +9,15 @@ A :class:`GradientTransformation` is a pair of pure functions:
 * optionally ``apply(grads, state, params, *, layouts=None) -> (new_params, new_state)``, the
   same step with the parameters updated in the same pass (a fused kernel reads and writes each
   parameter once instead of writing updates that :func:`apply_updates` then reads back).
-  :func:`update_params` takes it when present and ``update`` + ``apply_updates`` otherwise; both
-  must give the same result.
+  :func:`update_params` takes it when present and ``update`` + ``apply_updates`` otherwise.
+  The two agree to round-off, not necessarily bit for bit: a fused kernel may round the new
+  parameter as one expression (on CPU, AdamW's and SGD's ``apply`` run torch's own fused
+  kernels, ``p (1 - lr wd) - step_size m / denom`` and ``p - lr d`` as a fused multiply-add,
+  where ``apply_updates`` rounds ``u`` and then ``p + u``; a few ulps per step,
+  tests/test_fused_cpu.py). What is exact: ``apply`` on the same inputs gives the same bits
+  whether it writes in place (a donated step, :mod:`funcpar.kernels.inplace`) or into clones,
+  and on the differentiable per-leaf reference ``apply`` is ``p + u`` itself. A caller that
+  must reproduce another path's bits (offload's chunked update) makes the same choice.
 
 ``layouts`` is the pytree of per-leaf layouts parallel to ``params`` (``None``: every leaf is
 whole on this process). Optimizers hand each leaf's layout to the reductions of
@@ -108,7 +115,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     def apply(grads, state, params, *, layouts=None):
         # The earlier transforms' updates, then the last one's fused step on the parameters:
-        # the same result as update + apply_updates (the last transform's contract).
+        # update + apply_updates to round-off (the last transform's contract, module doc).
         grads, new_states = run(transforms[:-1], grads, state, params, layouts)
         params, s = transforms[-1].apply(grads, state[-1], params, layouts=layouts)
         return params, (*new_states, s)

@@ -81,6 +81,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall: time.perf_counter; cpu: time.process_time, this process's CPU "
+                        "time (with 1 thread, less sensitive to other jobs' scheduling on a "
+                        "loaded machine than wall time; it still counts cache and memory "
+                        "contention)")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -90,15 +95,17 @@ def main() -> None:
         fn(args.warmup)
     times: dict[str, list[float]] = {name: [] for name in ways}
     order = list(ways)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     for r in range(args.rounds):
         for name in order if r % 2 == 0 else order[::-1]:
-            t0 = time.perf_counter()
+            t0 = clock()
             ways[name](args.steps)
-            times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+            times[name].append((clock() - t0) / args.steps * 1e3)
     n_params = sum(p.numel() for p in states[0].params.values())
     print(f"{args.members} members x {n_params} params (MLP {args.dim}-{args.width}-"
           f"{args.width}-{args.dim}), batch {args.batch}, AdamW + clip, "
-          f"{torch.get_num_threads()} thread(s), {args.rounds} rounds x {args.steps} steps")
+          f"{torch.get_num_threads()} thread(s), {args.rounds} rounds x {args.steps} steps, "
+          f"{args.clock} clock")
     print(f"{'way':<12} {'median ms':>10} {'min ms':>8}")
     for name, ts in times.items():
         print(f"{name:<12} {statistics.median(ts):>10.2f} {min(ts):>8.2f}")

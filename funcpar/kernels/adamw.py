@@ -24,6 +24,7 @@ from torch import Tensor
 
 from funcpar.kernels import _access, _launch
 from funcpar.kernels.inplace import fast_path_ok, fused_leaves_ok, writable
+from funcpar.kernels.multi_tensor import multi_tensor_ok, per_dtype
 
 __all__ = [
     "AdamWScalars", "adamw_fast", "adamw_leaf", "adamw_reference", "adamw_step", "adamw_triton",
@@ -222,7 +223,15 @@ def adamw_reference(
     amsgrad: bool = False, maximize: bool = False, write_params: bool = False,
 ) -> Out:
     """:func:`adamw_leaf` over lists of leaves: ``(out, m', v', vmax')`` with ``out`` the
-    updates, or the new parameters ``p + u`` (in ``p``'s dtype) with ``write_params``."""
+    updates, or the new parameters ``p + u`` (in ``p``'s dtype) with ``write_params``.
+
+    Differentiable. Where :func:`funcpar.kernels.multi_tensor.multi_tensor_ok` allows (eager,
+    outside torch.func transforms, one dtype per leaf), the same ops by multi-tensor ops
+    (:func:`_adamw_multi`, the same bits); else per leaf."""
+    if multi_tensor_ok(grads, params, exp_avg, exp_avg_sq,
+                       max_exp_avg_sq if amsgrad else [None] * len(grads)):
+        return _adamw_multi(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s,
+                            amsgrad=amsgrad, maximize=maximize, write_params=write_params)
     outs, ms, vs, vmaxs = [], [], [], []
     for g, p, m, v, vmax, dec in zip(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay,
                                      strict=True):
@@ -232,6 +241,36 @@ def adamw_reference(
         vs.append(v)
         vmaxs.append(vmax)
     return outs, ms, vs, vmaxs
+
+
+def _adamw_multi(
+    grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves,
+    max_exp_avg_sq: Sequence[Tensor | None], decay: Sequence[bool], s: AdamWScalars, *,
+    amsgrad: bool, maximize: bool, write_params: bool,
+) -> Out:
+    """:func:`adamw_leaf`'s ops in its order, each as one out-of-place multi-tensor op over
+    all leaves (differentiable, one autograd node per op; funcpar.kernels.multi_tensor), the
+    scalars cast once per dtype: the same values bit for bit."""
+    g = torch._foreach_neg(grads) if maximize else list(grads)
+    m = torch._foreach_lerp(list(exp_avg), g, 1 - s.beta1)
+    # v b2 + ((1 - b2) g) g, as the reference rounds it.
+    v = torch._foreach_add(torch._foreach_mul(list(exp_avg_sq), s.beta2),
+                           torch._foreach_mul(torch._foreach_mul(g, 1 - s.beta2), g))
+    vmax = (list(torch._foreach_maximum(list(max_exp_avg_sq), v)) if amsgrad
+            else list(max_exp_avg_sq))
+    bc2, eps, step, lr_wd = per_dtype([x.dtype for x in g], _t(s.bc2_sqrt), _t(s.eps),
+                                      -_t(s.step_size), _t(s.lr_wd))
+    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(vmax if amsgrad else v),
+                                                  bc2), eps)
+    u = list(torch._foreach_mul(torch._foreach_div(m, denom), step))
+    ids = [i for i, d in enumerate(decay) if d]
+    if ids:
+        decayed = torch._foreach_sub([u[i] for i in ids], torch._foreach_mul(
+            [params[i] for i in ids], [lr_wd[i] for i in ids]))
+        for i, x in zip(ids, decayed, strict=True):
+            u[i] = x
+    out = torch._foreach_add(list(params), u) if write_params else list(u)
+    return list(out), list(m), list(v), vmax
 
 
 def _build():

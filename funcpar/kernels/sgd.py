@@ -19,6 +19,7 @@ from torch import Tensor
 
 from funcpar.kernels import _access, _launch
 from funcpar.kernels.inplace import fast_path_ok, fused_leaves_ok, writable
+from funcpar.kernels.multi_tensor import multi_tensor_ok, per_dtype
 
 __all__ = ["SGDScalars", "sgd_fast", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
 
@@ -61,13 +62,49 @@ def sgd_reference(
     grads: Leaves, params: Leaves, bufs: Sequence[Tensor | None], decay: Sequence[bool],
     s: SGDScalars, *, nesterov: bool = False, maximize: bool = False, write_params: bool = False,
 ) -> tuple[list[Tensor], list[Tensor | None]]:
-    """:func:`sgd_leaf` over lists: ``(out, b')``, ``out`` the updates or ``p + u``."""
+    """:func:`sgd_leaf` over lists: ``(out, b')``, ``out`` the updates or ``p + u``.
+
+    Differentiable. Where :func:`funcpar.kernels.multi_tensor.multi_tensor_ok` allows (eager,
+    outside torch.func transforms, one dtype per leaf), the same ops by multi-tensor ops
+    (:func:`_sgd_multi`, the same bits); else per leaf."""
+    if multi_tensor_ok(grads, params, bufs if s.momentum else [None] * len(grads)):
+        return _sgd_multi(grads, params, bufs, decay, s, nesterov=nesterov, maximize=maximize,
+                          write_params=write_params)
     outs, new_bufs = [], []
     for g, p, b, dec in zip(grads, params, bufs, decay, strict=True):
         u, b = sgd_leaf(g, p, b, dec, s, nesterov=nesterov, maximize=maximize)
         outs.append(p + u.to(p.dtype) if write_params else u)
         new_bufs.append(b)
     return outs, new_bufs
+
+
+def _sgd_multi(
+    grads: Leaves, params: Leaves, bufs: Sequence[Tensor | None], decay: Sequence[bool],
+    s: SGDScalars, *, nesterov: bool, maximize: bool, write_params: bool,
+) -> tuple[list[Tensor], list[Tensor | None]]:
+    """:func:`sgd_leaf`'s ops in its order, each as one out-of-place multi-tensor op over all
+    leaves (differentiable; funcpar.kernels.multi_tensor), the scalars cast once per dtype:
+    the same values bit for bit."""
+    wd, neg_lr = per_dtype([g.dtype for g in grads], _t(s.weight_decay), -_t(s.lr))
+    d = list(torch._foreach_neg(grads)) if maximize else list(grads)
+    ids = [i for i, dec in enumerate(decay) if dec]
+    if ids:
+        decayed = torch._foreach_add([d[i] for i in ids], torch._foreach_mul(
+            [params[i] for i in ids], [wd[i] for i in ids]))
+        for i, x in zip(ids, decayed, strict=True):
+            d[i] = x
+    new_bufs: list[Tensor | None] = [None] * len(grads)
+    if s.momentum:
+        # torch.optim.SGD starts the buffer at the first d, undamped: a select per leaf (the
+        # flag is a tensor of the state, not read on the host).
+        first = torch.as_tensor(s.first)
+        later = torch._foreach_add(torch._foreach_mul(list(bufs), s.momentum),
+                                   torch._foreach_mul(d, 1 - s.dampening))
+        new_bufs = [torch.where(first, di, li) for di, li in zip(d, later, strict=True)]
+        d = (list(torch._foreach_add(d, torch._foreach_mul(new_bufs, s.momentum))) if nesterov
+             else list(new_bufs))
+    u = torch._foreach_mul(d, neg_lr)
+    return list(torch._foreach_add(list(params), u) if write_params else u), new_bufs
 
 
 def sgd_fast(

@@ -2,7 +2,8 @@
 arXiv 1502.03492; Finn et al. 2017, arXiv 1703.03400).
 
 One inner step is ``g_t = d loss(w_t, batch_t) / d w_t`` taken with ``create_graph=True``, then
-``(u_t, s_{t+1}) = opt.update(g_t, s_t, w_t)`` and ``w_{t+1} = w_t + u_t``. Every operation is
+``(u_t, s_{t+1}) = opt.update(g_t, s_t, w_t)`` and ``w_{t+1} = w_t + u_t`` (by the optimizer's
+``apply`` where it has one: :func:`~funcpar.optim.base.update_params`). Every operation is
 out of place, so ``w_k`` is a differentiable function of ``w_0``, of the optimizer state and of
 every hyperparameter given as a tensor that requires grad: a meta-loss on ``w_k`` back-propagates
 through all k steps (second derivatives included). Memory grows linearly in k; truncation bounds
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcpar.optim.base import GradientTransformation, apply_updates
+from funcpar.optim.base import GradientTransformation, update_params
 from funcpar.optim.hyperparams import HyperState
 from funcpar.state.tree import Tree, tree_flatten, tree_map, tree_unflatten
 
@@ -66,8 +67,11 @@ def inner_step(
         params = tree_unflatten(spec, leaves)
         loss = loss_fn(params, *args)
     grads = torch.autograd.grad(loss, leaves, create_graph=create_graph)
-    updates, opt_state = opt.update(tree_unflatten(spec, list(grads)), opt_state, params)
-    return apply_updates(params, updates), opt_state, loss
+    # update_params: the optimizer's apply when it has one (AdamW, SGD: ``w + u`` inside the
+    # step, one multi-tensor add on the differentiable path), else update + apply_updates;
+    # the same values either way (GradientTransformation's contract).
+    params, opt_state = update_params(opt, tree_unflatten(spec, list(grads)), opt_state, params)
+    return params, opt_state, loss
 
 
 def unroll(

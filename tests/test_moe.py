@@ -208,8 +208,8 @@ def test_expert_parallel_errors():
 def test_moe_hybrid_preset_refuses_what_is_not_supported():
     from funcpar.presets import Preset, moe_hybrid
 
-    with pytest.raises(ValueError, match="ep_size=2 with tp_size > 1"):
-        Preset("moe_hybrid", ep_size=2, tp_size=2)
+    with pytest.raises(ValueError, match="the plan of ep_size=2 with tp_size=2 is not modeled"):
+        Preset("moe_hybrid", ep_size=2, tp_size=2, plan=True)
     with pytest.raises(ValueError, match="ep_size must be an int >= 1"):
         moe_hybrid(ep_size=0)
     with pytest.raises(ValueError, match="ep_size=4 but the mesh's 'ep' axis has 2"):

@@ -10,10 +10,11 @@ after it cuts the experts over ``ep`` too: ``{ep: Shard(0), tp: Shard(1)}``. 10 
 float64, max relative error <= 1e-10 on every loss and whole parameter (8-bit GaLore 1e-8:
 its quantized states amplify a reordered sum's last bit, as in test_moe_parallel).
 
-Default: one spawn of 4 ranks, tp2 x dp2 + ZeRO-2 (no ep) with AdamW and ep2 x tp2 with CAME,
-plus the layout and error checks on virtual meshes (no spawn). ``-m slow``: every optimizer
-under tp2 and under ep2 x tp2, ep2 x tp2 + remat, ep2 x tp2 x dp2 + ZeRO-2 (8 ranks), and a
-checkpoint saved under ep2 x tp2 resumed under one process and tp2 x dp2 + ZeRO-2.
+Default: one spawn of 4 ranks, tp2 x dp2 + ZeRO-2 (no ep) with AdamW, ep2 x tp2 with CAME and
+``moe_hybrid(ep_size=2, tp_size=2)`` with AdamW, plus the layout and error checks on virtual
+meshes (no spawn). ``-m slow``: every optimizer under tp2 and under ep2 x tp2, ep2 x tp2 +
+remat, ep2 x tp2 x dp2 + ZeRO-2 (8 ranks), and a checkpoint saved under ep2 x tp2 resumed under
+one process and tp2 x dp2 + ZeRO-2.
 """
 
 import dataclasses
@@ -36,7 +37,8 @@ EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
 
 
 def test_tp_and_ep_x_tp_match_one_process():
-    check(4, [("tp2xdp2+zero2", "adamw"), ("ep2xtp2", "came")])
+    check(4, [("tp2xdp2+zero2", "adamw"), ("ep2xtp2", "came"),
+              ("moe_hybrid(ep2, tp2)", "adamw")])  # the preset: the same composition
 
 
 @pytest.mark.slow

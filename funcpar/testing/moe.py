@@ -82,6 +82,7 @@ LAYOUTS = {
     "tp2xdp2+zero2": MoeLayout(tp=2, dp=2, zero=2),
     "ep2xtp2": MoeLayout(ep=2, tp=2),
     "ep2xtp2+remat": MoeLayout(ep=2, tp=2, remat=True),
+    "moe_hybrid(ep2, tp2)": MoeLayout(ep=2, tp=2, preset=True),
     "ep2xtp2xdp2+zero2": MoeLayout(ep=2, tp=2, dp=2, zero=2),
 }
 
@@ -121,8 +122,8 @@ def build(layout: MoeLayout, optim: str, *, dtype: torch.dtype = torch.float64):
     if layout.preset:  # Colossal-AI's MoeHybridParallelPlugin: the same composition
         from funcpar.presets import moe_hybrid
 
-        return tuple(moe_hybrid(ep_size=layout.ep, zero_stage=layout.zero, mesh=mesh)(
-            step, state))
+        return tuple(moe_hybrid(ep_size=layout.ep, tp_size=layout.tp, zero_stage=layout.zero,
+                                mesh=mesh)(step, state))
     transforms = []
     if layout.tp > 1:  # first: expert_parallel cuts the tensor-parallel expert shards over ep
         transforms.append(shard_params(llama_rules_for(MOE_CFG), mesh))

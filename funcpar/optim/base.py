@@ -152,11 +152,17 @@ def check_grads(params: Tree, grads: Tree, *, what: str = "grads",
     (``apply_updates``) may differ: they are cast to the parameter's dtype."""
     if params is None:
         raise ValueError(f"params are required to check {what}: pass update(grads, state, params)")
-    _p_leaves, p_spec = tree_flatten(params)
+    p_leaves, p_spec = tree_flatten(params)
     g_leaves, g_spec = tree_flatten(grads)
     if p_spec != g_spec:
         tree_structure_check(params, grads, what=what, against="params")
         raise ValueError(f"{what} tree {g_spec} does not match params tree {p_spec}")
+    # Every update runs this: a plain scan first, the leaf names (a walk of the tree's
+    # accessors) built only when some leaf fails, to name it.
+    if all(g is None or (torch.is_tensor(g) and g.shape == p.shape
+                         and (not same_dtype or not torch.is_tensor(p) or g.dtype == p.dtype))
+           for p, g in zip(p_leaves, g_leaves)):
+        return
     for (name, p), g in zip(named_leaves(params), g_leaves):
         if g is None:
             continue

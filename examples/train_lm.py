@@ -331,9 +331,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--pp {args.pp} x --virtual-stages {args.virtual_stages} = {stages} "
                     f"stages but --layers {args.layers}: every stage needs a block")
         local = args.batch_size // ((args.dp or 1) * args.ep)
+        split = "--batch-size / --dp" if args.ep == 1 else "--batch-size / (--dp x --ep)"
         if local % args.microbatches:
-            p.error(f"each rank's batch ({local} = --batch-size / (--dp x --ep)) does not split "
-                    f"into --microbatches {args.microbatches} equal micro-batches")
+            p.error(f"each rank's batch ({local} = {split}) does not split into "
+                    f"--microbatches {args.microbatches} equal micro-batches")
         # --save writes rank 0's whole params, and under --pp rank 0 holds only its stages';
         # --save-every/--resume work (each stage's ranks write their leaves, once each, under
         # their global names; a checkpoint loads into any layout).

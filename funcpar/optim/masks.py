@@ -39,9 +39,9 @@ def resolve_mask(mask: Mask, params: Tree, *, what: str = "weight_decay_mask") -
 
 
 def _flags(mask: Mask, params: Tree, what: str) -> list[bool]:
+    if mask is None:  # every leaf: no names needed (this runs every update)
+        return [True] * len(tree_flatten(params)[0])
     named = named_leaves(params)
-    if mask is None:
-        return [True] * len(named)
     if callable(mask):
         out = []
         for name, p in named:

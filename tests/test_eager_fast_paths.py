@@ -13,8 +13,9 @@ from funcpar.kernels import factored, foreach_factored
 from funcpar.kernels import lamb as lamb_kernels
 from funcpar.kernels.dispatch import kernel_mode
 from funcpar.kernels.inplace import inplace_updates
+from funcpar.optim import galore
 
-SHAPES = {"emb": (9, 6), "w3": (2, 5, 4), "vec": (7,), "s": (), "col": (5, 1)}
+SHAPES = {"emb": (9, 6), "w3": (2, 5, 4), "vec": (7,), "s": (), "col": (5, 2)}
 STEPS = 3
 
 OPTS = {
@@ -27,6 +28,11 @@ OPTS = {
     "lamb_pytorch_optimizer": lambda: fo.lamb(lr=1e-2, weight_decay=0.1,
                                               variant="pytorch_optimizer"),
     "lamb_adam": lambda: fo.lamb(lr=1e-2, adam=True, maximize=True),
+    "galore_adamw": lambda: fo.galore_adamw(lr=1e-2, rank=2, weight_decay=0.1,
+                                            svd_dtype=torch.float64),
+    "galore_adamw8bit_bnb": lambda: fo.galore_adamw(
+        lr=1e-2, rank=2, weight_decay=0.1, eight_bit=True, min_8bit_size=4, block_size=8,
+        adam_variant="bnb", eps=1e-8, svd_dtype=torch.float64),
 }
 
 
@@ -40,13 +46,14 @@ def _problem(dtype):
     return params, grads
 
 
-def _run(name, dtype, *, eager, donate, monkeypatch):
-    """``STEPS`` of ``update`` (undonated runs) and ``update_params``: the new params, state
-    and updates."""
+def _run(name, dtype, *, eager, donate, monkeypatch, via_update=False):
+    """``STEPS`` of ``update`` (undonated runs) and ``update_params`` (``via_update``:
+    ``update`` + ``apply_updates``): the new params, state and updates."""
     with monkeypatch.context() as mp:
         if not eager:
             mp.setattr(foreach_factored, "eager_ok", lambda *a, **k: False)
             mp.setattr(lamb_kernels, "lamb_fast_ok", lambda *a, **k: False)
+            mp.setattr(galore, "_eager_ok", lambda *a, **k: False)
         params, grads = _problem(dtype)
         opt = OPTS[name]()
         state = opt.init(params)
@@ -55,7 +62,11 @@ def _run(name, dtype, *, eager, donate, monkeypatch):
             if not donate:  # under donation update() would consume the state
                 updates.append(opt.update(g, state, params)[0])
             with inplace_updates(donate):
-                params, state = fo.update_params(opt, g, state, params)
+                if via_update:
+                    u, state = opt.update(g, state, params)
+                    params = fo.apply_updates(params, u)
+                else:
+                    params, state = fo.update_params(opt, g, state, params)
     return params, state, updates
 
 
@@ -73,14 +84,29 @@ def _assert_bits(a, b):
             assert x.dtype == y.dtype and torch.equal(x, y), f"leaf {i} differs"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
-@pytest.mark.parametrize("name", sorted(OPTS))
+# float32 for every configuration, float64 for one of each optimizer by default (the rest slow).
+CASES = [pytest.param(n, torch.float32, id=f"{n}-f32") for n in sorted(OPTS)] + [
+    pytest.param(n, torch.float64, id=f"{n}-f64",
+                 marks=() if n in ("adafactor", "came_wd", "lamb", "galore_adamw")
+                 else pytest.mark.slow) for n in sorted(OPTS)]
+
+
+@pytest.mark.parametrize(("name", "dtype"), CASES)
 def test_eager_path_gives_the_references_bits(name, dtype, monkeypatch):
     ref = _run(name, dtype, eager=False, donate=False, monkeypatch=monkeypatch)
     fast = _run(name, dtype, eager=True, donate=False, monkeypatch=monkeypatch)
     _assert_bits(ref, fast)
     donated = _run(name, dtype, eager=True, donate=True, monkeypatch=monkeypatch)
     _assert_bits(ref[:2], donated[:2])
+    if name.startswith("galore"):
+        # GaLore's apply (the new weight, in place) against update + apply_updates, which
+        # rounds p + (w' - p) once more: equal where the step is under half the weight, else
+        # within eps (|w' - p| + |w'|) / 2 <= 4 eps here (|p| < 4, steps ~1e-2).
+        via = _run(name, dtype, eager=True, donate=False, via_update=True,
+                   monkeypatch=monkeypatch)
+        eps = torch.finfo(dtype).eps
+        for a, b in zip(_leaves(ref[0]), _leaves(via[0])):
+            torch.testing.assert_close(a, b, rtol=0, atol=4 * eps)
 
 
 @pytest.mark.parametrize("name", ["adafactor_b1_wd", "came_wd"])
@@ -103,15 +129,16 @@ def test_factored_passes_take_the_eager_path(name, monkeypatch):
         fo.update_params(opt, grads[1], state, params)
 
 
-@pytest.mark.parametrize("name", ["adafactor_b1_wd", "came_wd", "lamb"])
+@pytest.mark.parametrize("name", ["adafactor_b1_wd", "came_wd", "lamb", "galore_adamw"])
 def test_donated_step_writes_params_and_state_in_place(name):
     params, grads = _problem(torch.float32)
     opt = OPTS[name]()
     state = opt.init(params)
-    ptrs = {k: v.data_ptr() for k, v in params.items()}
+    # (GaLore writes a 0-d leaf, a float64 product there, out of place.)
+    ptrs = {k: v.data_ptr() for k, v in params.items() if v.dim() or name != "galore_adamw"}
     with inplace_updates(True):
         new, _ = fo.update_params(opt, grads[0], state, params)
-    assert {k: v.data_ptr() for k, v in new.items()} == ptrs
+    assert {k: new[k].data_ptr() for k in ptrs} == ptrs
 
 
 @pytest.mark.parametrize("name", ["adafactor_b1_wd", "came_wd", "lamb"])

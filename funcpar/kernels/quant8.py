@@ -93,7 +93,7 @@ def nearest_code(
 
 
 # The count tables of _count_le, per code map (the maps are a few constant tensors).
-_tables: dict[tuple, tuple[Tensor, Tensor, int, int, Tensor]] = {}
+_tables: dict[bytes, tuple[Tensor, int, int, Tensor]] = {}
 
 
 def _count_table(code: Tensor) -> tuple[Tensor, int, int, Tensor]:
@@ -101,9 +101,12 @@ def _count_table(code: Tensor) -> tuple[Tensor, int, int, Tensor]:
     mantissa bits: an interval of reals, or NaNs), the least ``#{codes <= x}`` over the bucket,
     the most the count grows inside any bucket, the count torch gives a NaN, and ``code``
     followed by a NaN."""
-    key = (code.data_ptr(), code._version, code.device, code.numel())
+    # By value: optimizers rebuilt every step (inject_hyperparams) make new map tensors.
+    key = code.numpy().tobytes()
     hit = _tables.get(key)
     if hit is None:
+        if len(_tables) >= 8:  # a handful of maps in any run: bound it all the same
+            _tables.pop(next(iter(_tables)))
         bits = torch.arange(-32768, 32768, dtype=torch.int32, device=code.device) << 16
         ends = [(b.view(torch.float32)) for b in (bits, bits | 0xFFFF)]
         counts = [torch.searchsorted(code, e, right=True) for e in ends]
@@ -117,9 +120,9 @@ def _count_table(code: Tensor) -> tuple[Tensor, int, int, Tensor]:
                                                               device=code.device), right=True))
         # A NaN after the last code: no x is >= it, so a count never steps past the end.
         ext = torch.cat([code, code.new_full((1,), float("nan"))])
-        hit = (code, low.to(torch.int32), int((high - low).max()), nan_count, ext)
-        _tables[key] = hit  # code kept alive: its address is not reused while cached
-    return hit[1:]
+        hit = (low.to(torch.int32), int((high - low).max()), nan_count, ext)
+        _tables[key] = hit
+    return hit
 
 
 def _count_le(code: Tensor, x: Tensor) -> Tensor:
@@ -127,9 +130,11 @@ def _count_le(code: Tensor, x: Tensor) -> Tensor:
     sorted float32 ``code`` and contiguous float32 ``x``, by a table lookup on the top 16 bits
     of ``x`` and as many compare-and-step passes as one such bucket holds codes (1 for the
     dynamic maps): a few cheap vector passes instead of a binary search per element, the
-    same integers (tests/test_quant8.py compares them). Other dtypes, and inside a torch.func
-    transform or torch.compile's tracing, the binary search itself."""
-    if (x.dtype != torch.float32 or code.dtype != torch.float32 or torch.compiler.is_compiling()
+    same integers (tests/test_quant8.py compares them). Other dtypes and devices (CUDA runs
+    the kernels), and inside a torch.func transform or torch.compile's tracing, the binary
+    search itself."""
+    if (x.dtype != torch.float32 or code.dtype != torch.float32 or code.device.type != "cpu"
+            or x.device.type != "cpu" or torch.compiler.is_compiling()
             or torch._C._functorch.maybe_current_level() is not None):
         return torch.searchsorted(code, x, right=True)
     table, extra, nan_count, ext = _count_table(code)

@@ -49,6 +49,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from funcpar.kernels.foreach_factored import host_equals
+from funcpar.kernels.inplace import fast_path_ok, inplace_allowed
 from funcpar.kernels.quant8 import Adam8bitScalars, adam8bit_math
 from funcpar.optim import validate
 from funcpar.optim.adafactor import (
@@ -405,7 +407,7 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         check_floating(params, who=who)
         return build(params, _plan(who, galore_mask, params, default, None))
 
-    def update(grads, state: GaLoreAdamWState, params=None, *, layouts=None):
+    def step(grads, state: GaLoreAdamWState, params, layouts, out):
         state, cfgs, state_layouts, leaf_layouts, decay = _update_plan(
             who, galore_mask, weight_decay_mask, params, grads, default, layouts, state, build)
         c = int(state.count)
@@ -441,6 +443,9 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
                 m_st, v_st, direction = adam8bit_math(m, v, low, scalars)
             if cfg is not None:
                 direction = project_back(direction, proj, cfg.scale, layout=layout)
+            if out == "param" and _eager_ok(p, direction, lr, weight_decay):
+                return (_apply_in_place(p, direction, step_size, use_decay, cfg is None),
+                        proj, m_st, v_st)
             new_p = p - step_size * direction
             if use_decay and adam_variant == "bnb" and cfg is None:
                 # bitsandbytes' own AdamW shrinks the weight before its step ...
@@ -449,8 +454,8 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
                 # ... galore-torch shrinks the already updated weight (both AdamWs).
                 new_p = new_p - (lr * weight_decay) * new_p
             # new - old is exact while the step is under half the weight, so apply_updates
-            # rebuilds new_p with the rounding computed here.
-            return new_p - p, proj, m_st, v_st
+            # rebuilds new_p with the rounding computed here (apply: new_p itself).
+            return (new_p - p if out == "update" else new_p.to(p.dtype)), proj, m_st, v_st
 
         u, proj, m, v = _map_phased(
             leaf, grads, params, state.projector, state.exp_avg, state.exp_avg_sq, cfgs, decay,
@@ -458,7 +463,39 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         )
         return u, GaLoreAdamWState(count, proj, m, v)
 
-    return GradientTransformation(init, update)
+    def _apply_in_place(p, direction, step_size, use_decay, unprojected):
+        # The operations of the out-of-place code above, written into the step's own fresh
+        # direction and, inside inplace_updates (a donated step), into p itself: the same
+        # bits, donated or not. A decay of exactly 0 is skipped (w - 0 w is w, but for the
+        # sign of a zero), as galore-torch and bitsandbytes skip it.
+        donated = inplace_allowed()
+        sd = direction.mul_(step_size)  # step_size * direction
+        decays = use_decay and not host_equals(weight_decay, 0.0)
+        if decays and adam_variant == "bnb" and unprojected:
+            new_p = torch.mul(p, 1 - lr * weight_decay).sub_(sd)
+            return p.copy_(new_p) if donated else new_p
+        new_p = p.sub_(sd) if donated else torch.sub(p, sd, out=sd)
+        if decays:
+            new_p.sub_(torch.mul(new_p, lr * weight_decay))
+        return new_p
+
+    def update(grads, state: GaLoreAdamWState, params=None, *, layouts=None):
+        return step(grads, state, params, layouts, "update")
+
+    def apply(grads, state: GaLoreAdamWState, params, *, layouts=None):
+        return step(grads, state, params, layouts, "param")
+
+    return GradientTransformation(init, update, apply)
+
+
+def _eager_ok(p: Tensor, direction: Tensor, *hyper: Any) -> bool:
+    """Whether GaLore's parameter write may run in place (:func:`_galore_adamw`): not when
+    the step must be differentiable (hyperparameters included) or runs under a torch.func
+    transform or torch.compile's tracing; a leaf of >= 1 dim whose direction has its shape
+    and dtype (0-d arithmetic promotes with the 0-d float64 step size)."""
+    return (p.dim() > 0 and direction.shape == p.shape and direction.dtype == p.dtype
+            and p.is_contiguous() and not torch.compiler.is_compiling()
+            and fast_path_ok(p, direction, *hyper))
 
 
 def _check_common(who: str, rank, update_proj_gap, scale, proj_type, svd_dtype) -> GaLoreConfig:

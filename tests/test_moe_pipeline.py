@@ -12,12 +12,15 @@ stage; measured <= 3e-13).
 
 Default: in one process a pp=1 pipeline of 4 virtual stages (stages with no MoE block, a last
 stage with none, side losses handed over on the rank), the same under amp_cast bf16 and fp16
-against one-process amp (parameters bit for bit), and the micro-batch means of the router
-losses; pp2 with gpipe (AdamW) and 1f1b (CAME); pp2 x ep2 (1f1b, AdamW) and the same through
+against one-process amp (parameters bit for bit), the micro-batch means of the router
+losses, and the errors (a loss that does not add the router loss, a stage output of another
+kind); pp2 with gpipe (AdamW) and 1f1b (CAME); pp2 x ep2 (1f1b, AdamW) and the same through
 ``moe_hybrid(pp_size=2, ep_size=2)`` (CAME). ``-m slow``: every
 optimizer on pp2 and on pp2 x ep2, the interleaved schedule, uneven cuts, and pp2 x tp2 (the
 experts' ffn split over tp inside each stage).
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -198,3 +201,17 @@ def test_a_loss_that_does_not_add_the_router_loss_is_refused():
 
     with pytest.raises(ValueError, match=r"side losses .* loss_fn 'logits_only' .*extra_loss"):
         build("pp1 interleaved v4", "adamw", loss_fn=logits_only)
+
+
+def test_a_stage_output_that_is_neither_hidden_states_nor_a_side_loss_is_refused():
+    from funcpar.pipeline.stages import llama_stages
+
+    apply_fn, params, buffers = functionalize(skewed_model())
+    opt = OPTIMIZERS["adamw"](params)
+    bad = dataclasses.replace(llama_stages(), hand_over=lambda module, x: (x.hidden, 0.0))
+    step, state = pipeline_split(DeviceMesh.from_env(pp=1), microbatches=1, schedule="interleaved",
+                                 virtual_stages=2, stages=bad)(
+        make_train_step(apply_fn, moe_lm_loss, opt), init_state(params, buffers, opt))
+    with pytest.raises(TypeError, match=r"stage 0 returned a tuple; .* or SideLoss\(hidden, 0-d"):
+        step(state, batches()[0])
+

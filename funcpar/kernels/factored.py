@@ -27,7 +27,10 @@ for the leaf's tensors (CUDA in ``auto`` mode) and the leaf's dtype is float32 /
 float16 (computed in float32; float64 leaves, the exactness tests' dtype, always take the
 reference), else the ``*_reference`` function, which performs exactly the torch operations the
 optimizers performed before kernels existed (same order, same roundings), so a reference step is
-bit-identical to the pre-kernel implementation. A kernel differs from its reference by summation
+bit-identical to the pre-kernel implementation. Where no kernel runs (CPU; CUDA without Triton)
+and the step need not be differentiable, the eager path of
+:mod:`funcpar.kernels.foreach_factored` runs those same operations into buffers and in place
+under donation (the references' bits). A kernel differs from its reference by summation
 order (tile sums, then a sum of the tile partials) and, on a GPU, by fused multiply-adds: a few
 float32 ulps.
 

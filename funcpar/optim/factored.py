@@ -12,9 +12,10 @@ whole dims, so a sharded leaf needs collectives for them: every reduction here g
 own dim index. Messages are O(n + m).
 
 The optimizers' passes over the leaf (statistics, the update's norm, CAME's residual, the update
-itself) are :mod:`funcpar.kernels.factored`'s dispatchers: a Triton kernel on CUDA, a plain-torch
-reference elsewhere. Between the passes, :func:`factored_moment` and :func:`clip_divisor` complete
-the local sums over the shards with :mod:`funcpar.shard.reduce` (O(n + m) and 0-d messages), so the
+itself) are :mod:`funcpar.kernels.factored`'s dispatchers: a Triton kernel on CUDA, elsewhere a
+plain-torch reference or its in-place eager form (:mod:`funcpar.kernels.foreach_factored`).
+Between the passes, :func:`factored_moment` and :func:`clip_divisor` complete the local sums
+over the shards with :mod:`funcpar.shard.reduce` (O(n + m) and 0-d messages), so the
 same code runs on whole leaves and on TP/ZeRO shards. Their ``*_phases`` forms are the same steps
 written as phases (:func:`funcpar.shard.reduce.run_phased`): the optimizers run those of all
 leaves in lockstep, so each phase's reductions of the whole tree travel in one all-reduce per

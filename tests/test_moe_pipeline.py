@@ -16,8 +16,9 @@ against one-process amp (parameters bit for bit), the micro-batch means of the r
 losses, and the errors (a loss that does not add the router loss, a stage output of another
 kind); pp2 with gpipe (AdamW) and 1f1b (CAME); pp2 x ep2 (1f1b, AdamW) and the same through
 ``moe_hybrid(pp_size=2, ep_size=2)`` (CAME). ``-m slow``: every
-optimizer on pp2 and on pp2 x ep2, the interleaved schedule, uneven cuts, and pp2 x tp2 (the
-experts' ffn split over tp inside each stage).
+optimizer on pp2 and on pp2 x ep2, the interleaved schedule, uneven cuts, pp2 x tp2 (the
+experts' ffn split over tp inside each stage), and a pp2 x ep2 checkpoint resumed in one
+process and under pp2.
 """
 
 import dataclasses
@@ -216,3 +217,38 @@ def test_a_stage_output_that_is_neither_hidden_states_nor_a_side_loss_is_refused
     with pytest.raises(TypeError, match=r"stage 0 returned a tuple; .* or SideLoss\(hidden, 0-d"):
         step(state, batches()[0])
 
+
+
+def _save_after(layout, optim, path, steps):
+    from funcpar.state import save
+
+    step, state = build(layout, optim)
+    for batch in batches()[:steps]:
+        state, _ = step(state, batch)
+    save(state, path, step=step)
+
+
+def _resume(layout, optim, path, steps):
+    from funcpar.state import load
+
+    step, like = build(layout, optim)
+    return run(step, load(path, like, step=step), batches()[steps:])
+
+
+@pytest.mark.slow
+def test_checkpoint_of_pp2_x_ep2_resumes_in_one_process_and_on_pp2(tmp_path):
+    """Saved after 5 steps under pp2 x ep2 (each leaf once, the experts whole from their ep
+    shards); resumed for 5 more in one process and under pp2 without ep: both equal 10
+    uninterrupted steps in one process (1e-10)."""
+    from funcpar.state import load
+
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_after, 4, "pp2xep2 1f1b", "came", path, 5, timeout=900)
+    with one_thread():
+        ref_losses, ref_params = run(*build(None, "came"), batches())
+        step, like = build(None, "came")
+        runs = [run(step, load(path, like, step=step), batches()[5:])]
+    runs += run_ranks(_resume, 2, "pp2 1f1b", "came", path, 5, timeout=900)
+    for losses, params in runs:
+        assert loss_rel(losses, ref_losses[5:]) <= 1e-10
+        assert max_rel(params, {n: ref_params[n] for n in params}) <= 1e-10

@@ -17,8 +17,8 @@ losses, and the errors (a loss that does not add the router loss, a stage output
 kind); pp2 with gpipe (AdamW) and 1f1b (CAME); pp2 x ep2 (1f1b, AdamW) and the same through
 ``moe_hybrid(pp_size=2, ep_size=2)`` (CAME). ``-m slow``: every
 optimizer on pp2 and on pp2 x ep2, the interleaved schedule, uneven cuts, pp2 x tp2 (the
-experts' ffn split over tp inside each stage), and a pp2 x ep2 checkpoint resumed in one
-process and under pp2.
+experts' ffn split over tp inside each stage), pp2 x ep2 x dp2 + ZeRO-2 on 8 ranks, and a
+pp2 x ep2 checkpoint resumed in one process and under pp2.
 """
 
 import dataclasses
@@ -37,7 +37,15 @@ from funcpar.testing import run_ranks
 from funcpar.testing.moe import one_thread
 from funcpar.testing.reference import OPTIMIZERS, batches, loss_rel, max_rel, run
 from funcpar.train import make_train_step
-from funcpar.transforms import amp_cast, compose, expert_parallel, pipeline_split, shard_params
+from funcpar.transforms import (
+    amp_cast,
+    compose,
+    data_parallel,
+    expert_parallel,
+    pipeline_split,
+    shard_params,
+    zero_partition,
+)
 
 # As funcpar.testing.moe: 8-bit GaLore's quantized states amplify a reordered sum's last bit.
 TOL = {"galore_adamw8bit": 1e-8}
@@ -46,7 +54,8 @@ MATRIX_OPTIMIZERS = ["sgd", "adamw", "adafactor", "adafactor_torch", "came", "la
 
 
 #: name -> (world, pp, ep, schedule, microbatches, virtual stages, cuts); "xtp2": shard_params
-#: (the experts' ffn over tp, llama_rules_for) after pipeline_split, on 4 ranks
+#: (the experts' ffn over tp, llama_rules_for) after pipeline_split, on 4 ranks; "xdp2+zero2":
+#: data_parallel and ZeRO-2 after expert_parallel, on 8 ranks
 LAYOUTS = {
     "pp1 interleaved v4": (1, 1, 1, "interleaved", 2, 4, None),
     "pp2 gpipe": (2, 2, 1, "gpipe", 2, 1, None),
@@ -58,6 +67,7 @@ LAYOUTS = {
     "pp2xep2 1f1b": (4, 2, 2, "1f1b", 2, 1, None),
     "pp2xep2 gpipe": (4, 2, 2, "gpipe", 4, 1, None),
     "pp2xtp2 1f1b": (4, 2, 1, "1f1b", 2, 1, None),
+    "pp2xep2xdp2+zero2 1f1b": (8, 2, 2, "1f1b", 2, 1, None),
     # the same composition through Colossal-AI's MoeHybridParallelPlugin mirror
     "moe_hybrid(pp2, ep2)": (4, 2, 2, "1f1b", 2, 1, None),
 }
@@ -78,13 +88,16 @@ def build(layout, optim, *, loss_fn=moe_lm_loss):
         return tuple(moe_hybrid(ep_size=ep, pp_size=pp, microbatches=m, pp_style=schedule)(
             step, state))
     tp = 2 if "xtp2" in layout else 1
-    mesh = DeviceMesh.from_env(pp=pp, ep=ep, tp=tp)
+    dp = 2 if "xdp2" in layout else 1
+    mesh = DeviceMesh.from_env(pp=pp, ep=ep, dp=dp, tp=tp)
     transforms = [pipeline_split(mesh, microbatches=m, schedule=schedule, virtual_stages=v,
                                  cuts=cuts)]
     if tp > 1:
         transforms.append(shard_params(llama_rules_for(model.cfg), mesh))
     if ep > 1:
         transforms.append(expert_parallel(mesh))
+    if dp > 1:  # after expert_parallel: ZeRO partitions the expert shards over dp
+        transforms += [data_parallel(mesh), zero_partition(2, mesh)]
     return compose(*transforms)(step, state)
 
 
@@ -252,3 +265,9 @@ def test_checkpoint_of_pp2_x_ep2_resumes_in_one_process_and_on_pp2(tmp_path):
     for losses, params in runs:
         assert loss_rel(losses, ref_losses[5:]) <= 1e-10
         assert max_rel(params, {n: ref_params[n] for n in params}) <= 1e-10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_pp2_x_ep2_x_dp2_zero2_on_eight_ranks():
+    _check(8, [("pp2xep2xdp2+zero2 1f1b", o) for o in ("adamw", "came")])

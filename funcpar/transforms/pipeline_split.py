@@ -36,10 +36,11 @@ What the step computes is the single-process step on the whole batch:
 
 Composition: apply ``pipeline_split`` **first**, on the freshly built step (whole model, step
 0): it cuts the model, and the transforms after it - :func:`shard_params` (tensor parallel
-inside each stage), :func:`data_parallel`, :func:`zero_partition` (per stage, over the ranks
-of the same pipeline coordinate), :func:`amp_cast` - see a step over this rank's stages like
-any other. The mesh holds ``pp`` with the other axes (``DeviceMesh.from_env(pp=2, dp=2,
-tp=2)``); the pp fibres (ranks that differ only in their pp coordinate) carry the transfers.
+inside each stage), :func:`expert_parallel` (the experts of this rank's stages' MoE blocks over
+``ep``), :func:`data_parallel`, :func:`zero_partition` (per stage, over the ranks of the same
+pipeline coordinate), :func:`amp_cast` - see a step over this rank's stages like any other.
+The mesh holds ``pp`` with the other axes (``DeviceMesh.from_env(pp=2, dp=2, tp=2)``); the pp
+fibres (ranks that differ only in their pp coordinate) carry the transfers.
 
 Checkpoints: :func:`funcpar.state.save` / :func:`~funcpar.state.load` take the split state as
 is - every leaf keeps the name it has in one process, so the checkpoint holds each leaf once

@@ -87,9 +87,15 @@ def nearest_code(
     """
     last = code.numel() - 1
     left = (_count_le(code, scaled.contiguous()) - 1).clamp(0, last - 1)
-    lo, hi = code[left], code[left + 1]
+    lo, hi = _gather(code, left), _gather(code, left + 1)
     go_right = (hi - scaled).abs() < (scaled - lo).abs()
     return (left + go_right.to(left.dtype)).to(torch.uint8)
+
+
+def _gather(src: Tensor, index: Tensor) -> Tensor:
+    """``src[index]`` for a 1-D ``src`` (the same values), by ``index_select``: on CPU an
+    order of magnitude faster than advanced indexing over a leaf-sized index."""
+    return torch.index_select(src, 0, index.reshape(-1)).view(index.shape)
 
 
 # The count tables of _count_le, per code map (the maps are a few constant tensors).
@@ -138,9 +144,9 @@ def _count_le(code: Tensor, x: Tensor) -> Tensor:
             or torch._C._functorch.maybe_current_level() is not None):
         return torch.searchsorted(code, x, right=True)
     table, extra, nan_count, ext = _count_table(code)
-    count = table[(x.view(torch.int32) >> 16) + 32768]
+    count = _gather(table, (x.view(torch.int32) >> 16) + 32768)
     for _ in range(extra):
-        count += ext[count] <= x
+        count += _gather(ext, count) <= x
     return torch.where(torch.isnan(x), nan_count, count)
 
 
@@ -170,7 +176,7 @@ def dequantize_reference(
 ) -> Float[Tensor, "*shape"]:
     """``code[codes] * absmax`` per block (float32 product), as ``dtype``."""
     n = codes.numel()
-    values, _ = _blocks(code[codes.reshape(-1).long()], block_size)
+    values, _ = _blocks(_gather(code, codes.reshape(-1).long()), block_size)
     out = (values * absmax[:, None]).reshape(-1)[:n]
     return out.reshape(codes.shape).to(dtype)
 
@@ -230,7 +236,7 @@ def quantize_global_reference(
     code: Float32[Tensor, " n_codes"],
 ) -> UInt8[Tensor, "*shape"]:
     """Codes of this rank's elements against the whole tensor's (all-reduced) ``absmax``."""
-    mine = absmax[index]
+    mine = _gather(absmax, index)
     safe = torch.where(mine > 0, mine, torch.ones_like(mine))
     scaled = torch.where(mine > 0, x.reshape(-1).to(torch.float32) / safe,
                          torch.zeros_like(mine))
@@ -242,7 +248,7 @@ def dequantize_global_reference(
     code: Float32[Tensor, " n_codes"], dtype: torch.dtype = torch.float32,
 ) -> Float[Tensor, "*shape"]:
     """``code[codes] * absmax[block]`` (float32 product) for this rank's elements, as ``dtype``."""
-    out = code[codes.reshape(-1).long()] * absmax[index]
+    out = _gather(code, codes.reshape(-1).long()) * _gather(absmax, index)
     return out.reshape(codes.shape).to(dtype)
 
 

@@ -30,6 +30,9 @@ OPTS = {
     "lamb_adam": lambda: fo.lamb(lr=1e-2, adam=True, maximize=True),
     "galore_adamw": lambda: fo.galore_adamw(lr=1e-2, rank=2, weight_decay=0.1,
                                             svd_dtype=torch.float64),
+    "galore_adafactor": lambda: fo.galore_adafactor(
+        lr=1e-2, relative_step=False, beta1=0.9, weight_decay=0.1, rank=2,
+        svd_dtype=torch.float64),
     "galore_adamw8bit_bnb": lambda: fo.galore_adamw(
         lr=1e-2, rank=2, weight_decay=0.1, eight_bit=True, min_8bit_size=4, block_size=8,
         adam_variant="bnb", eps=1e-8, svd_dtype=torch.float64),
@@ -129,13 +132,15 @@ def test_factored_passes_take_the_eager_path(name, monkeypatch):
         fo.update_params(opt, grads[1], state, params)
 
 
-@pytest.mark.parametrize("name", ["adafactor_b1_wd", "came_wd", "lamb", "galore_adamw"])
+@pytest.mark.parametrize("name", ["adafactor_b1_wd", "came_wd", "lamb", "galore_adamw",
+                                  "galore_adafactor"])
 def test_donated_step_writes_params_and_state_in_place(name):
     params, grads = _problem(torch.float32)
     opt = OPTS[name]()
     state = opt.init(params)
     # (GaLore writes a 0-d leaf, a float64 product there, out of place.)
-    ptrs = {k: v.data_ptr() for k, v in params.items() if v.dim() or name != "galore_adamw"}
+    ptrs = {k: v.data_ptr() for k, v in params.items()
+            if v.dim() or not name.startswith("galore")}
     with inplace_updates(True):
         new, _ = fo.update_params(opt, grads[0], state, params)
     assert {k: new[k].data_ptr() for k in ptrs} == ptrs

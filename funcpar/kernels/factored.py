@@ -76,6 +76,7 @@ __all__ = [
     "clip_divisor_reference",
     "compute_dtype",
     "decoupled_decay",
+    "decoupled_decay_",
     "ema",
     "execute_batched",
     "factor_ema_batch",
@@ -135,6 +136,11 @@ def ema(avg: Tensor, new: Tensor, decay: float | Tensor) -> Tensor:
 def decoupled_decay(p: Tensor, coeff: float | Tensor) -> Tensor:
     """``p - coeff * p``, rounded as the references' ``p.add_(p, alpha=-coeff)`` (fused)."""
     return torch.addcmul(p, p, torch.as_tensor(-coeff, dtype=torch.float64).to(p.dtype))
+
+
+def decoupled_decay_(p: Tensor, coeff: float | Tensor) -> Tensor:
+    """:func:`decoupled_decay` in place on ``p`` (the same operation, the same rounding)."""
+    return p.addcmul_(p, torch.as_tensor(-coeff, dtype=torch.float64).to(p.dtype))
 
 
 def inverse_sqrt(precond: Factors | Tensor) -> Tensor:

@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from funcpar.kernels.factored import decoupled_decay_
 from funcpar.kernels.foreach_factored import host_equals
 from funcpar.kernels.inplace import fast_path_ok, inplace_allowed
 from funcpar.kernels.quant8 import Adam8bitScalars, adam8bit_math
@@ -56,6 +57,7 @@ from funcpar.optim import validate
 from funcpar.optim.adafactor import (
     ADAFACTOR_INJECTED,
     _leaf_step,
+    _step_scalars,
     adafactor_hyperparams,
     adafactor_leaf_init,
 )
@@ -680,11 +682,13 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
         check_floating(params, who=who)
         return build(params, _plan(who, galore_mask, params, default, None))
 
-    def update(grads, state: GaLoreAdafactorState, params=None, *, layouts=None):
+    def step(grads, state: GaLoreAdafactorState, params, layouts, out):
         state, cfgs, state_layouts, leaf_layouts, decay = _update_plan(
             who, galore_mask, weight_decay_mask, params, grads, default, layouts, state, build)
         c = int(state.count)
         count = state.count + 1
+        shared = _step_scalars(count, lr=lr, decay_rate=decay_rate,
+                               relative_step=relative_step, warmup_init=warmup_init)
 
         def leaf(g, p, proj, st, cfg, use_decay, param_layout, layout, low_layout):
             # Phases: the refresh's gather and the projection's partial sum (as every leaf's:
@@ -701,20 +705,40 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
                 low, p, st, count, lr=lr, eps=eps, clip_threshold=clip_threshold,
                 decay_rate=decay_rate, beta1=beta1, scale_parameter=scale_parameter,
                 relative_step=relative_step, warmup_init=warmup_init, layout=low_layout,
-                param_layout=param_layout,
+                param_layout=param_layout, shared=shared,
             )
             if cfg is not None:
                 u = project_back(u, proj, cfg.scale, layout=layout)
+            coeff = weight_decay * step_size
+            if out == "param" and _eager_ok(p, u, lr, weight_decay):
+                # In place under donation (u is only read: unprojected with beta1 it is the
+                # new momentum itself); a decay of exactly 0 skipped.
+                decays = use_decay and not host_equals(weight_decay, 0.0)
+                if inplace_allowed():
+                    new_p = decoupled_decay_(p, coeff) if decays else p
+                    return new_p.sub_(u), proj, new_st
+                new_p = decoupled_decay(p, coeff) if decays else p
+                return torch.sub(new_p, u), proj, new_st
+            p_in = p
             p = p.to(u.dtype)
             # galore-torch's order: decay with alpha_t on the pre-update weight, then the step.
-            new_p = decoupled_decay(p, weight_decay * step_size) if use_decay else p
+            new_p = decoupled_decay(p, coeff) if use_decay else p
+            if out == "param":
+                return (new_p - u).to(p_in.dtype), proj, new_st
             return (new_p - u) - p, proj, new_st
 
         u, proj, stats = _map_phased(leaf, grads, params, state.projector, state.stats, cfgs,
                                      decay, layouts, leaf_layouts, state_layouts, n_out=3)
         return u, GaLoreAdafactorState(count, proj, stats)
 
-    return GradientTransformation(init, update)
+    def update(grads, state: GaLoreAdafactorState, params=None, *, layouts=None):
+        return step(grads, state, params, layouts, "update")
+
+    def apply(grads, state: GaLoreAdafactorState, params, *, layouts=None):
+        return step(grads, state, params, layouts, "param")
+
+    return GradientTransformation(init, update, apply)
+
 
 
 def galore_adafactor(

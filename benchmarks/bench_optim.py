@@ -30,7 +30,8 @@ The funcpar step timed is :func:`funcpar.optim.update_params` (what TrainStep ru
 ``reference``), whose last column is then ``reference ms / kernels ms``. The peers' step is
 ``optimizer.step()``. ``--donate`` adds a row per funcpar optimizer stepped inside
 :func:`funcpar.kernels.inplace.inplace_updates` (a donated train step: the fast paths write
-params and state in place instead of into clones). Peers not installed (bitsandbytes, say)
+params and state in place instead of into clones; its last column: the fastest peer's ms over
+its own). Peers not installed (bitsandbytes, say)
 are skipped with a note. Usage::
 
     python benchmarks/bench_optim.py --preset cpu --threads 1   # CPU (the default), ~3 min
@@ -370,6 +371,7 @@ def main(argv: list[str] | None = None) -> None:
                               args.reps)
             floor_ms = BYTES_PER_PARAM[name] * n / bw * 1e3
             mine = None  # the funcpar row a peer row is compared with: the last one above it
+            peers: list[tuple[str, float, float]] = []  # (who, median, min) of the peers above
             for e, ms, ms_min, nbytes, note in rows:
                 if ms is None:
                     print(f"| {name} | {e.who} | - | - | - | - | - | - | - | {note} |")
@@ -379,9 +381,16 @@ def main(argv: list[str] | None = None) -> None:
                     if mine is not None:
                         ratio = (f"reference / kernels {ms / mine[1]:.2f}; "
                                  f"min {ms_min / mine[2]:.2f}")
+                elif e.ours and e.donate and peers:
+                    # A donated row (listed after the peers): against the fastest peer.
+                    who, p_ms, p_min = min(peers, key=lambda x: x[1])
+                    r = p_ms / ms
+                    ratio = (f"{who} / this {r:.2f} ({'faster' if r > 1 else 'SLOWER'}); "
+                             f"min {p_min / ms_min:.2f}")
                 elif e.ours:
                     mine = (e.who, ms, ms_min)
                 elif mine is not None:
+                    peers.append((e.who, ms, ms_min))
                     r, r_min = ms / mine[1], ms_min / mine[2]
                     ratio = (f"{r:.2f} ({'funcpar faster' if r > 1 else 'funcpar SLOWER'}); "
                              f"min {r_min:.2f}")

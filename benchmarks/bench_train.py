@@ -20,6 +20,9 @@ implementations, all built from the same initial weights and fed the same batche
   optimizers take the fused kernels of :mod:`funcpar.kernels` where the dispatcher picks them
   (``--kernels``, default ``auto``: the Triton kernels on CUDA, the plain-torch references
   elsewhere);
+* ``funcpar-donate``: ``funcpar-eager`` with ``donate=True``: the step consumes its state and
+  writes the next one into its storage (the optimizer in place, as torch.optim's; AdamW by
+  torch's own fused CPU kernel, as the plain loop's), the fair peer of the in-place plain loop;
 * ``funcpar-compile``: the same step with ``compile=True`` (one process: the whole step,
   forward, backward, norm, clip and optimizer update, is one compiled region);
 * ``funcpar-compile-cg`` (CUDA only): as ``funcpar-compile`` with ``torch.compile``'s
@@ -92,7 +95,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(vocab=512, dim=64, layers=2, heads=4, ffn=176, batch_size=4, seq_len=64,
                  steps=3, reps=3, warmup=2, peak_size=256),
 }
-VARIANTS = ("torch-eager", "torch-compile", "funcpar-eager", "funcpar-compile",
+VARIANTS = ("torch-eager", "torch-compile", "funcpar-eager", "funcpar-donate", "funcpar-compile",
             "funcpar-compile-cg")
 COMPILED = ("torch-compile", "funcpar-compile", "funcpar-compile-cg")
 OPTIMS = ("adamw", "adafactor")
@@ -170,7 +173,8 @@ def funcpar_runner(model: Llama, optim: str, variant: str, precision: str) -> Ru
     if variant == "funcpar-compile-cg":
         step = _CudaGraphStep(apply_fn, lm_loss, opt, compile=True)
     else:
-        step = make_train_step(apply_fn, lm_loss, opt, compile=variant == "funcpar-compile")
+        step = make_train_step(apply_fn, lm_loss, opt, compile=variant == "funcpar-compile",
+                               donate=variant == "funcpar-donate")
     state = init_state(params, buffers, opt)
     if PRECISIONS[precision] is not None:
         step, state = amp_cast(precision)(step, state)

@@ -5,6 +5,8 @@ choice counts the step's tensor hyperparameters (issue 17)."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ from funcpar.kernels.dispatch import kernel_mode
 from funcpar.kernels.inplace import inplace_updates
 from funcpar.optim import galore
 
+# The module (funcpar.optim re-exports the function under the same name).
+ADAFACTOR_TORCH = importlib.import_module("funcpar.optim.adafactor_torch")
 SHAPES = {"emb": (9, 6), "w3": (2, 5, 4), "vec": (7,), "s": (), "col": (5, 2)}
 STEPS = 3
 
@@ -22,6 +26,8 @@ OPTS = {
     "adafactor": lambda: fo.adafactor(),  # relative step, RMS(param) scaling, decay 0 skipped
     "adafactor_b1_wd": lambda: fo.adafactor(lr=1e-2, relative_step=False, beta1=0.9,
                                             weight_decay=0.1, clip_threshold=0.5),
+    "adafactor_torch": lambda: fo.adafactor_torch(lr=1e-2, weight_decay=0.1),
+    "adafactor_torch_max": lambda: fo.adafactor_torch(lr=1e-2, maximize=True),
     "came": lambda: fo.came(lr=1e-2),
     "came_wd": lambda: fo.came(lr=1e-2, weight_decay=0.1, clip_threshold=0.5),
     "lamb": lambda: fo.lamb(lr=1e-2, weight_decay=0.1),
@@ -57,6 +63,7 @@ def _run(name, dtype, *, eager, donate, monkeypatch, via_update=False):
             mp.setattr(foreach_factored, "eager_ok", lambda *a, **k: False)
             mp.setattr(lamb_kernels, "lamb_fast_ok", lambda *a, **k: False)
             mp.setattr(galore, "_eager_ok", lambda *a, **k: False)
+            mp.setattr(ADAFACTOR_TORCH, "fast_path_ok", lambda *a, **k: False)
         params, grads = _problem(dtype)
         opt = OPTS[name]()
         state = opt.init(params)
@@ -101,10 +108,11 @@ def test_eager_path_gives_the_references_bits(name, dtype, monkeypatch):
     _assert_bits(ref, fast)
     donated = _run(name, dtype, eager=True, donate=True, monkeypatch=monkeypatch)
     _assert_bits(ref[:2], donated[:2])
-    if name.startswith("galore"):
-        # GaLore's apply (the new weight, in place) against update + apply_updates, which
-        # rounds p + (w' - p) once more: equal where the step is under half the weight, else
-        # within eps (|w' - p| + |w'|) / 2 <= 4 eps here (|p| < 4, steps ~1e-2).
+    if name.startswith(("galore", "adafactor_torch")):
+        # GaLore's and adafactor_torch's apply (the new weight, in place) against update +
+        # apply_updates, which rounds p + (w' - p) once more: equal where the step is under
+        # half the weight, else within eps (|w' - p| + |w'|) / 2 <= 4 eps here (|p| < 4,
+        # steps ~1e-2).
         via = _run(name, dtype, eager=True, donate=False, via_update=True,
                    monkeypatch=monkeypatch)
         eps = torch.finfo(dtype).eps
@@ -132,8 +140,8 @@ def test_factored_passes_take_the_eager_path(name, monkeypatch):
         fo.update_params(opt, grads[1], state, params)
 
 
-@pytest.mark.parametrize("name", ["adafactor_b1_wd", "came_wd", "lamb", "galore_adamw",
-                                  "galore_adafactor"])
+@pytest.mark.parametrize("name", ["adafactor_b1_wd", "adafactor_torch", "came_wd", "lamb",
+                                  "galore_adamw", "galore_adafactor"])
 def test_donated_step_writes_params_and_state_in_place(name):
     params, grads = _problem(torch.float32)
     opt = OPTS[name]()

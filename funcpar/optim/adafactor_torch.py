@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from funcpar.kernels.foreach_factored import host_equals
+from funcpar.kernels.inplace import fast_path_ok, inplace_allowed
 from funcpar.optim import validate
 from funcpar.optim.adafactor import AdafactorState
 from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
@@ -88,7 +90,7 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
         )
         return AdafactorState(torch.zeros((), dtype=torch.int64), stats)
 
-    def update(grads, state: AdafactorState, params=None, *, layouts=None):
+    def step(grads, state: AdafactorState, params, layouts, out):
         check_grads(params, grads)
         decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
@@ -101,7 +103,10 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
             # row/column sums in one phase, the row factor's mean in a second, the update's RMS
             # in a third (phases only for sharded leaves), each for all leaves at once.
             if g is None:
-                return None, st
+                return (None if out == "update" else p), st
+            # The same operations in place on this step's own temporaries (and, donated, on
+            # p) where nothing must be differentiated: the same bits, fewer allocations.
+            eager = fast_path_ok(g, p, lr, weight_decay) and not torch.compiler.is_compiling()
             if maximize:
                 g = -g
             e1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
@@ -113,29 +118,50 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
                 row = torch.lerp(st[_TORCH_NAMES.row], row_mean, w)
                 col = torch.lerp(st[_TORCH_NAMES.col], col_mean, w)
                 mean = yield from _mean_over_rows_phases(row, layout)
-                var = (row @ col) / mean.clamp(min=e1)
+                var = row @ col
+                var = var.div_(mean.clamp(min=e1)) if eager else var / mean.clamp(min=e1)
                 new = {_TORCH_NAMES.row: row, _TORCH_NAMES.col: col}
             else:
                 p_rms = yield from _rms_f64_phases(p, layout, "param rms")
                 var = torch.lerp(st[_TORCH_NAMES.full], g * g, w)
                 new = {_TORCH_NAMES.full: var}
             alpha = p_rms.clamp(min=eps2) * rho
-            u = var.clamp(min=e1 * e1).rsqrt() * g
+            if eager:  # var is a temporary here unless it is the (full) state
+                u = var.clamp(min=e1 * e1) if _TORCH_NAMES.full in new else var.clamp_(min=e1 * e1)
+                u = u.rsqrt_().mul_(g)
+            else:
+                u = var.clamp(min=e1 * e1).rsqrt() * g
             # torch folds the clipping into the step size, in float64.
             u_rms = yield from _rms_f64_phases(u, layout, "update rms")
             denom = (u_rms / d).clamp(min=1.0)
+            coef = (-alpha / denom).to(u.dtype)
+            if out == "param" and eager:
+                # The new parameter (p * (1 - lr wd), then + coef u) in place when donated;
+                # a decay of exactly 0 (p * 1) skipped.
+                decays = use_decay and not host_equals(weight_decay, 0.0)
+                if inplace_allowed():
+                    new_p = p.mul_((1 - lr * weight_decay).to(p.dtype)) if decays else p
+                    return new_p.addcmul_(u, coef), new
+                new_p = p * (1 - lr * weight_decay).to(p.dtype) if decays else p
+                return torch.addcmul(new_p, u, coef), new
             new_p = p * (1 - lr * weight_decay).to(p.dtype) if use_decay else p
-            new_p = torch.addcmul(new_p, u, (-alpha / denom).to(u.dtype))
+            new_p = torch.addcmul(new_p, u, coef)
             # (new param - param) is exact while the step is under half the parameter, so
-            # apply_updates reproduces torch's rounding of the new parameter.
-            return new_p - p, new
+            # apply_updates reproduces torch's rounding of the new parameter (apply: new_p).
+            return (new_p - p if out == "update" else new_p.to(p.dtype)), new
 
         spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
         outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
         updates, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))
         return updates, AdafactorState(count, stats)
 
-    return GradientTransformation(init, update)
+    def update(grads, state: AdafactorState, params=None, *, layouts=None):
+        return step(grads, state, params, layouts, "update")
+
+    def apply(grads, state: AdafactorState, params, *, layouts=None):
+        return step(grads, state, params, layouts, "param")
+
+    return GradientTransformation(init, update, apply)
 
 
 def adafactor_torch(

@@ -71,7 +71,7 @@ def test_bench_train_tiny(tmp_path):
         if len(parts) > 3 and parts[0] in ("adamw", "adafactor"):
             rows[parts[0], parts[1]] = parts
     assert set(rows) == {(o, v) for o in ("adamw", "adafactor")
-                         for v in ("torch-eager", "funcpar-eager")}, out
+                         for v in ("torch-eager", "funcpar-eager", "funcpar-donate")}, out
     for parts in rows.values():
         assert "FAILED" not in parts, out
         assert float(parts[2]) > 0 and int(parts[4].replace(",", "")) > 0  # ms/step, tokens/s
@@ -96,7 +96,8 @@ def test_bench_train_flags_and_flops(capsys):
         bench.parse_args(["--preset", "tiny", "--dim", "65"])
     assert "divisible by --heads" in capsys.readouterr().err
     args = bench.parse_args(["--device", "cpu"])
-    assert args.preset == "tiny" and args.variants == ["torch-eager", "funcpar-eager"]
+    assert args.preset == "tiny" and args.variants == ["torch-eager", "funcpar-eager",
+                                                       "funcpar-donate"]
     # The h100 preset is shared/PEERS.md's model, 271.1 M parameters (counted by the formula,
     # which the tiny preset's real model checks), and 6N + 12Lds reproduces the MFU quoted
     # there (113 k tokens/s -> 23 % of 989 TFLOP/s).

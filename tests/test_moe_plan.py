@@ -193,7 +193,7 @@ def test_plan_text_and_errors(default):
     assert "does not split over ep=2 x dp=2" in indivisible
     assert "tensor or expert parallelism depends on it" in per_token
     for r in default:
-        assert "expert parallelism with tensor parallelism is not modeled" in r["tp"]
+        assert "MoE experts under tensor parallelism" in r["tp"]
     # Without a batch shape the routed all_to_alls are given per local token (balanced,
     # nothing dropped): times this rank's 8 * 12 / 4 tokens, the balanced bytes (capacity
     # factor 2 drops nothing under balanced routing).

@@ -147,3 +147,19 @@ def test_train_lm_composes_tp_with_experts(capsys):
         train_lm.parse_args([*argv, "--sequence-parallel"])
     assert "--sequence-parallel does not work with --experts" in capsys.readouterr().err
 
+
+
+def test_plan_refuses_tensor_parallel_experts():
+    """The experts' tp region all-reduces a routing-dependent [kept rows, dim] per MoE block,
+    which the plan does not model: refused with or without expert parallelism, never
+    under-predicted."""
+    from funcpar.presets.plan import describe
+
+    for axes in ({"tp": 2}, {"ep": 2, "tp": 2}):
+        mesh = DeviceMesh.virtual(rank=0, **axes)
+        transforms = [shard_params(llama_rules_for(MOE_CFG), mesh)]
+        if "ep" in axes:
+            transforms.append(expert_parallel(mesh))
+        step, state = compose(*transforms)(*_inputs())
+        with pytest.raises(ValueError, match="MoE experts under tensor parallelism"):
+            describe(step, state, mesh, batch_shape=(8, 12)).expected_comm()

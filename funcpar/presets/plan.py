@@ -55,7 +55,8 @@ data-parallel axis and precision - and derives, without running it:
     not split over it (in ``bucket_mb`` buckets, of the gradients as ZeRO-2/3 left them: their
     ``dp`` parts); the expert leaves are reduced over ``dp`` only (their expert-data-parallel
     group), by the data-parallel buckets or ZeRO's reduce-scatter above. Tensor parallelism
-    together with experts is not modeled (:meth:`Plan.expected_comm` refuses).
+    of the experts (the ``"experts"`` rule style), with or without expert parallelism, is not
+    modeled (:meth:`Plan.expected_comm` refuses).
 
   Not modeled: an optimizer's own reductions beyond clipping (factored statistics of Adafactor
   or CAME, Lamb's trust ratios, GaLore's projections; elementwise optimizers such as SGD and
@@ -268,6 +269,7 @@ class Plan:
         self.max_norm = max_norm
         self.pipelined = getattr(step, "pipeline", None) is not None
         self.moe_blocks = _moe_blocks(step, mesh)
+        self.tp_experts = _experts_split_inside(step, mesh)
         leaves = [x for _, x in named_leaves(state.params) if torch.is_tensor(x)]
         floating = [x.dtype for x in leaves if x.is_floating_point()]
         self.param_dtype = floating[0] if floating else torch.float32
@@ -342,11 +344,12 @@ class Plan:
             raise ValueError("the expected communication is not modeled under pipeline_split "
                              "(point-to-point transfers by schedule); measure a step with "
                              "funcpar.shard.comm.comm_report")
-        if self.moe_blocks and (self.sharding is not None
-                                or any(b.inner_axes for b in self.moe_blocks)):
-            raise ValueError("the expected communication of expert parallelism with tensor "
-                             "parallelism is not modeled; measure a step with "
-                             "funcpar.shard.comm.comm_report")
+        if self.tp_experts or (self.moe_blocks and self.sharding is not None):
+            # The experts' tensor-parallel region all-reduces [kept rows, dim] per MoE block,
+            # a routing-dependent size the tp rows below do not count.
+            raise ValueError("the expected communication of MoE experts under tensor "
+                             "parallelism (with or without expert parallelism) is not "
+                             "modeled; measure a step with funcpar.shard.comm.comm_report")
         if routing is not None and not self.moe_blocks:
             raise ValueError("expected_comm: routing= is for expert parallelism, and this "
                              "step splits no MoE block's experts")
@@ -754,6 +757,19 @@ def _moe_blocks(step: TrainStep, mesh: DeviceMesh) -> list[MoEBlock]:
             out[block] = MoEBlock(block, axes[0], lay.global_shape[0], m.top_k,
                                   m.capacity_factor, m.router.weight.shape[1], inner)
     return list(out.values())
+
+
+def _experts_split_inside(step: TrainStep, mesh: DeviceMesh) -> bool:
+    """Whether a stacked expert leaf is split along a dim other than the experts' (tensor
+    parallelism inside the experts), read from the layouts."""
+    module = getattr(step.apply_fn, "module", None)
+    if module is None or not isinstance(step.layouts, dict):
+        return False
+    for leaf in expert_leaves(module):
+        lay = step.layouts.get(leaf)
+        if lay is not None and any(mesh.size(a) > 1 for d in lay.dim_axes[1:] for a in d):
+            return True
+    return False
 
 
 def _norm(rows: _Rows, dtypes: list[torch.dtype], layouts: Any, mesh: DeviceMesh,

@@ -107,7 +107,10 @@ def unroll_train_step(
     **kwargs: Any,
 ) -> tuple[Tree, Tree, list[Tensor]]:
     """:func:`unroll` with a :class:`~funcpar.train.step.TrainStep`'s model, loss and optimizer
-    on ``(inputs, targets)`` batches: ``loss_fn(apply_fn(params, buffers, *inputs), targets)``.
+    on ``(inputs, targets)`` batches: ``loss_fn(output, targets)`` with ``output, _ =
+    apply_fn(params, buffers, *inputs)`` (the step's ``apply_fn`` contract). ``buffers`` are the
+    same at every inner step: buffers the forward updates (BatchNorm's running statistics) are
+    not carried from one inner step to the next.
 
     Only a plain single-process step: a step rewritten by a parallel transform or with a loss
     scaler, pipeline or gradient sync is refused (its hooks are not differentiable here).
@@ -120,6 +123,7 @@ def unroll_train_step(
 
     def loss(p: Tree, inputs: Any, targets: Any) -> Tensor:
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        return step.loss_fn(step.apply_fn(p, buffers, *inputs), targets)
+        out, _ = step.apply_fn(p, buffers, *inputs)
+        return step.loss_fn(out, targets)
 
     return unroll(loss, step.optimizer, params, opt_state, batches, **kwargs)

@@ -233,6 +233,25 @@ class _FuncSnapshot(_Snapshot):
         super().__init__(root, stash=False)
 
 
+class _Reinstalling:
+    """The recompute context: installs ``snapshot`` on every entry. A recompute can run more
+    than once - a backward with ``create_graph=True`` (funcpar.meta's unrolled inner steps)
+    keeps the checkpoint in the graph, and the second-order backward recomputes it again -
+    so a single-use ``installed()`` context would fail there."""
+
+    def __init__(self, snapshot: _Snapshot) -> None:
+        self.snapshot = snapshot
+        self.entered: list[Any] = []
+
+    def __enter__(self) -> None:
+        context = self.snapshot.installed()
+        context.__enter__()
+        self.entered.append(context)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.entered.pop().__exit__(*exc)
+
+
 def _context_fn(module: nn.Module) -> Callable[[], tuple[Any, Any]]:
     """The checkpoint's ``context_fn`` for ``module``: made when the transform is applied, not
     while dynamo traces, which takes a function made outside the trace (not a closure made
@@ -413,7 +432,7 @@ def _contexts(module: nn.Module) -> tuple[Any, Any]:
     """
     if torch._guards.detect_fake_mode() is not None:
         return create_selective_checkpoint_contexts(_recompute)
-    return contextlib.nullcontext(), _Snapshot(module).installed()
+    return contextlib.nullcontext(), _Reinstalling(_Snapshot(module))
 
 
 def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _access, _launch
-from funcpar.kernels.inplace import fast_path_ok, fused_leaves_ok, writable
+from funcpar.kernels.inplace import decay_calls, fast_path_ok, fused_leaves_ok, writable
 from funcpar.kernels.multi_tensor import multi_tensor_ok, per_dtype
 
 __all__ = [
@@ -189,12 +189,7 @@ def _adamw_fused(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Lea
     # parameters as Python floats: this path runs eagerly on CPU, never traced.
     step = torch.tensor(float(s.count), dtype=torch.float32)
     lr, wd, eps = float(s.lr), float(s.weight_decay), float(s.eps)
-    every = list(range(len(p)))
-    calls = [(wd, every)] if wd == 0 else [(wd, [i for i in every if decay[i]]),
-                                            (0.0, [i for i in every if not decay[i]])]
-    for weight_decay, ids in calls:
-        if not ids:
-            continue
+    for weight_decay, ids in decay_calls(decay, wd):
         torch._fused_adamw_(
             [p[i] for i in ids], [grads[i] for i in ids], [m[i] for i in ids],
             [v[i] for i in ids], [vmax[i] for i in ids] if amsgrad else [], [step] * len(ids),

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "FUSED_DTYPES", "fast_path_ok", "fused_leaves_ok", "inplace_allowed", "inplace_updates",
-    "writable",
+    "FUSED_DTYPES", "decay_calls", "fast_path_ok", "fused_leaves_ok", "inplace_allowed",
+    "inplace_updates", "writable",
 ]
 
 _depth: list[bool] = []
@@ -93,3 +93,15 @@ def fused_leaves_ok(*columns: Sequence[Tensor | None]) -> bool:
             if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
                 return False
     return True
+
+
+def decay_calls(decay: Sequence[bool], weight_decay: float) -> list[tuple[float, list[int]]]:
+    """The fused kernels' calls under a weight-decay mask, ``[(weight_decay, leaf indices)]``:
+    the masked-out leaves in a call of their own with a decay of 0 (the kernels take one decay
+    per call and skip a zero one); empty groups left out."""
+    every = list(range(len(decay)))
+    if weight_decay == 0:
+        return [(weight_decay, every)] if every else []
+    calls = [(weight_decay, [i for i in every if decay[i]]),
+             (0.0, [i for i in every if not decay[i]])]
+    return [(wd, ids) for wd, ids in calls if ids]

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _access, _launch
-from funcpar.kernels.inplace import fast_path_ok, fused_leaves_ok, writable
+from funcpar.kernels.inplace import decay_calls, fast_path_ok, fused_leaves_ok, writable
 from funcpar.kernels.multi_tensor import multi_tensor_ok, per_dtype
 
 __all__ = ["SGDScalars", "sgd_fast", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
@@ -170,12 +170,7 @@ def _sgd_fused(
     # Hyperparameters as Python floats and the first-step flag as a bool: read on the host,
     # which this eager CPU path may do (it is never traced, sgd_step).
     lr, wd = float(s.lr), float(s.weight_decay)
-    every = list(range(len(p)))
-    calls = [(wd, every)] if wd == 0 else [(wd, [i for i in every if decay[i]]),
-                                            (0.0, [i for i in every if not decay[i]])]
-    for weight_decay, ids in calls:
-        if not ids:
-            continue
+    for weight_decay, ids in decay_calls(decay, wd):
         torch._fused_sgd_(
             [p[i] for i in ids], [grads[i] for i in ids],
             [b[i] for i in ids] if s.momentum else [], weight_decay=weight_decay,

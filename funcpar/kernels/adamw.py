@@ -24,7 +24,7 @@ from torch import Tensor
 
 from funcpar.kernels import _access, _launch
 from funcpar.kernels.inplace import decay_calls, fast_path_ok, fused_leaves_ok, writable
-from funcpar.kernels.multi_tensor import multi_tensor_ok, per_dtype
+from funcpar.kernels.multi_tensor import add_scaled, multi_tensor_ok, per_dtype
 
 __all__ = [
     "AdamWScalars", "adamw_fast", "adamw_leaf", "adamw_reference", "adamw_step", "adamw_triton",
@@ -257,13 +257,8 @@ def _adamw_multi(
                                       -_t(s.step_size), _t(s.lr_wd))
     denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(vmax if amsgrad else v),
                                                   bc2), eps)
-    u = list(torch._foreach_mul(torch._foreach_div(m, denom), step))
-    ids = [i for i, d in enumerate(decay) if d]
-    if ids:
-        decayed = torch._foreach_sub([u[i] for i in ids], torch._foreach_mul(
-            [params[i] for i in ids], [lr_wd[i] for i in ids]))
-        for i, x in zip(ids, decayed, strict=True):
-            u[i] = x
+    u = add_scaled(torch._foreach_mul(torch._foreach_div(m, denom), step), params, lr_wd, decay,
+                   subtract=True)
     out = torch._foreach_add(list(params), u) if write_params else list(u)
     return list(out), list(m), list(v), vmax
 

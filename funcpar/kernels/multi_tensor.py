@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["multi_tensor_ok", "per_dtype"]
+__all__ = ["add_scaled", "multi_tensor_ok", "per_dtype"]
 
 
 def multi_tensor_ok(*columns: Sequence[Tensor | None]) -> bool:
@@ -50,4 +50,20 @@ def per_dtype(dtypes: Sequence[torch.dtype], *scalars: Tensor) -> list[list[Tens
     for s in scalars:
         cast = {dt: s.to(dt) for dt in set(dtypes)}
         out.append([cast[dt] for dt in dtypes])
+    return out
+
+
+def add_scaled(xs: Sequence[Tensor], params: Sequence[Tensor], scales: Sequence[Tensor],
+               flags: Sequence[bool], *, subtract: bool = False) -> list[Tensor]:
+    """``xs[i] + scales[i] * params[i]`` (``-`` with ``subtract``) where ``flags[i]``, ``xs[i]``
+    elsewhere, by one multi-tensor multiply and one add: a weight decay under its mask (SGD's
+    coupled ``d + wd p``, AdamW's decoupled ``u - lr wd p``), rounded as the per-leaf reference
+    rounds it (the product, then the sum)."""
+    out = list(xs)
+    ids = [i for i, flag in enumerate(flags) if flag]
+    if ids:
+        scaled = torch._foreach_mul([params[i] for i in ids], [scales[i] for i in ids])
+        op = torch._foreach_sub if subtract else torch._foreach_add
+        for i, x in zip(ids, op([xs[i] for i in ids], scaled), strict=True):
+            out[i] = x
     return out

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from funcpar.kernels import _access, _launch
 from funcpar.kernels.inplace import decay_calls, fast_path_ok, fused_leaves_ok, writable
-from funcpar.kernels.multi_tensor import multi_tensor_ok, per_dtype
+from funcpar.kernels.multi_tensor import add_scaled, multi_tensor_ok, per_dtype
 
 __all__ = ["SGDScalars", "sgd_fast", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
 
@@ -86,13 +86,7 @@ def _sgd_multi(
     leaves (differentiable; funcpar.kernels.multi_tensor), the scalars cast once per dtype:
     the same values bit for bit."""
     wd, neg_lr = per_dtype([g.dtype for g in grads], _t(s.weight_decay), -_t(s.lr))
-    d = list(torch._foreach_neg(grads)) if maximize else list(grads)
-    ids = [i for i, dec in enumerate(decay) if dec]
-    if ids:
-        decayed = torch._foreach_add([d[i] for i in ids], torch._foreach_mul(
-            [params[i] for i in ids], [wd[i] for i in ids]))
-        for i, x in zip(ids, decayed, strict=True):
-            d[i] = x
+    d = add_scaled(torch._foreach_neg(grads) if maximize else grads, params, wd, decay)
     new_bufs: list[Tensor | None] = [None] * len(grads)
     if s.momentum:
         # torch.optim.SGD starts the buffer at the first d, undamped: a select per leaf (the

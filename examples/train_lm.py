@@ -36,8 +36,9 @@ recomputes every K-th block's activations in the backward instead of keeping the
 an MoE model into stages like a dense one, every stage's router losses reaching the loss
 (mesh ``pp x ep x dp x tp``).
 
-``--preset {hybrid,zero,ddp,gemini}`` composes through :mod:`funcpar.presets` (Colossal-AI's
-plugin names: ``hybrid_parallel``, ``low_level_zero``, ``ddp``, ``gemini``) instead of listing
+``--preset {hybrid,zero,ddp,gemini,moe}`` composes through :mod:`funcpar.presets` (Colossal-AI's
+plugin names: ``hybrid_parallel``, ``low_level_zero``, ``ddp``, ``gemini``, ``moe_hybrid``:
+``MoeHybridParallelPlugin``, with ``--experts`` and ``--ep``) instead of listing
 the transforms here; the result is the same step (docs/PRESETS.md). ``--plan`` prints the
 preset's plan: mesh, layouts, expected communication per step, memory per rank.
 """
@@ -58,7 +59,7 @@ from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, text_batches
 from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
 from funcpar.optim import chain, clip_by_global_norm, matrices_only, set_hyperparams, warmup_cosine
 from funcpar.optim.base import GradientTransformation
-from funcpar.presets import Preset, ddp, gemini, hybrid_parallel, low_level_zero
+from funcpar.presets import Preset, ddp, gemini, hybrid_parallel, low_level_zero, moe_hybrid
 from funcpar.shard.agree import check_ranks_agree
 from funcpar.shard.comm import comm_log, comm_report
 from funcpar.shard.layout import unshard_tree
@@ -216,11 +217,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     par.add_argument("--remat", type=int, default=0, metavar="K",
                      help="activation checkpointing of every K-th transformer block (1: all "
                           "blocks; 0: off): less activation memory for one more forward")
-    par.add_argument("--preset", default=None, choices=("hybrid", "zero", "ddp", "gemini"),
+    par.add_argument("--preset", default=None,
+                     choices=("hybrid", "zero", "ddp", "gemini", "moe"),
                      help="compose with funcpar.presets instead: hybrid = hybrid_parallel(tp_size"
                           "=--tp, pp_size=--pp, zero_stage=--zero), zero = low_level_zero(stage="
                           "--zero or 1), ddp = ddp(), gemini = gemini(offload='cpu', tp_size="
-                          "--tp); --precision and --sequence-parallel apply")
+                          "--tp), moe = moe_hybrid(ep_size=--ep, tp_size=--tp, pp_size=--pp, "
+                          "zero_stage=--zero; needs --experts); --precision and "
+                          "--sequence-parallel apply")
     par.add_argument("--plan", action="store_true",
                      help="with --preset: print its plan (layouts, expected communication per "
                           "step, memory per rank) on rank 0")
@@ -308,9 +312,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--preset gemini is ZeRO-3: drop --zero or pass --zero 3")
     if args.ep > 1 and (args.experts == 0 or args.experts % args.ep):
         p.error(f"--ep {args.ep} needs --experts divisible by it, got --experts {args.experts}")
-    if args.experts and args.preset is not None:
-        p.error("--experts works with --ep, --pp, --tp, --dp, --zero, --remat and --precision; "
-                "not yet with --preset (docs/MOE.md, Not yet)")
+    if args.experts and args.preset not in (None, "moe"):
+        p.error(f"--preset {args.preset} has no expert parallelism: with --experts use "
+                "--preset moe (moe_hybrid) or compose by hand (drop --preset)")
+    if args.preset == "moe" and (not args.experts or args.ep < 2):
+        p.error("--preset moe is moe_hybrid: it needs --experts and --ep >= 2")
     if args.experts and args.sequence_parallel:
         p.error("--sequence-parallel does not work with --experts: an MoE block routes each "
                 "whole sequence (docs/MOE.md)")
@@ -420,6 +426,12 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
                                microbatches=args.microbatches if args.pp > 1 else None,
                                pp_style=args.schedule, num_model_chunks=args.virtual_stages,
                                sequence_parallel=args.sequence_parallel, **common)
+    if args.preset == "moe":
+        return moe_hybrid(ep_size=args.ep, tp_size=mesh.size("tp"), pp_size=args.pp,
+                          zero_stage=args.zero,
+                          microbatches=args.microbatches if args.pp > 1 else None,
+                          pp_style=args.schedule, num_model_chunks=args.virtual_stages,
+                          **common)
     if args.preset == "zero":
         return low_level_zero(stage=args.zero or 1, **common)
     if args.preset == "ddp":

@@ -308,6 +308,9 @@ def test_remat_and_preset_flag_errors(capsys):
         (["--preset", "gemini", "--zero", "2"], "--preset gemini is ZeRO-3"),
         (["--preset", "ddp", "--tp", "2"], "--preset ddp is data parallel only"),
         (["--preset", "zero", "--remat", "1"], "--remat is not part of the presets"),
+        (["--preset", "hybrid", "--experts", "4"], "--preset hybrid has no expert parallelism"),
+        (["--preset", "moe", "--experts", "4"], "--preset moe is moe_hybrid: it needs"),
+        (["--preset", "moe"], "--preset moe is moe_hybrid: it needs"),
     ):
         with pytest.raises(SystemExit):
             train_lm.main(argv)

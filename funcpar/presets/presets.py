@@ -66,6 +66,7 @@ from funcpar.state.functional import functionalize
 from funcpar.state.train_state import TrainState, init_state
 from funcpar.train.step import TrainStep, make_train_step
 from funcpar.transforms.amp_cast import amp_cast
+from funcpar.transforms.compose import require_fresh
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.expert_parallel import expert_parallel
 from funcpar.transforms.offload import offload as offload_transform
@@ -394,9 +395,7 @@ class Preset:
 
     def __call__(self, step: TrainStep, state: TrainState) -> Composed:
         """The composition applied to a fresh ``(step, state)`` (a transform)."""
-        if int(state.step) != 0:
-            raise ValueError(f"{self.name}: takes a fresh state (step 0), got step "
-                             f"{int(state.step)}; move trained states through a checkpoint")
+        require_fresh(state, f"{self.name}:", "move trained states through a checkpoint")
         mesh = self.build_mesh()
         if self.max_norm is not None:
             # Prepended to the optimizer before any transform, so every transform that

@@ -66,6 +66,7 @@ from funcpar.shard.layout import Layout, Shard, shard_tensor
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state.train_state import TrainState
 from funcpar.train.step import TrainStep
+from funcpar.transforms.compose import require_before_partition, require_fresh
 from funcpar.transforms.data_parallel import bucketed_mean, split_batch
 
 __all__ = ["expert_leaves", "expert_parallel"]
@@ -244,9 +245,6 @@ def _check_world(mesh: DeviceMesh) -> None:
 
 
 def _refuse(step: TrainStep, state: TrainState) -> None:
-    if int(state.step) != 0:
-        raise ValueError(f"expert_parallel takes a fresh state (step 0), got step "
-                         f"{int(state.step)}; reshard trained states through a checkpoint")
-    if step.partition is not None:
-        raise ValueError("apply expert_parallel before zero_partition: the partition cuts the "
-                         "expert shards over their data-parallel group")
+    require_fresh(state, "expert_parallel")
+    require_before_partition(step, "expert_parallel",
+                             "expert shards over their data-parallel group")

@@ -66,6 +66,7 @@ from funcpar.shard.mesh import DeviceMesh
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree
 from funcpar.train.step import TrainStep
+from funcpar.transforms.compose import require_fresh
 
 __all__ = ["pipeline_split"]
 
@@ -111,9 +112,7 @@ def pipeline_split(
         if later:
             raise ValueError(f"apply pipeline_split first: the step already has {later}, which "
                              "must apply per stage, after the model is cut")
-        if int(state.step) != 0:
-            raise ValueError(f"pipeline_split takes a fresh state (step 0), got step "
-                             f"{int(state.step)}")
+        require_fresh(state, "pipeline_split", remedy="")
         module = getattr(step.apply_fn, "module", None)
         if module is None:
             raise TypeError("pipeline_split needs a step built on functionalize(module)'s "

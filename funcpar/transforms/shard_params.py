@@ -105,6 +105,7 @@ from funcpar.shard.tp_ops import (
 )
 from funcpar.state.train_state import TrainState
 from funcpar.train.step import TrainStep
+from funcpar.transforms.compose import require_before_partition, require_fresh
 
 __all__ = ["logits_of", "shard_params"]
 
@@ -131,12 +132,8 @@ def shard_params(
         module = getattr(step.apply_fn, "module", None)
         if module is None:
             raise TypeError("shard_params needs a step built on functionalize(module)'s apply_fn")
-        if int(state.step) != 0:
-            raise ValueError(f"shard_params takes a fresh state (step 0), got step "
-                             f"{int(state.step)}; reshard trained states through a checkpoint")
-        if step.partition is not None:
-            raise ValueError("apply shard_params before zero_partition: the partition cuts the "
-                             "tensor-parallel shards")
+        require_fresh(state, "shard_params")
+        require_before_partition(step, "shard_params", "tensor-parallel shards")
         if step.layouts is not None:
             raise ValueError("the step is already sharded (it has layouts): apply shard_params "
                              "once, and before expert_parallel (which cuts the tensor-parallel "

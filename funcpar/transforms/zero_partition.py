@@ -51,6 +51,7 @@ from funcpar.shard.mesh import DeviceMesh
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, leaves_like, named_leaves, tree_flatten, tree_unflatten
 from funcpar.train.step import TrainStep
+from funcpar.transforms.compose import require_fresh
 
 __all__ = ["ZeroPlan", "plan_partition", "zero_partition"]
 
@@ -217,9 +218,7 @@ def zero_partition(
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
         if step.partition is not None:
             raise ValueError("the step is already partitioned: apply zero_partition once")
-        if int(state.step) != 0:
-            raise ValueError(f"zero_partition takes a fresh state (step 0), got step "
-                             f"{int(state.step)}; repartition trained states via a checkpoint")
+        require_fresh(state, "zero_partition", "repartition trained states via a checkpoint")
         if step.dp_axis not in (None, axis):
             raise ValueError(f"data_parallel is over {step.dp_axis!r} but zero_partition over "
                              f"{axis!r}: they must share the axis")

@@ -19,6 +19,17 @@ largest one, as they travel), the larger of the send and receive buffers for all
 
 These are not autograd functions: a differentiable collective (Megatron's f/g operators) wraps
 them in a ``torch.autograd.Function`` so that its traffic is recorded too.
+
+**Traced.** Inside :func:`traced_collectives` (the whole-step compile,
+:mod:`funcpar.train.whole_step`, traces the step under it with ``make_fx``) :func:`all_reduce`,
+:func:`all_gather`, :func:`reduce_scatter`, :func:`broadcast` and :func:`all_to_all` issue
+torch's *functional* collectives (``torch.distributed._functional_collectives``: an
+``_c10d_functional`` op and its ``wait_tensor``, which ``make_fx``, AOTAutograd and inductor
+keep in the graph), so a step with collectives stays one compiled region. Their records are
+collected, not logged, while tracing; the region replays them (:meth:`CommLog.replay`) each
+time the compiled graph runs, so :data:`comm_log` and :func:`comm_report` account the same
+bytes as the eager step. The point-to-point ones (:func:`send`, :func:`recv`,
+:func:`batch_p2p`) have no functional form and refuse to be traced.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ __all__ = [
     "reduce_scatter",
     "send",
     "summarize",
+    "traced_collectives",
 ]
 
 
@@ -78,6 +90,7 @@ class CommLog:
         self.enabled = False
         self.step: int | None = None
         self._captures: list[list[CommRecord]] = []
+        self._traces: list[list[CommRecord]] = []
 
     def begin_step(self, step: int) -> None:
         """Tag the collectives that follow with ``step``."""
@@ -90,26 +103,46 @@ class CommLog:
         self.records.clear()
         self.step = None
 
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[list[CommRecord]]:
+    def capture(self) -> contextlib.AbstractContextManager[list[CommRecord]]:
         """``with comm_log.capture() as recs:`` - ``recs`` fills with the block's collectives."""
-        recs: list[CommRecord] = []
-        self._captures.append(recs)
-        try:
-            yield recs
-        finally:
-            self._captures.remove(recs)
+        return _collecting(self._captures)
 
     def record(self, op: str, mesh: DeviceMesh, axis: str, nbytes: int, purpose: str,
                dtype: torch.dtype) -> None:
+        if not (self._traces or self.enabled or self._captures):
+            return
+        rec = CommRecord(None, op, axis, mesh.size(axis), int(nbytes), purpose,
+                         str(dtype).removeprefix("torch."))
+        if self._traces:  # issued into a graph being traced: the graph's runs replay it
+            self._traces[-1].append(rec)
+            return
+        self._add(rec)
+
+    def replay(self, records: Sequence[CommRecord]) -> None:
+        """Log ``records`` (collected by :func:`traced_collectives`) as issued now, tagged with
+        the current step: what a traced region calls after each run of its graph."""
+        for rec in records:
+            self._add(rec)
+
+    def _add(self, rec: CommRecord) -> None:
         if not (self.enabled or self._captures):
             return
-        rec = CommRecord(self.step, op, axis, mesh.size(axis), int(nbytes), purpose,
-                         str(dtype).removeprefix("torch."))
+        rec = rec._replace(step=self.step)
         if self.enabled:
             self.records.append(rec)
         for recs in self._captures:
             recs.append(rec)
+
+
+@contextlib.contextmanager
+def _collecting(into: list[list[CommRecord]]) -> Iterator[list[CommRecord]]:
+    """A fresh list of records, in ``into`` for the block's duration."""
+    recs: list[CommRecord] = []
+    into.append(recs)
+    try:
+        yield recs
+    finally:
+        into.remove(recs)
 
 
 #: The process-local log every collective of this module reports to.
@@ -174,6 +207,32 @@ def comm_report(
 _OPS = ("sum", "max", "min")
 
 
+@contextlib.contextmanager
+def traced_collectives() -> Iterator[list[CommRecord]]:
+    """Inside: the collectives of this module are functional (traceable into a graph, see the
+    module docstring), and what they would record is collected into the yielded list instead
+    of the log (the graph's every run replays it with :meth:`CommLog.replay`)."""
+    with _collecting(comm_log._traces) as recs:
+        yield recs
+
+
+def _traced() -> bool:
+    return bool(comm_log._traces)
+
+
+def _funcol() -> Any:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def _untraceable(what: str, purpose: str) -> None:
+    if _traced():
+        raise RuntimeError(f"{what} ({purpose}) has no functional collective and cannot be "
+                           "traced into a compiled region (the whole-step compile refuses "
+                           "pipelines for that reason)")
+
+
 def _reduce_op(op: str) -> Any:
     import torch.distributed as dist
 
@@ -229,6 +288,10 @@ def all_reduce(
     if mesh.size(axis) == 1:
         return Pending(None, t) if async_op else t
     group = mesh.group(axis)
+    if _traced():  # a new tensor even when ``inplace``: callers take the returned one
+        comm_log.record("all_reduce", mesh, axis, _nbytes(t), purpose, t.dtype)
+        out = _funcol().all_reduce(t.contiguous(), op, group)
+        return Pending(None, out) if async_op else out
     import torch.distributed as dist
 
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
@@ -272,6 +335,9 @@ def all_gather(
     import torch.distributed as dist
 
     if sizes is None:
+        if _traced():
+            raise ValueError(f"a traced all_gather over {axis} needs the sizes ({purpose}): "
+                             "exchanging them would read a tensor on the host")
         mine = torch.tensor([t.shape[d]], dtype=torch.int64, device=t.device)
         got = [torch.empty_like(mine) for _ in range(k)]
         comm_log.record("all_gather", mesh, axis, _nbytes(mine) * k, f"{purpose} (sizes)",
@@ -289,9 +355,13 @@ def all_gather(
     if longest == 0:
         return Pending(None, t.clone()) if async_op else t.clone()
     piece = _pad0(front, longest)
-    bufs = [torch.empty_like(piece) for _ in range(k)]
     comm_log.record("all_gather", mesh, axis, _nbytes(piece) * k, purpose, t.dtype)
-    work = dist.all_gather(bufs, piece, group=group, async_op=async_op)
+    if _traced():
+        bufs = _funcol().all_gather_single(piece, 0, group).chunk(k)
+        work = None
+    else:
+        bufs = [torch.empty_like(piece) for _ in range(k)]
+        work = dist.all_gather(bufs, piece, group=group, async_op=async_op)
 
     def finish() -> Tensor:
         out = torch.cat([b[:s] for b, s in zip(bufs, sizes)])
@@ -324,6 +394,9 @@ def all_to_all(
 
     out = t.new_empty((sum(recv_sizes), *t.shape[1:]))
     comm_log.record("all_to_all", mesh, axis, max(_nbytes(t), _nbytes(out)), purpose, t.dtype)
+    if _traced():
+        return _funcol().all_to_all_single(t.contiguous(), recv_sizes, send_sizes,
+                                           mesh.group(axis))
     dist.all_to_all_single(out, t.contiguous(), recv_sizes, send_sizes, group=mesh.group(axis))
     return out
 
@@ -363,9 +436,12 @@ def reduce_scatter(
     import torch.distributed as dist
 
     pieces = [_pad0(p, longest) for p in torch.split(front, sizes)]
-    out = torch.empty_like(pieces[0])
-    comm_log.record("reduce_scatter", mesh, axis, _nbytes(out) * k, purpose, t.dtype)
-    dist.reduce_scatter(out, pieces, op=red, group=group)
+    comm_log.record("reduce_scatter", mesh, axis, _nbytes(pieces[0]) * k, purpose, t.dtype)
+    if _traced():
+        out = _funcol().reduce_scatter_single(torch.cat(pieces), op, 0, group)
+    else:
+        out = torch.empty_like(pieces[0])
+        dist.reduce_scatter(out, pieces, op=red, group=group)
     return out[:mine].movedim(0, d).contiguous()
 
 
@@ -382,6 +458,11 @@ def broadcast(
     group = mesh.group(axis)
     import torch.distributed as dist
 
+    if _traced():
+        comm_log.record("broadcast", mesh, axis, _nbytes(t), purpose, t.dtype)
+        # The functional op's root is a rank of the group, not of the world.
+        root = dist.get_group_rank(group, mesh.group_ranks(axis)[src])
+        return _funcol().broadcast(t.contiguous(), root, group)
     out = t.clone(memory_format=torch.contiguous_format)
     comm_log.record("broadcast", mesh, axis, _nbytes(out), purpose, out.dtype)
     dist.broadcast(out, src=mesh.group_ranks(axis)[src], group=group)
@@ -400,6 +481,7 @@ def _peer(mesh: DeviceMesh, axis: str, peer: int, what: str) -> int:
 
 def send(t: Tensor, mesh: DeviceMesh, axis: str, *, dst: int, purpose: str = "") -> None:
     """Send ``t`` to the rank at coordinate ``dst`` of ``axis`` (which calls :func:`recv`)."""
+    _untraceable("send", purpose)
     peer = _peer(mesh, axis, dst, "send dst")
     import torch.distributed as dist
 
@@ -410,6 +492,7 @@ def send(t: Tensor, mesh: DeviceMesh, axis: str, *, dst: int, purpose: str = "")
 
 def recv(like: Tensor, mesh: DeviceMesh, axis: str, *, src: int, purpose: str = "") -> Tensor:
     """Receive, from the rank at coordinate ``src`` of ``axis``, a tensor shaped like ``like``."""
+    _untraceable("recv", purpose)
     peer = _peer(mesh, axis, src, "recv src")
     import torch.distributed as dist
 
@@ -444,6 +527,7 @@ def batch_p2p(ops: Sequence[P2POp], mesh: DeviceMesh, axis: str) -> list[Pending
     """
     if not ops:
         return []
+    _untraceable("batch_p2p", ops[0].purpose)
     import torch.distributed as dist
 
     group = mesh.group(axis)

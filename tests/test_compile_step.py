@@ -124,10 +124,14 @@ def test_whole_step_fp16_equals_eager_with_a_skip(monkeypatch):
                         (ref.params, ref.opt_state, ref.extras, ref_losses))
 
 
-def test_hooks_that_communicate_keep_the_forward_backward_region():
+def test_what_keeps_the_forward_backward_region():
+    """Hooks that communicate (sync_grads, overlap_grads, sync_loss) are traced into the
+    region (tests/test_whole_step_parallel.py); a pipeline (point-to-point transfers) and
+    update_in_backward keep the forward+backward-only compile."""
     apply_fn, _, _, opt = _setup(adamw(lr=1e-2))
     step = make_train_step(apply_fn, lm_loss, opt, compile=True)
     assert whole_step.applies(step) is None
-    synced = dataclasses.replace(step, sync_grads=lambda g: g)
-    assert whole_step.applies(synced) == "the step has sync_grads"
-    assert synced._whole is None
+    assert whole_step.applies(dataclasses.replace(step, sync_grads=lambda g: g)) is None
+    piped = dataclasses.replace(step, pipeline=object())
+    assert whole_step.applies(piped).startswith("the step has pipeline")
+    assert piped._whole is None

@@ -21,7 +21,7 @@ from funcpar.state.functional import ApplyFn
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
 from funcpar.train.in_backward import check_in_backward, loss_and_update
-from funcpar.train.whole_step import WholeStep, applies, select
+from funcpar.train.whole_step import NotTraceable, WholeStep, applies, select
 
 __all__ = ["GradSync", "LossScaler", "TrainStep", "loss_and_grads", "make_train_step"]
 
@@ -226,15 +226,17 @@ class TrainStep:
     complete, and the gradient dropped, so the peak holds one gradient instead of all. Only
     for per-leaf optimizers (a ``clip_by_global_norm`` in the chain is refused) on one process.
 
-    ``compile`` (``make_train_step(..., compile=True)``): on one process, with no hook that
-    communicates (``sync_grads``, ``overlap_grads``, ``sync_loss``, ``pipeline``,
-    ``update_in_backward``) and without ``remat``, the whole step - forward, backward, fp16
-    unscale and inf/nan check, the ``grad_norm`` metric, clipping and the optimizer - is one
-    compiled region with no graph break (:mod:`funcpar.train.whole_step`: traced by
+    ``compile`` (``make_train_step(..., compile=True)``): the whole step - forward, backward,
+    fp16 unscale and inf/nan check, the ``grad_norm`` metric, clipping and the optimizer - is
+    one compiled region with no graph break (:mod:`funcpar.train.whole_step`: traced by
     ``make_fx``, compiled ``fullgraph=True``); an fp16 skip is a ``torch.where`` selection
-    inside it, so no bool is read on the host. Otherwise (tensor/data parallel, ZeRO,
-    pipelines, remat) only the forward and backward are compiled and the collectives and the
-    optimizer run eagerly after it.
+    inside it, so no bool is read on the host. Under the hooks that communicate
+    (``sync_grads``, ``overlap_grads``, ``sync_loss``: data/tensor parallel, ZeRO 1-3) the
+    collectives are functional collectives inside the region (``overlap_grads``' buckets are
+    reduced after the backward there), and with ``remat`` the recompute is traced into the
+    region's backward. A ``pipeline``, ``update_in_backward`` and a remat step whose trace
+    draws random numbers (its recompute could not replay them) compile the forward and
+    backward alone, with the collectives and the optimizer eager after it.
 
     ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
     they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
@@ -285,7 +287,8 @@ class TrainStep:
     def _whole(self) -> Any:
         if not self.compile or applies(self) is not None:
             return None
-        return WholeStep(functools.partial(self._core, traced=True))
+        return WholeStep(functools.partial(self._core, traced=True),
+                         remat=bool(getattr(self.apply_fn, "remat", False)))
 
     def _core(self, params, buffers, opt_state, batch, extras, traced=False):
         # traced: run inside the whole-step region (funcpar.train.whole_step): the backward is
@@ -311,7 +314,10 @@ class TrainStep:
                 loss, grads, new_buffers = self._grads_of(params, buffers, batch, scale)
         else:
             sync = self.overlap_grads(tree_flatten(params)[0])
-            if self.compile:  # no hooks inside the compiled graph: reduce after the backward
+            if traced:  # no hooks in a traced graph: the buckets reduce after the backward
+                loss, grads, new_buffers = loss_and_grads(self.apply_fn, self.loss_fn, params,
+                                                          buffers, batch, loss_scale=scale)
+            elif self.compile:  # no hooks inside the compiled graph: reduce after the backward
                 loss, grads, new_buffers = self._grads_of(params, buffers, batch, scale)
             else:
                 loss, grads, new_buffers = loss_and_grads(
@@ -369,10 +375,17 @@ class TrainStep:
                    else contextlib.nullcontext())
         with torch.random.fork_rng(devices=devices), inplace:
             _set_rng(device, state.rng)
-            core = self._core if whole is None else whole
-            params, buffers, opt_state, loss, gnorm, finite = core(
-                state.params, state.buffers, state.opt_state, batch, extras
-            )
+            args = (state.params, state.buffers, state.opt_state, batch, extras)
+            try:
+                params, buffers, opt_state, loss, gnorm, finite = (
+                    self._core if whole is None else whole)(*args)
+            except NotTraceable:
+                # Refused at trace (remat with random draws): the forward and backward alone
+                # are compiled from now on, this call included, from the state's generator.
+                self.__dict__["_whole"] = None
+                _set_rng(device, state.rng)
+                with inplace_updates() if self.donate else contextlib.nullcontext():
+                    params, buffers, opt_state, loss, gnorm, finite = self._core(*args)
             rng = _get_rng(device)
         if self.donate:
             params = donate_into(state.params, params)
@@ -399,12 +412,13 @@ def make_train_step(
     update_in_backward: bool = False,
 ) -> TrainStep:
     """The pure training step of ``apply_fn``, ``loss_fn`` and ``optimizer`` (see
-    :class:`TrainStep`). With ``compile=True`` the whole step is one compiled region on one
-    process (the forward and backward only under the parallel transforms; :class:`TrainStep`'s
-    ``compile``). With ``donate=True`` each call consumes the state it is given and
-    returns the next one in its storage (:class:`TrainStep`'s ``donate``): keep only the
-    returned state. ``update_in_backward=True`` (with ``donate``) updates each leaf as soon as
-    its gradient is complete (per-leaf optimizers, one process)."""
+    :class:`TrainStep`). With ``compile=True`` the whole step is one compiled region, its
+    collectives included (the forward and backward only under a pipeline or
+    ``update_in_backward``; :class:`TrainStep`'s ``compile``). With ``donate=True`` each call
+    consumes the state it is given and returns the next one in its storage
+    (:class:`TrainStep`'s ``donate``): keep only the returned state.
+    ``update_in_backward=True`` (with ``donate``) updates each leaf as soon as its gradient is
+    complete (per-leaf optimizers, one process)."""
     return TrainStep(apply_fn, loss_fn, optimizer, layouts=layouts, compile=compile,
                      donate=donate, update_in_backward=update_in_backward)
 

@@ -14,10 +14,32 @@ An fp16 skipped step is a ``torch.where`` selection of the old leaves inside the
 read). Random draws inside the region come from the compiled graph's generator, as under
 ``torch.compile`` of a module.
 
-Used by :class:`~funcpar.train.step.TrainStep` on one process without hooks that communicate
-(no ``sync_grads`` / ``overlap_grads`` / ``sync_loss`` / ``pipeline`` / ``update_in_backward``)
-and without :func:`~funcpar.transforms.remat`;
-otherwise ``compile=True`` compiles the forward and backward only (:func:`applies` says why).
+**Collectives.** Under :func:`~funcpar.transforms.data_parallel`,
+:func:`~funcpar.transforms.shard_params` and :func:`~funcpar.transforms.zero_partition` the step
+is traced inside :func:`funcpar.shard.comm.traced_collectives`: every collective of
+:mod:`funcpar.shard.comm` (the bucketed gradient all-reduce, ZeRO's reduce-scatters and
+gathers, tensor parallelism's forward/backward all-reduces, the reductions of
+:mod:`funcpar.shard.reduce`, the loss mean, the fp16 finite flag) is a functional collective
+(``_c10d_functional.*`` + ``wait_tensor``) inside the graph, so the step is still one region
+with no graph break, on every rank. The trace runs the collectives once (``make_fx`` traces
+with real tensors, so every rank must trace the same signature at the same call, as it does:
+ranks build the same step); the records they would have logged are kept with the graph and
+replayed into :data:`~funcpar.shard.comm.comm_log` at each run, so ``comm_report`` counts the
+same collectives and bytes as the eager step. Under data parallelism the buckets are reduced
+after the backward (no hooks in a traced graph; inductor may reorder them).
+
+**remat.** The checkpoints run at trace time as eager ones do: the forward's ops are traced,
+and the backward's recompute, which ``torch.utils.checkpoint`` runs from the module state it
+recorded, is traced again into the backward part of the graph, so the graph recomputes the
+blocks' activations instead of keeping them. ``torch.set_rng_state``, with which a checkpoint
+replays the forward's random draws, is not an op ``make_fx`` traces: a region whose trace holds
+a random op (dropout) under remat would draw a different mask in the recompute, so
+:meth:`WholeStep._build` refuses it (:class:`NotTraceable`) and the step compiles the forward
+and backward only.
+
+Not covered (:func:`applies` says why; ``compile=True`` then compiles the forward and
+backward only): ``pipeline`` (point-to-point transfers have no functional collective) and
+``update_in_backward`` (per-leaf hooks in the backward).
 """
 
 from __future__ import annotations
@@ -29,31 +51,66 @@ import torch
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from funcpar.shard import comm
 from funcpar.state.tree import Tree, tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["WholeStep", "applies", "select"]
+__all__ = ["NotTraceable", "WholeStep", "applies", "peak_live_bytes", "select"]
 
 #: The ``torch.compile`` backend of the region (tests use ``"aot_eager"``: same capture,
 #: no code generation).
 BACKEND = "inductor"
 
 
+class NotTraceable(RuntimeError):
+    """The step's trace holds something the region cannot run as eager would (the message
+    says what); the step falls back to compiling the forward and backward only."""
+
+
 def applies(step: Any) -> str | None:
     """``None`` when ``step`` compiles as one region, else why it does not."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return "more than one process (collectives stay eager)"
-    for hook in ("sync_grads", "overlap_grads", "sync_loss", "pipeline"):
-        if getattr(step, hook, None) is not None:
-            return f"the step has {hook}"
+    if getattr(step, "pipeline", None) is not None:
+        return "the step has pipeline (point-to-point transfers are not traceable)"
     if getattr(step, "update_in_backward", False):
         return "update_in_backward"
-    if getattr(step.apply_fn, "remat", False):
-        # remat's checkpoints recompute from module state that only dynamo's checkpoint
-        # operator captures; make_fx would replay them eagerly (docs/REMAT.md).
-        return "remat (its checkpoints compile with the forward and backward)"
     return None
+
+
+def _random_ops(graph: torch.fx.GraphModule) -> list[str]:
+    """The ops of ``graph`` that draw random numbers: those torch tags as seeded, except the
+    attention kernels called with ``dropout_p == 0`` (tagged for their dropout alone)."""
+    def draws(node: torch.fx.Node) -> bool:
+        if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+            return False
+        names = [a.name for a in node.target._schema.arguments]
+        if "dropout_p" not in names:
+            return True
+        i = names.index("dropout_p")
+        p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+        return not (isinstance(p, (int, float)) and p == 0)
+
+    return [str(n.target) for n in graph.graph.nodes if n.op == "call_function" and draws(n)]
+
+
+def peak_live_bytes(graph: torch.fx.GraphModule) -> int:
+    """The most bytes of intermediate values alive at once when ``graph``'s nodes run in their
+    order, each freed after its last use (inputs not counted): ``max_i sum_{n live at i}
+    bytes(n)``. The traced region's order is the eager step's, so under remat this shows the
+    activations the recompute no longer keeps from the forward to the backward (the compiler
+    may reorder; this is the graph as traced)."""
+    nodes = list(graph.graph.nodes)
+    last = {a: i for i, n in enumerate(nodes) for a in n.all_input_nodes}
+    live: dict[torch.fx.Node, int] = {}
+    cur = peak = 0
+    for i, n in enumerate(nodes):
+        val = n.meta.get("val")
+        if n.op != "placeholder" and torch.is_tensor(val):
+            live[n] = val.numel() * val.element_size()
+            cur += live[n]
+        peak = max(peak, cur)
+        for a in n.all_input_nodes:
+            if last[a] == i and a in live:
+                cur -= live.pop(a)
+    return peak
 
 
 def select(finite: Tensor, new: Tree, old: Tree) -> Tree:
@@ -76,22 +133,40 @@ class WholeStep:
     ``(params, buffers, opt_state, batch, extras) -> (params, buffers, opt_state, loss,
     grad_norm, finite)``, as ``TrainStep._core`` computes it."""
 
-    def __init__(self, core: Callable[..., tuple]) -> None:
+    def __init__(self, core: Callable[..., tuple], remat: bool = False) -> None:
         self._core = core  # TrainStep._core with traced=True
-        self._graphs: dict[Any, tuple[Callable, list[Any]]] = {}
+        self._remat = remat  # the apply_fn checkpoints blocks (random ops are refused)
+        self._graphs: dict[Any, tuple[Callable, list[Any], list[comm.CommRecord]]] = {}
 
     def __call__(self, params: Tree, buffers: Tree, opt_state: Tree, batch: Any,
                  extras: Any) -> tuple:
-        leaves, spec = tree_flatten((params, buffers, opt_state, batch, extras))
+        leaves, entry = self._entry((params, buffers, opt_state, batch, extras))
+        fn, out_spec, records = entry
+        out = fn([x for x in leaves if torch.is_tensor(x)])
+        comm.comm_log.replay(records)  # the collectives this run issued from inside the graph
+        return tree_unflatten(out_spec[0], list(out))
+
+    def graph(self, params: Tree, buffers: Tree, opt_state: Tree, batch: Any,
+              extras: Any) -> torch.fx.GraphModule:
+        """The region's graph for inputs like these, as ``make_fx`` traced it (traced now if
+        this signature is new: the trace runs the step's ops once on the real inputs, drawing
+        from the generator and issuing its collectives, but returns nothing and compiles
+        nothing until the region is called)."""
+        return self._entry((params, buffers, opt_state, batch, extras))[1][0]._orig_mod
+
+    def traced_graphs(self) -> list[torch.fx.GraphModule]:
+        """The graphs traced so far (one per signature), as ``make_fx`` produced them."""
+        return [fn._orig_mod for fn, _, _ in self._graphs.values()]
+
+    def _entry(self, args: tuple) -> tuple[list[Any], tuple]:
+        leaves, spec = tree_flatten(args)
         key = (spec, tuple(_signature(x) for x in leaves))
         if key not in self._graphs:
             self._graphs[key] = self._build(spec, leaves)
-        fn, out_spec = self._graphs[key]
-        tensors = [x for x in leaves if torch.is_tensor(x)]
-        out = fn(tensors)
-        return tree_unflatten(out_spec[0], list(out))
+        return leaves, self._graphs[key]
 
-    def _build(self, spec: Any, leaves: list[Any]) -> tuple[Callable, list[Any]]:
+    def _build(self, spec: Any, leaves: list[Any]
+               ) -> tuple[Callable, list[Any], list[comm.CommRecord]]:
         is_t = [torch.is_tensor(x) for x in leaves]
         consts = [None if t else x for x, t in zip(leaves, is_t)]
         out_spec: list[Any] = []
@@ -107,6 +182,10 @@ class WholeStep:
         # Traced as torch.compile / torch.export's non-strict mode trace: is_compiling() is
         # True, so code with a host-side fast path (a float() of a 0-d tensor, an in-place
         # multi-tensor kernel) takes its traceable path, as it would under dynamo.
-        with torch.compiler._compile_session_context():
+        # Collectives become functional ones in the graph; their records are kept to replay.
+        with torch.compiler._compile_session_context(), comm.traced_collectives() as records:
             graph = make_fx(region)([x for x in leaves if torch.is_tensor(x)])
-        return torch.compile(graph, backend=BACKEND, fullgraph=True), out_spec
+        if self._remat and (drawn := _random_ops(graph)):
+            raise NotTraceable(f"remat with random ops in the step ({', '.join(drawn[:3])}): "
+                               "the traced recompute would not replay the forward's draws")
+        return torch.compile(graph, backend=BACKEND, fullgraph=True), out_spec, list(records)

@@ -86,6 +86,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -427,12 +428,39 @@ def _contexts(module: nn.Module) -> tuple[Any, Any]:
       so there is nothing to record; the contexts are those of a plain checkpoint under
       compile (selective checkpointing's, every op recomputed), which tag the region's ops
       for the partitioner to recompute.
+    * While the whole-step region is traced by ``make_fx`` (:mod:`funcpar.train.whole_step`,
+      real tensors, ``torch.compiler.is_compiling()`` true): as eagerly - the recompute is
+      traced in the backward's place and needs the module state back - but as dispatch modes,
+      the only contexts ``torch.utils.checkpoint`` accepts while compiling.
 
     Disabled for dynamo: it is Python bookkeeping, and a traced copy would bake one branch in.
     """
     if torch._guards.detect_fake_mode() is not None:
         return create_selective_checkpoint_contexts(_recompute)
+    if torch.compiler.is_compiling():
+        return _Around(contextlib.nullcontext()), _Around(_Reinstalling(_Snapshot(module)))
     return contextlib.nullcontext(), _Reinstalling(_Snapshot(module))
+
+
+class _Around(TorchDispatchMode):
+    """A dispatch mode that passes every op through and holds ``context`` open while active."""
+
+    def __init__(self, context: Any) -> None:
+        super().__init__()
+        self.context = context
+
+    def __enter__(self) -> Any:
+        self.context.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.context.__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        return func(*args, **(kwargs or {}))
 
 
 def _recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -138,7 +138,7 @@ def decoupled_decay(p: Tensor, coeff: float | Tensor) -> Tensor:
     return torch.addcmul(p, p, torch.as_tensor(-coeff, dtype=torch.float64).to(p.dtype))
 
 
-def decoupled_decay_(p: Tensor, coeff: float | Tensor) -> Tensor:
+def decoupled_decay_(p: Float[Tensor, "*shape"], coeff: float | Tensor) -> Float[Tensor, "*shape"]:
     """:func:`decoupled_decay` in place on ``p`` (the same operation, the same rounding)."""
     return p.addcmul_(p, torch.as_tensor(-coeff, dtype=torch.float64).to(p.dtype))
 

@@ -343,6 +343,25 @@ def test_interp_statistics_and_norm_passes(shape):
 
 
 @interp
+@pytest.mark.parametrize("make", [
+    lambda lr: adafactor(lr=lr, relative_step=False, beta1=0.9),
+    lambda lr: came(lr=lr, weight_decay=0.1)], ids=["adafactor", "came"])
+def test_interp_lr_requiring_grad_is_refused_by_the_kernel_choice(make):
+    """Issue 17: only ``lr`` requires grad. In mode triton the passes that do not see it run
+    their kernels (here in the interpreter) and the first that does is refused by name; in
+    mode auto (CPU: no kernels) the step keeps lr's graph."""
+    p = {"w": torch.randn(6, 5), "b": torch.randn(5)}
+    g = {"w": torch.randn(6, 5), "b": torch.randn(5)}
+    lr = torch.tensor(0.01, dtype=torch.float64, requires_grad=True)
+    opt = make(lr)
+    with kernel_mode("triton"), pytest.raises(RuntimeError, match="not differentiable"):
+        update_params(opt, g, opt.init(p), p)
+    with kernel_mode("auto"):
+        new, _ = update_params(opt, g, opt.init(p), p)
+    assert new["w"].requires_grad and new["b"].requires_grad
+
+
+@interp
 @pytest.mark.parametrize("shape", [(5,), (1,), (), (300,), (3, 4, 5)])
 def test_interp_full_moment_pass(shape):
     from funcpar.kernels import _factored_triton as T

@@ -25,6 +25,9 @@ implementations, all built from the same initial weights and fed the same batche
   torch's own fused CPU kernel, as the plain loop's), the fair peer of the in-place plain loop;
 * ``funcpar-compile``: the same step with ``compile=True`` (one process: the whole step,
   forward, backward, norm, clip and optimizer update, is one compiled region);
+* ``funcpar-compile-donate``: ``funcpar-compile`` with ``donate=True``: the compiled region
+  writes the new state into the input's storage (an input mutation in the graph), so the
+  update allocates no new leaf-sized buffers;
 * ``funcpar-compile-cg`` (CUDA only): as ``funcpar-compile`` with ``torch.compile``'s
   ``mode="reduce-overhead"`` (CUDA graphs for the forward and backward). funcpar has no public
   switch for the compile mode yet, so this variant subclasses :class:`TrainStep` and overrides
@@ -96,8 +99,8 @@ PRESETS: dict[str, dict[str, int]] = {
                  steps=3, reps=3, warmup=2, peak_size=256),
 }
 VARIANTS = ("torch-eager", "torch-compile", "funcpar-eager", "funcpar-donate", "funcpar-compile",
-            "funcpar-compile-cg")
-COMPILED = ("torch-compile", "funcpar-compile", "funcpar-compile-cg")
+            "funcpar-compile-donate", "funcpar-compile-cg")
+COMPILED = ("torch-compile", "funcpar-compile", "funcpar-compile-donate", "funcpar-compile-cg")
 OPTIMS = ("adamw", "adafactor")
 # AdamW: the usual LLM settings; Adafactor: torch.optim.Adafactor's defaults.
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -173,8 +176,10 @@ def funcpar_runner(model: Llama, optim: str, variant: str, precision: str) -> Ru
     if variant == "funcpar-compile-cg":
         step = _CudaGraphStep(apply_fn, lm_loss, opt, compile=True)
     else:
-        step = make_train_step(apply_fn, lm_loss, opt, compile=variant == "funcpar-compile",
-                               donate=variant == "funcpar-donate")
+        step = make_train_step(
+            apply_fn, lm_loss, opt,
+            compile=variant in ("funcpar-compile", "funcpar-compile-donate"),
+            donate=variant in ("funcpar-donate", "funcpar-compile-donate"))
     state = init_state(params, buffers, opt)
     if PRECISIONS[precision] is not None:
         step, state = amp_cast(precision)(step, state)

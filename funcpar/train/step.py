@@ -288,7 +288,7 @@ class TrainStep:
         if not self.compile or applies(self) is not None:
             return None
         return WholeStep(functools.partial(self._core, traced=True),
-                         remat=bool(getattr(self.apply_fn, "remat", False)))
+                         remat=bool(getattr(self.apply_fn, "remat", False)), donate=self.donate)
 
     def _core(self, params, buffers, opt_state, batch, extras, traced=False):
         # traced: run inside the whole-step region (funcpar.train.whole_step): the backward is
@@ -369,8 +369,9 @@ class TrainStep:
         devices = [device] if device.type == "cuda" else []
         extras = state.extras
         whole = self._whole
-        # The compiled region returns new tensors (the in-place optimizer paths would mutate its
-        # inputs before an fp16 skip selects them): donation copies into the input after it.
+        # The compiled region does not take the in-place optimizer paths (they would mutate its
+        # inputs before an fp16 skip selects them); under donation it writes the selected new
+        # state into the inputs itself, and donate_into finds it there.
         inplace = (inplace_updates() if self.donate and whole is None
                    else contextlib.nullcontext())
         with torch.random.fork_rng(devices=devices), inplace:

@@ -37,6 +37,13 @@ a random op (dropout) under remat would draw a different mask in the recompute, 
 :meth:`WholeStep._build` refuses it (:class:`NotTraceable`) and the step compiles the forward
 and backward only.
 
+**Donation.** Under ``donate=True`` the region writes the new params, buffers and optimizer
+state into the input tensors before it returns them (a ``copy_`` into each input leaf, traced as
+an input mutation), so the compiled update lands in the donated storage: inductor stores its
+results there instead of allocating new leaf-sized buffers every step (and no copy is left
+for :func:`~funcpar.state.donation.donate_into` to make). The trace then runs on copies of the
+inputs, since ``make_fx`` executes what it traces.
+
 Not covered (:func:`applies` says why; ``compile=True`` then compiles the forward and
 backward only): ``pipeline`` (point-to-point transfers have no functional collective) and
 ``update_in_backward`` (per-leaf hooks in the backward).
@@ -113,6 +120,23 @@ def peak_live_bytes(graph: torch.fx.GraphModule) -> int:
     return peak
 
 
+def _into(old: Tree, new: Tree) -> Tree:
+    """``new`` with each tensor leaf written into ``old``'s leaf at its place (same shape,
+    dtype and device; not one ``old`` already holds) and that leaf returned in its stead."""
+    o_leaves, o_spec = tree_flatten(old)
+    n_leaves, n_spec = tree_flatten(new)
+    if o_spec != n_spec:
+        return new
+    out = []
+    for o, n in zip(o_leaves, n_leaves):
+        if (torch.is_tensor(o) and torch.is_tensor(n) and o is not n and o.shape == n.shape
+                and o.dtype == n.dtype and o.device == n.device):
+            o.copy_(n)
+            n = o
+        out.append(n)
+    return tree_unflatten(n_spec, out)
+
+
 def select(finite: Tensor, new: Tree, old: Tree) -> Tree:
     """``new`` where ``finite`` (a 0-d bool tensor) holds, else ``old``, leaf by leaf, without
     reading ``finite`` on the host; exact: a selected leaf is the old leaf's value."""
@@ -133,9 +157,11 @@ class WholeStep:
     ``(params, buffers, opt_state, batch, extras) -> (params, buffers, opt_state, loss,
     grad_norm, finite)``, as ``TrainStep._core`` computes it."""
 
-    def __init__(self, core: Callable[..., tuple], remat: bool = False) -> None:
+    def __init__(self, core: Callable[..., tuple], remat: bool = False,
+                 donate: bool = False) -> None:
         self._core = core  # TrainStep._core with traced=True
         self._remat = remat  # the apply_fn checkpoints blocks (random ops are refused)
+        self._donate = donate  # the new state is written into the input leaves
         self._graphs: dict[Any, tuple[Callable, list[Any], list[comm.CommRecord]]] = {}
 
     def __call__(self, params: Tree, buffers: Tree, opt_state: Tree, batch: Any,
@@ -174,7 +200,10 @@ class WholeStep:
         def region(tensors: list[Tensor]) -> list[Any]:
             it = iter(tensors)
             flat = [next(it) if t else c for t, c in zip(is_t, consts)]
-            result = self._core(*tree_unflatten(spec, flat))
+            args = tree_unflatten(spec, flat)
+            result = self._core(*args)
+            if self._donate:  # params, buffers, optimizer state: into the inputs' storage
+                result = (*(_into(a, r) for a, r in zip(args[:3], result[:3])), *result[3:])
             out, o_spec = tree_flatten(result)
             out_spec[:] = [o_spec]
             return out
@@ -183,8 +212,10 @@ class WholeStep:
         # True, so code with a host-side fast path (a float() of a 0-d tensor, an in-place
         # multi-tensor kernel) takes its traceable path, as it would under dynamo.
         # Collectives become functional ones in the graph; their records are kept to replay.
+        tensors = [x for x in leaves if torch.is_tensor(x)]
         with torch.compiler._compile_session_context(), comm.traced_collectives() as records:
-            graph = make_fx(region)([x for x in leaves if torch.is_tensor(x)])
+            # make_fx runs what it traces: a donating region writes into copies, not the state.
+            graph = make_fx(region)([x.clone() for x in tensors] if self._donate else tensors)
         if self._remat and (drawn := _random_ops(graph)):
             raise NotTraceable(f"remat with random ops in the step ({', '.join(drawn[:3])}): "
                                "the traced recompute would not replay the forward's draws")

@@ -1,0 +1,73 @@
+"""compile=True with donate=True: the whole-step region writes the new state into the input
+leaves itself (funcpar/train/whole_step.py ``_into``: a traced input mutation), so the
+compiled update lands in the donated storage.
+
+Reference: the same compiled step undonated, same state and batches, the ``eager`` backend
+(dynamo captures the traced graph, no code generation). The donating graph is the same graph
+plus one ``copy_`` per leaf, so the results must be bit-identical (as donation promises);
+an fp16 skipped step must leave the donated storage's values exactly as they were.
+"""
+
+from __future__ import annotations
+
+import torch
+from test_compile_step import _fresh, _region_ran_once  # the tests' dir is on sys.path
+
+from funcpar.models import Llama, LlamaConfig, lm_loss
+from funcpar.optim import adamw, chain, clip_by_global_norm
+from funcpar.state import functionalize, init_state
+from funcpar.state.donation import is_donated
+from funcpar.state.tree import tree_flatten
+from funcpar.train import make_train_step
+from funcpar.transforms import amp_cast
+
+
+def _loss(out, targets):  # a factor carried by the batch: inf poisons one step's gradients
+    tokens, factor = targets
+    return lm_loss(out, tokens) * factor
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randint(0, 32, (2, 8), generator=g) for _ in range(4)]
+    return [(x, (x, torch.tensor(float("inf") if i == 2 else 1.0))) for i, x in enumerate(xs)]
+
+
+def _run(donate):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, max_seq_len=8))
+    apply_fn, params, buffers = functionalize(model)
+    opt = chain(clip_by_global_norm(0.5), adamw(lr=1e-2))
+    step = make_train_step(apply_fn, _loss, opt, compile=True, donate=donate)
+    step, state = amp_cast("fp16")(step, init_state(params, buffers, opt))
+    states, skipped = [], []
+    for b in _batches():
+        before = state
+        ptrs = [t.data_ptr() for t in tree_flatten((before.params, before.opt_state))[0]
+                if torch.is_tensor(t)]
+        values = [t.clone() for t in tree_flatten(before.params)[0]]
+        state, m = step(state, b)
+        skipped.append(bool(m["skipped"]))
+        after = [t.data_ptr() for t in tree_flatten((state.params, state.opt_state))[0]
+                 if torch.is_tensor(t)]
+        states.append((after == ptrs, all(is_donated(t) for t in tree_flatten(before.params)[0]),
+                       values))
+    return step, state, states, skipped
+
+
+def test_donated_whole_step_in_place_and_bit_identical(monkeypatch):
+    _fresh("eager", monkeypatch)
+    _, ref, _, ref_skipped = _run(False)
+    _fresh("eager", monkeypatch)
+    step, got, states, skipped = _run(True)
+    _region_ran_once(step)
+    assert skipped == ref_skipped == [False, False, True, False]
+    for i, (same_storage, consumed, _) in enumerate(states):
+        assert same_storage and consumed, i  # written into the input, the input consumed
+    _, _, before_skip = states[2]
+    _, _, after_skip = states[3]
+    for a, b in zip(before_skip, after_skip):  # the skipped step left the values as they were
+        assert torch.equal(a, b)
+    for x, y in zip(tree_flatten((got.params, got.opt_state, got.extras))[0],
+                    tree_flatten((ref.params, ref.opt_state, ref.extras))[0], strict=True):
+        assert (x is None and y is None) or torch.equal(x, y)

@@ -28,9 +28,12 @@ def _loss(out, targets):  # a factor carried by the batch: inf poisons one step'
 
 
 def _batches():
+    # Inputs and targets are strided slices of one token tensor, as in language modelling: the
+    # donating trace runs on copies, which must keep the strides its views were traced for.
     g = torch.Generator().manual_seed(1)
-    xs = [torch.randint(0, 32, (2, 8), generator=g) for _ in range(4)]
-    return [(x, (x, torch.tensor(float("inf") if i == 2 else 1.0))) for i, x in enumerate(xs)]
+    xs = [torch.randint(0, 32, (2, 9), generator=g) for _ in range(4)]
+    return [(x[:, :-1], (x[:, 1:], torch.tensor(float("inf") if i == 2 else 1.0)))
+            for i, x in enumerate(xs)]
 
 
 def _run(donate):

@@ -146,9 +146,15 @@ def select(finite: Tensor, new: Tree, old: Tree) -> Tree:
     return tree_map(pick, new, old)
 
 
+def _copy(x: Tensor) -> Tensor:
+    """A copy of ``x`` with its strides (the graph's views are traced for them)."""
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
 def _signature(x: Any) -> Any:
+    # Strides too: the traced graph's reshapes are views where the traced strides allowed.
     if torch.is_tensor(x):
-        return ("T", tuple(x.shape), x.dtype, x.device, x.requires_grad)
+        return ("T", tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
     return ("C", type(x).__name__, repr(x))
 
 
@@ -215,7 +221,7 @@ class WholeStep:
         tensors = [x for x in leaves if torch.is_tensor(x)]
         with torch.compiler._compile_session_context(), comm.traced_collectives() as records:
             # make_fx runs what it traces: a donating region writes into copies, not the state.
-            graph = make_fx(region)([x.clone() for x in tensors] if self._donate else tensors)
+            graph = make_fx(region)([_copy(x) for x in tensors] if self._donate else tensors)
         if self._remat and (drawn := _random_ops(graph)):
             raise NotTraceable(f"remat with random ops in the step ({', '.join(drawn[:3])}): "
                                "the traced recompute would not replay the forward's draws")

@@ -83,6 +83,36 @@ def test_functionalize_fixes_the_mode():
     assert net.training
 
 
+def test_apply_fn_restores_the_module_whatever_happens():
+    """apply_fn swaps the trees' tensors and the fixed mode in for one call only: the module's
+    own tensors and each submodule's own mode (mixed ones included) come back, after a
+    forward that raises too."""
+    net = Net().double().train()
+    net.bn.eval()  # a mixed mode, which the call's fixed (train) mode must not clobber
+    own = {k: v for k, v in net.state_dict(keep_vars=True).items()}
+    apply_fn, params, buffers = functionalize(net)
+    net.eval()
+    net.lin.train()
+    modes = {n: m.training for n, m in net.named_modules()}
+    seen = {}
+    hook = net.out.register_forward_pre_hook(
+        lambda m, a: seen.update(training=[x.training for x in net.modules()],
+                                 weight=m.weight))
+    new = {k: v + 1 for k, v in params.items()}
+    apply_fn(new, buffers, torch.randn(4, 5, dtype=torch.float64))
+    assert seen["training"] == [True, True, False, True]  # the modes at functionalize
+    assert seen["weight"] is new["out.weight"]
+    hook.remove()
+    for raising in (False, True):
+        if raising:
+            net.out.register_forward_pre_hook(lambda m, a: 1 / 0)
+            with pytest.raises(ZeroDivisionError):
+                apply_fn(new, buffers, torch.randn(4, 5, dtype=torch.float64))
+        assert {n: m.training for n, m in net.named_modules()} == modes
+        for k, v in net.state_dict(keep_vars=True).items():
+            assert v is own[k], k
+
+
 def test_functionalize_errors():
     apply_fn, params, buffers = functionalize(Net())
     with pytest.raises(KeyError, match="missing \\['lin.bias'\\]"):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -16,7 +17,9 @@ ApplyFn = Callable[..., tuple[Any, dict[str, Tensor]]]
 
 def functionalize(module: nn.Module, *, release: bool = False
                   ) -> tuple[ApplyFn, dict[str, Tensor], dict[str, Tensor]]:
-    """``(apply_fn, params, buffers)`` for ``module``, via ``torch.func.functional_call``.
+    """``(apply_fn, params, buffers)`` for ``module``: ``torch.func.functional_call``'s
+    swap, resolved once (the owner and attribute of every leaf, tied aliases included) rather
+    than on every call; under ``torch.compile`` the call is ``functional_call`` itself.
 
     ``params`` and ``buffers`` are flat dicts keyed by the dotted names of
     ``named_parameters`` / ``named_buffers`` (tied weights appear once). They are detached
@@ -26,10 +29,11 @@ def functionalize(module: nn.Module, *, release: bool = False
     ``apply_fn(params, buffers, *args, **kwargs) -> (output, new_buffers)`` is pure. Modules
     that update buffers in their forward (BatchNorm's running statistics) work on copies of the
     buffers, which are returned as ``new_buffers``; the ``buffers`` passed in are never mutated.
-    The module's train/eval mode is fixed at the time of ``functionalize`` (it decides, for
-    example, whether BatchNorm updates its statistics), so a later ``module.eval()`` does not
-    change ``apply_fn``: functionalize again for the other mode. ``apply_fn.module`` is the
-    module, for transforms that need its structure.
+    The train/eval mode of the module and of each submodule is fixed at the time of
+    ``functionalize`` (it decides, for example, whether BatchNorm updates its statistics; a
+    frozen BatchNorm left in eval mode inside a training model stays so), so a later
+    ``module.eval()`` does not change ``apply_fn``: functionalize again for the other mode.
+    ``apply_fn.module`` is the module, for transforms that need its structure.
 
     ``release=True`` hands the tensors over: the module's own parameters and buffers are
     moved to the ``meta`` device (same shapes, dtypes and strides, no storage) after they are
@@ -52,30 +56,82 @@ def functionalize(module: nn.Module, *, release: bool = False
     params = {k: v.detach() for k, v in module.named_parameters()}
     buffers = {k: v.detach() for k, v in module.named_buffers()}
     param_names, buffer_names = set(params), set(buffers)
-    training = module.training
+    slots = _slots(module)
+    modes = [(m, m.training) for m in module.modules()]
     if release:
         _release(module)
 
     def apply_fn(params: dict[str, Tensor], buffers: dict[str, Tensor], *args, **kwargs):
-        if set(params) != param_names:
+        if params.keys() != param_names:
             _mismatch("params", param_names, set(params))
-        if set(buffers) != buffer_names:
+        if buffers.keys() != buffer_names:
             _mismatch("buffers", buffer_names, set(buffers))
         # Copies, so that in-place buffer updates land in the returned tree, not the caller's.
         new_buffers = {k: v.clone() for k, v in buffers.items()}
-        was_training = module.training
-        module.train(training)
-        try:
-            out = torch.func.functional_call(
-                module, (params, new_buffers), args, kwargs, tie_weights=True, strict=True
-            )
-        finally:
-            module.train(was_training)
+        if torch.compiler.is_compiling():
+            # Dynamo knows functional_call's swap; a hand-made one it would trace as
+            # mutations of module dicts.
+            was = [m.training for m, _ in modes]
+            for m, mode in modes:
+                m.training = mode
+            try:
+                out = torch.func.functional_call(
+                    module, (params, new_buffers), args, kwargs, tie_weights=True, strict=True
+                )
+            finally:
+                for (m, _), mode in zip(modes, was, strict=True):
+                    m.training = mode
+            return out, new_buffers
+        with _swapped(slots, params, new_buffers, modes):
+            out = module(*args, **kwargs)
         return out, new_buffers
 
     # Transforms (tensor parallel, remat) look at the module's structure through this.
     apply_fn.module = module
     return apply_fn, params, buffers
+
+
+#: Where each tree leaf goes in the module: ``(owner's _parameters or _buffers dict, attr,
+#: tree, key)``, tied aliases included (each gets its canonical name's tensor).
+_Slot = tuple[dict, str, bool, str]
+
+
+def _slots(module: nn.Module) -> list[_Slot]:
+    """The swap ``apply_fn`` makes on every call, resolved once: ``functional_call`` walks the
+    module tree, builds key sets and checks ties on every call (most of the per-forward Python
+    of a small model), although the module's structure does not change between calls."""
+    slots = []
+    for is_param, named in ((True, module.named_parameters(remove_duplicate=False)),
+                            (False, module.named_buffers(remove_duplicate=False))):
+        canonical: dict[int, str] = {}
+        for name, t in named:
+            key = canonical.setdefault(id(t), name)  # a tied alias takes the first name's leaf
+            prefix, _, attr = name.rpartition(".")
+            owner = module.get_submodule(prefix)
+            store = owner._parameters if is_param else owner._buffers
+            slots.append((store, attr, is_param, key))
+    return slots
+
+
+@contextlib.contextmanager
+def _swapped(slots: list[_Slot], params: dict[str, Tensor], buffers: dict[str, Tensor],
+             modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
+    """The trees' tensors in the module's slots and every submodule in its recorded mode for
+    the duration of one call; the module's own tensors and modes restored after, whatever
+    happens (as ``functional_call`` does)."""
+    saved = [store[attr] for store, attr, _, _ in slots]
+    flipped = [(m, mode) for m, mode in modes if m.training != mode]
+    try:
+        for store, attr, is_param, key in slots:
+            store[attr] = params[key] if is_param else buffers[key]
+        for m, mode in flipped:
+            m.training = mode
+        yield
+    finally:
+        for (store, attr, _, _), t in zip(slots, saved, strict=True):
+            store[attr] = t
+        for m, mode in flipped:
+            m.training = not mode
 
 
 def _release(module: nn.Module) -> None:

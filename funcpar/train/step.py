@@ -211,7 +211,8 @@ class TrainStep:
     ``donate`` (``make_train_step(..., donate=True)``): the step consumes its input state, as
     JAX's ``donate_argnums`` does. The new params, buffers and optimizer state are written into
     the input's storage (in place where the optimizer runs under
-    :func:`funcpar.kernels.dispatch.inplace_updates`, else copied in after the update) and
+    :func:`funcpar.kernels.dispatch.inplace_updates`, by the compiled region itself under
+    ``compile=True``, else copied in after the update) and
     returned as fresh tensor objects aliasing it; the input's tensor objects are marked donated,
     and passing that state to a step or to ``funcpar.state.save`` again raises
     :class:`funcpar.state.donation.DonatedError` naming donation. Results are bit-identical to

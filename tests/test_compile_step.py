@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import funcpar.kernels.adamw as adamw_kernels
 import funcpar.train.whole_step as whole_step
 from funcpar.models import Llama, LlamaConfig, lm_loss
 from funcpar.optim import adafactor, adamw, chain, clip_by_global_norm
@@ -94,6 +95,11 @@ def test_whole_step_fp16_equals_eager_with_a_skip(monkeypatch):
     the scale backs off, no graph break; the 10 steps equal eager's. Backend ``eager``: dynamo
     captures the traced graph (what the break count is about) without compiling it further."""
     _fresh("eager", monkeypatch)
+    # Eager AdamW's apply runs torch's fused CPU kernel, which rounds differently from the
+    # region's traced reference maths (equal to round-off, docs/KERNELS.md); under fp16 such a
+    # float32 last-bit difference flips the params' fp16 roundings and grows over 10 steps
+    # (3e-5 here). The region is compared with eager on the same maths: the reference path.
+    monkeypatch.setattr(adamw_kernels, "fast_path_ok", lambda *tensors: False)
 
     def loss_fn(out, targets):
         tokens, factor = targets

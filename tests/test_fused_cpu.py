@@ -11,7 +11,7 @@ from conftest import max_rel_err
 
 import funcpar.optim as fo
 from funcpar.kernels import adamw as kadamw
-from funcpar.kernels.inplace import fused_leaves_ok
+from funcpar.kernels.inplace import fused_leaves_ok, inplace_updates
 from funcpar.state.tree import tree_leaves
 
 # Odd sizes (the kernels' vector bodies and scalar tails), a 0-d leaf, a matrix for the mask.
@@ -132,23 +132,42 @@ def test_apply_equals_update_to_round_off(name):
 
 
 def test_not_taken_where_it_would_compute_something_else(fused_calls):
-    # A strided leaf (the kernels walk raw storage and would accept it silently), a dtype
-    # mismatch, a non-CPU (meta) tensor: the multi-tensor path, never the fused kernel.
+    # A dtype mismatch, a non-CPU (meta) tensor: the multi-tensor path, never the fused kernel.
     x = torch.randn(6, 4)
     assert fused_leaves_ok([x], [x.clone()])
-    assert not fused_leaves_ok([x.t()], [x.t().clone()])
+    assert fused_leaves_ok([x.t()], [x.t().clone()])  # strided: run on dense copies (below)
     assert not fused_leaves_ok([x], [x.double()])
     assert not fused_leaves_ok([x], [x.to("meta")])
     assert not fused_leaves_ok([x.to(torch.int32)], [x.to(torch.int32)])
-    w = torch.randn(7, 5).t()  # a transposed parameter, as a tied or permuted weight may be
+
+
+def test_strided_leaves_round_as_dense_ones(fused_calls):
+    """A strided leaf (a transposed weight; a ZeRO part cut along dim 1) goes through the
+    kernel as a dense copy written back (the kernels walk raw storage, so never the view
+    itself): bit for bit the step of the same values stored densely, and under donation
+    written into the strided tensor itself."""
+    w = torch.randn(7, 5).t()
     params = {"w": w, "b": torch.randn(3)}
     grads = {"w": torch.randn(7, 5).t(), "b": torch.randn(3)}
-    for opt in (fo.adamw(lr=1e-2, weight_decay=0.1), fo.sgd(lr=0.1, momentum=0.9)):
-        before = dict(fused_calls)
-        new, _ = fo.update_params(opt, grads, opt.init(params), params)
-        assert fused_calls == before
-        u, _ = opt.update(grads, opt.init(params), params)
-        assert torch.equal(new["w"], fo.apply_updates(params, u)["w"])
+    dense_params = {k: v.contiguous() for k, v in params.items()}
+    dense_grads = {k: v.contiguous() for k, v in grads.items()}
+    for opt in (fo.adamw(lr=1e-2, weight_decay=0.1, amsgrad=True), fo.sgd(lr=0.1, momentum=0.9)):
+        before = fused_calls["adamw"] + fused_calls["sgd"]
+        state = opt.init(params)
+        new, new_state = fo.update_params(opt, grads, state, params)
+        assert fused_calls["adamw"] + fused_calls["sgd"] > before
+        ref, ref_state = fo.update_params(opt, dense_grads, opt.init(dense_params),
+                                          dense_params)
+        for a, b in zip(tree_leaves((new, new_state)), tree_leaves((ref, ref_state)),
+                        strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert torch.equal(w, dense_params["w"])  # outside donation: inputs untouched
+        own = {k: v.clone().t().contiguous().t() if k == "w" else v.clone()
+               for k, v in params.items()}
+        with inplace_updates():
+            donated, _ = fo.update_params(opt, grads, opt.init(own), own)
+        assert donated["w"].data_ptr() == own["w"].data_ptr()
+        assert donated["w"].stride() == (1, 5) and torch.equal(donated["w"], ref["w"])
     # The kernel reads the step count as float32: past 2^24 it is not exact, so not taken.
     s = kadamw.AdamWScalars(0.1, 0.5, 1e-8, 0.0, 0.9, 0.999, lr=0.1, weight_decay=0.0,
                             count=torch.tensor(2**24 + 1))

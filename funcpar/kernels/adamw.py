@@ -23,7 +23,14 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _access, _launch
-from funcpar.kernels.inplace import decay_calls, fast_path_ok, fused_leaves_ok, writable
+from funcpar.kernels.inplace import (
+    decay_calls,
+    dense,
+    fast_path_ok,
+    fused_leaves_ok,
+    writable,
+    write_back,
+)
 from funcpar.kernels.multi_tensor import add_scaled, multi_tensor_ok, per_dtype
 
 __all__ = [
@@ -185,16 +192,19 @@ def _adamw_fused(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Lea
     Gradients are only read (no ``grad_scale``: the kernel would write the unscaled ones)."""
     p, m, v = writable(params), writable(exp_avg), writable(exp_avg_sq)
     vmax = writable(max_exp_avg_sq) if amsgrad else list(max_exp_avg_sq)
+    (dp, bp), (dm, bm), (dv, bv) = dense(p), dense(m), dense(v)
+    (dx, bx), (dg, _) = dense(vmax if amsgrad else []), dense(grads)
     # The kernel reads the step as float32 (exact up to 2^24, _fused_ok) and the hyper-
     # parameters as Python floats: this path runs eagerly on CPU, never traced.
     step = torch.tensor(float(s.count), dtype=torch.float32)
     lr, wd, eps = float(s.lr), float(s.weight_decay), float(s.eps)
     for weight_decay, ids in decay_calls(decay, wd):
         torch._fused_adamw_(
-            [p[i] for i in ids], [grads[i] for i in ids], [m[i] for i in ids],
-            [v[i] for i in ids], [vmax[i] for i in ids] if amsgrad else [], [step] * len(ids),
+            [dp[i] for i in ids], [dg[i] for i in ids], [dm[i] for i in ids],
+            [dv[i] for i in ids], [dx[i] for i in ids] if amsgrad else [], [step] * len(ids),
             lr=lr, beta1=s.beta1, beta2=s.beta2, weight_decay=weight_decay, eps=eps,
             amsgrad=amsgrad, maximize=maximize)
+    write_back([*bp, *bm, *bv, *bx])
     return p, m, v, vmax
 
 

@@ -82,17 +82,45 @@ FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 def fused_leaves_ok(*columns: Sequence[Tensor | None]) -> bool:
     """Whether torch's CPU fused optimizer kernels can run over these lists of leaves
     (``columns[k][i]``: tensor ``k`` of leaf ``i``, ``None`` skipped): every tensor on the CPU
-    and contiguous (the kernels walk raw storage and accept strided views silently), and the
-    tensors of each leaf of one dtype among :data:`FUSED_DTYPES` (they do not promote)."""
+    and the tensors of each leaf of one dtype among :data:`FUSED_DTYPES` (they do not
+    promote). Strided leaves are accepted: the caller runs the kernel on :func:`dense` copies
+    of them (the kernels walk raw storage and would accept a strided view silently)."""
     for row in zip(*columns, strict=True):
         live = [t for t in row if t is not None]
         dtype = live[0].dtype
         if dtype not in FUSED_DTYPES:
             return False
         for t in live:
-            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            if t.dtype != dtype or t.device.type != "cpu":
                 return False
     return True
+
+
+def dense(tensors: Sequence[Tensor | None]) -> tuple[list[Tensor | None],
+                                                     list[tuple[Tensor, Tensor]]]:
+    """``tensors`` for a fused kernel: each contiguous one itself, a strided one (a ZeRO part
+    cut along a later dim, say) as a contiguous copy; and the ``(original, copy)`` pairs that
+    :func:`write_back` copies back after the kernel wrote the copies. So a leaf takes the fused
+    maths whatever its strides, and a layout that cuts leaves into strided parts rounds as
+    one that does not (an all-or-nothing fallback made ZeRO parts round differently from an
+    offloaded run's dense copies of the same values)."""
+    out: list[Tensor | None] = []
+    pairs: list[tuple[Tensor, Tensor]] = []
+    for t in tensors:
+        if t is None or t.is_contiguous():
+            out.append(t)
+        else:
+            c = t.contiguous()
+            out.append(c)
+            pairs.append((t, c))
+    return out, pairs
+
+
+def write_back(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """Copy each kernel-written dense copy of :func:`dense` into its strided original."""
+    with torch.no_grad():
+        for t, c in pairs:
+            t.copy_(c)
 
 
 def decay_calls(decay: Sequence[bool], weight_decay: float) -> list[tuple[float, list[int]]]:

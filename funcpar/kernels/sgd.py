@@ -18,7 +18,14 @@ import torch
 from torch import Tensor
 
 from funcpar.kernels import _access, _launch
-from funcpar.kernels.inplace import decay_calls, fast_path_ok, fused_leaves_ok, writable
+from funcpar.kernels.inplace import (
+    decay_calls,
+    dense,
+    fast_path_ok,
+    fused_leaves_ok,
+    writable,
+    write_back,
+)
 from funcpar.kernels.multi_tensor import add_scaled, multi_tensor_ok, per_dtype
 
 __all__ = ["SGDScalars", "sgd_fast", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
@@ -161,15 +168,17 @@ def _sgd_fused(
     without decay go in a call of their own with ``weight_decay=0``."""
     p = writable(params)
     b = writable(bufs) if s.momentum else list(bufs)
+    (dp, bp), (db, bb), (dg, _) = dense(p), dense(b if s.momentum else []), dense(grads)
     # Hyperparameters as Python floats and the first-step flag as a bool: read on the host,
     # which this eager CPU path may do (it is never traced, sgd_step).
     lr, wd = float(s.lr), float(s.weight_decay)
     for weight_decay, ids in decay_calls(decay, wd):
         torch._fused_sgd_(
-            [p[i] for i in ids], [grads[i] for i in ids],
-            [b[i] for i in ids] if s.momentum else [], weight_decay=weight_decay,
+            [dp[i] for i in ids], [dg[i] for i in ids],
+            [db[i] for i in ids] if s.momentum else [], weight_decay=weight_decay,
             momentum=s.momentum, lr=lr, dampening=s.dampening, nesterov=nesterov,
             maximize=maximize, is_first_step=bool(s.first))
+    write_back([*bp, *bb])
     return p, b
 
 

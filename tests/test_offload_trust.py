@@ -68,6 +68,9 @@ def test_unwritable_directory_is_a_store_error_at_open(tmp_path):
 def test_failed_write_is_reported_by_the_next_step(tmp_path, monkeypatch):
     step, state, off = _step_state(tmp_path)
     state, _ = step(state, _batch(0))
+    # Step 0's writes land first: still in flight when pwrite fails, one of them would fail
+    # and be raised by step 1's read of it, before step 1 wrote anything (a flaky test).
+    off.store.flush()
     real = os.pwrite
 
     def readonly(fd, data, offset):

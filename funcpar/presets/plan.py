@@ -752,22 +752,30 @@ def _moe_blocks(step: TrainStep, mesh: DeviceMesh) -> list[MoEBlock]:
         if not axes:
             continue
         block = leaf.rpartition(".experts.")[0]
-        inner = tuple(a for d in lay.dim_axes[1:] for a in d if mesh.size(a) > 1)
+        inner = _inner_axes(lay, step, mesh)
         if block not in out or inner:
             out[block] = MoEBlock(block, axes[0], lay.global_shape[0], m.top_k,
                                   m.capacity_factor, m.router.weight.shape[1], inner)
     return list(out.values())
 
 
+def _inner_axes(lay: Any, step: TrainStep, mesh: DeviceMesh) -> tuple[str, ...]:
+    """The axes of more than one rank that split a stacked expert leaf along a dim other than
+    the experts' (tensor parallelism inside the experts); ZeRO-3's cut of the parts over its
+    own axis is a partition, not that."""
+    zero = getattr(step.partition, "axis", None)
+    return tuple(a for d in lay.dim_axes[1:] for a in d if mesh.size(a) > 1 and a != zero)
+
+
 def _experts_split_inside(step: TrainStep, mesh: DeviceMesh) -> bool:
-    """Whether a stacked expert leaf is split along a dim other than the experts' (tensor
-    parallelism inside the experts), read from the layouts."""
+    """Whether a stacked expert leaf is split by tensor parallelism (:func:`_inner_axes`),
+    read from the layouts."""
     module = getattr(step.apply_fn, "module", None)
     if module is None or not isinstance(step.layouts, dict):
         return False
     for leaf in expert_leaves(module):
         lay = step.layouts.get(leaf)
-        if lay is not None and any(mesh.size(a) > 1 for d in lay.dim_axes[1:] for a in d):
+        if lay is not None and _inner_axes(lay, step, mesh):
             return True
     return False
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from _timing import add_clock_flag, interleaved
 from torch import Tensor
 
 import funcpar.optim as fo
@@ -55,7 +55,7 @@ def build(args: argparse.Namespace):
     return theta, tasks
 
 
-def runners(args, theta, tasks) -> dict[str, Callable[[], None]]:
+def runners(args, theta, tasks) -> dict[str, Callable[[int], None]]:
     import torchopt
 
     names = list(theta)
@@ -83,7 +83,13 @@ def runners(args, theta, tasks) -> dict[str, Callable[[], None]]:
             loss = loss + mse(dict(zip(names, p)), xq, yq)
         torch.autograd.grad(loss, leaves)
 
-    return {"funcpar": funcpar_step, "torchopt": torchopt_step}
+    def steps(one: Callable[[], None]) -> Callable[[int], None]:
+        def run(n: int) -> None:
+            for _ in range(n):
+                one()
+        return run
+
+    return {"funcpar": steps(funcpar_step), "torchopt": steps(torchopt_step)}
 
 
 def main() -> None:
@@ -97,27 +103,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall: time.perf_counter; cpu: time.process_time, this process's CPU "
-                        "time (with 1 thread, less sensitive to other jobs' scheduling on a "
-                        "loaded machine than wall time; it still counts cache and memory "
-                        "contention)")
+    add_clock_flag(p)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     theta, tasks = build(args)
     ways = runners(args, theta, tasks)
     for fn in ways.values():
-        for _ in range(args.warmup):
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    order = list(ways)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
-    for r in range(args.rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            t0 = clock()
-            for _ in range(args.steps):
-                ways[name]()
-            times[name].append((clock() - t0) / args.steps * 1e3)
+        fn(args.warmup)
+    times = interleaved(ways, rounds=args.rounds, steps=args.steps, clock=args.clock)
     n_params = sum(v.numel() for v in theta.values())
     print(f"MAML meta-step: {args.tasks} tasks x {args.inner_steps} inner Adam steps, "
           f"{args.shots}-shot, MLP 1-{args.width}-{args.width}-1 ({n_params} params), "

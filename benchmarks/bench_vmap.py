@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from _timing import add_clock_flag, interleaved
 from torch import nn
 
 import funcpar.optim as fo
@@ -81,11 +81,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall: time.perf_counter; cpu: time.process_time, this process's CPU "
-                        "time (with 1 thread, less sensitive to other jobs' scheduling on a "
-                        "loaded machine than wall time; it still counts cache and memory "
-                        "contention)")
+    add_clock_flag(p)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -93,14 +89,7 @@ def main() -> None:
     ways = runners(step, states, batches)
     for fn in ways.values():
         fn(args.warmup)
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    order = list(ways)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
-    for r in range(args.rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            t0 = clock()
-            ways[name](args.steps)
-            times[name].append((clock() - t0) / args.steps * 1e3)
+    times = interleaved(ways, rounds=args.rounds, steps=args.steps, clock=args.clock)
     n_params = sum(p.numel() for p in states[0].params.values())
     print(f"{args.members} members x {n_params} params (MLP {args.dim}-{args.width}-"
           f"{args.width}-{args.dim}), batch {args.batch}, AdamW + clip, "

@@ -38,7 +38,7 @@ from typing import Any, no_type_check
 import torch
 from torch import Tensor
 
-from funcpar.kernels.dispatch import use_kernels
+from funcpar.kernels.dispatch import current_mode, use_kernels
 
 __all__ = [
     "BLOCK",
@@ -117,6 +117,11 @@ def kernels_apply(*tensors: Any, same_device: bool = False, hyper: Sequence[Any]
     (``same_device``: and all are on one device), and :func:`funcpar.kernels.use_kernels` says
     so (asked last: in ``triton`` mode it raises where the kernels cannot run; ``hyper``, the
     step's hyperparameters, count for its differentiability check only)."""
+    if not tensors or not (torch.is_tensor(tensors[0]) and tensors[0].is_cuda):
+        # Mode auto runs kernels on CUDA tensors only: the usual CPU answer without scanning
+        # every leaf (this is asked once per optimizer step).
+        if current_mode() == "auto":
+            return False
     return (all(torch.is_tensor(t) for t in tensors) and kernel_dtype_ok(*tensors)
             and (not same_device or len({t.device for t in tensors}) <= 1)
             and use_kernels(*tensors, hyper=hyper))

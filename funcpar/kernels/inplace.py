@@ -86,12 +86,12 @@ def fused_leaves_ok(*columns: Sequence[Tensor | None]) -> bool:
     promote). Strided leaves are accepted: the caller runs the kernel on :func:`dense` copies
     of them (the kernels walk raw storage and would accept a strided view silently)."""
     for row in zip(*columns, strict=True):
-        live = [t for t in row if t is not None]
-        dtype = live[0].dtype
+        first = row[0] if row[0] is not None else next(t for t in row if t is not None)
+        dtype = first.dtype
         if dtype not in FUSED_DTYPES:
             return False
-        for t in live:
-            if t.dtype != dtype or t.device.type != "cpu":
+        for t in row:
+            if t is not None and (t.dtype != dtype or not t.is_cpu):
                 return False
     return True
 
@@ -118,6 +118,8 @@ def dense(tensors: Sequence[Tensor | None]) -> tuple[list[Tensor | None],
 
 def write_back(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
     """Copy each kernel-written dense copy of :func:`dense` into its strided original."""
+    if not pairs:  # the usual case: no grad-mode switch for nothing
+        return
     with torch.no_grad():
         for t, c in pairs:
             t.copy_(c)

@@ -36,7 +36,7 @@ from torch import Tensor
 from funcpar.state.tree import (
     NAMESPACE,
     Tree,
-    leaves_like,
+    leaves_up_to,
     named_leaves,
     tree_flatten,
     tree_map,
@@ -197,8 +197,9 @@ def check_state(params: Tree, state: Tree, init: Callable[[Tree], Tree], seen: s
     (GaLore fits and checks its own state for its layouts)."""
     p_leaves, p_spec = tree_flatten(params)
     s_leaves, s_spec = tree_flatten(state)
-    key = (p_spec, s_spec, tuple(_shape_of(x) for x in p_leaves),
-           tuple(_shape_of(x) for x in s_leaves))
+    # torch.Size is a tuple (hashable); getattr's default covers None and number leaves.
+    key = (p_spec, s_spec, tuple(getattr(x, "shape", None) for x in p_leaves),
+           tuple(getattr(x, "shape", None) for x in s_leaves))
     if key in seen:
         return
     meta = tree_unflatten(p_spec, [torch.empty_like(x, device="meta") if torch.is_tensor(x)
@@ -233,10 +234,6 @@ def _field_names(tree: Tree) -> list[str]:
     return out
 
 
-def _shape_of(x: Any) -> Any:
-    return tuple(x.shape) if torch.is_tensor(x) else None
-
-
 def check_floating(params: Tree, *, who: str) -> None:
     """Optimizers update floating-point leaves only: name the first one that is not."""
     for name, p in named_leaves(params):
@@ -259,8 +256,8 @@ def map_leaves(
 ) -> Any:
     """Run ``fn(g, *other_leaves)`` for each leaf of ``grads`` and rebuild the trees.
 
-    Each of ``others`` is lined up with ``grads``' leaves by :func:`leaves_like` (``None`` gives
-    ``None`` per leaf), so per-leaf optimizer states may be whole sub-trees (a dict of factored
+    Each of ``others`` is lined up with ``grads``' leaves as
+    :func:`~funcpar.state.tree.leaves_like` does (``None`` gives ``None`` per leaf), so per-leaf optimizer states may be whole sub-trees (a dict of factored
     statistics, say). ``fn`` returns ``n_out`` values; ``map_leaves`` returns ``n_out`` trees of
     ``grads``' structure (a single tree when ``n_out == 1``).
     """
@@ -277,7 +274,7 @@ def leaf_columns(grads: Tree, *others: Tree | None) -> tuple[Any, list[Any], lis
     """``(spec, grad leaves, [leaves of each of others])`` lined up as :func:`map_leaves` lines
     them up: for optimizers that hand whole lists of leaves to a multi-tensor kernel."""
     g_leaves, spec = tree_flatten(grads)
-    columns = [leaves_like(grads, o, what=f"argument {i + 1}", against="grads")
+    columns = [leaves_up_to(spec, o, what=f"argument {i + 1}", against="grads")
                for i, o in enumerate(others)]
     return spec, g_leaves, columns
 

@@ -35,12 +35,13 @@ def restrict_to(mask: Any, params: Tree) -> Any:
 
 def resolve_mask(mask: Mask, params: Tree, *, what: str = "weight_decay_mask") -> Tree:
     """A tree of bools with the structure of ``params``."""
-    return tree_unflatten(tree_flatten(params)[1], _flags(mask, params, what))
+    spec = tree_flatten(params)[1]
+    if mask is None:  # every leaf: no names needed (this runs every update)
+        return tree_unflatten(spec, [True] * spec.num_leaves)
+    return tree_unflatten(spec, _flags(mask, params, what))
 
 
 def _flags(mask: Mask, params: Tree, what: str) -> list[bool]:
-    if mask is None:  # every leaf: no names needed (this runs every update)
-        return [True] * len(tree_flatten(params)[0])
     named = named_leaves(params)
     if callable(mask):
         out = []

@@ -19,6 +19,7 @@ __all__ = [
     "LeafSpec",
     "Tree",
     "leaves_like",
+    "leaves_up_to",
     "named_leaves",
     "path_name",
     "tree_flatten",
@@ -112,9 +113,15 @@ def leaves_like(reference: Tree, other: Tree | None, *, what: str, against: str)
     Optimizer states hold one sub-tree per parameter leaf; this is how they are lined up with
     the parameters (``other`` may have whole sub-trees where ``reference`` has leaves).
     """
-    leaves, spec = tree_flatten(reference)
+    return leaves_up_to(tree_flatten(reference)[1], other, what=what, against=against)
+
+
+def leaves_up_to(spec: optree.PyTreeSpec, other: Tree | None, *, what: str,
+                 against: str) -> list[Any]:
+    """:func:`leaves_like` given the reference's structure ``spec`` (flattened once by a
+    caller that lines up several trees with it)."""
     if other is None:
-        return [None] * len(leaves)
+        return [None] * spec.num_leaves
     try:
         return spec.flatten_up_to(other)
     except (ValueError, TypeError) as err:

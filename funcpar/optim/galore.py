@@ -326,14 +326,42 @@ def _shapes_of(tree: Tree) -> tuple[Any, list[Any]]:
     return spec, [None if x is None else (tuple(x.shape), x.dtype) for x in leaves]
 
 
-def _fit_state(who: str, state: Any, count: int, shapes: Any, fresh: Callable[[], Any]) -> Any:
-    """The state to update: ``state`` itself when it is shaped as ``shapes`` (a meta-device
-    init for the whole leaves' shapes); ``fresh()`` when ``state`` is an untouched init (count
-    0: all zeros by construction, and every first update refits the projectors) made from
-    shards without their layouts (``init`` sees only local shapes, so a side, an 8-bit choice
-    or an absmax length may differ from the whole leaf's); otherwise a ValueError.
+# The last few _expected_shapes results. Not per optimizer: inject_hyperparams builds the
+# optimizer anew every step.
+_SHAPES_MEMO: dict = {}
+
+
+def _expected_shapes(build: Callable[..., Any], build_key: tuple, params: Tree,
+                     plan: list[_Leaf | None]) -> tuple[Any, list[Any]]:
+    """:func:`_shapes_of` the meta-device state ``build`` makes for ``plan``, remembered
+    (building it took longer than a small leaf's whole step, every step). ``build_key``: what
+    else ``build`` depends on (the optimizer and its static options). A plan's layouts key by
+    identity; an unhashable key is built every time."""
+    leaves, spec = tree_flatten(params)
+    key = (build_key, spec,
+           tuple(None if p is None else (tuple(p.shape), p.dtype) for p in leaves), tuple(plan))
+    try:
+        shapes = _SHAPES_MEMO.get(key)
+    except TypeError:
+        return _shapes_of(build(params, plan, meta=True))
+    if shapes is None:
+        shapes = _shapes_of(build(params, plan, meta=True))
+        if len(_SHAPES_MEMO) >= 8:
+            _SHAPES_MEMO.pop(next(iter(_SHAPES_MEMO)))
+        _SHAPES_MEMO[key] = shapes
+    return shapes
+
+
+def _fit_state(who: str, state: Any, count: int, shapes: tuple[Any, list[Any]],
+               fresh: Callable[[], Any]) -> Any:
+    """The state to update: ``state`` itself when it is shaped as ``shapes`` (those of a
+    meta-device init for the whole leaves' shapes, :func:`_expected_shapes`); ``fresh()`` when
+    ``state`` is an untouched init (count 0: all zeros by construction, and every first update
+    refits the projectors) made from shards without their layouts (``init`` sees only local
+    shapes, so a side, an 8-bit choice or an absmax length may differ from the whole leaf's);
+    otherwise a ValueError.
     """
-    if _shapes_of(state) == _shapes_of(shapes):
+    if _shapes_of(state) == shapes:
         return state
     if count == 0:
         return fresh()
@@ -352,13 +380,15 @@ class _UpdatePlan(NamedTuple):
 
 def _update_plan(who: str, galore_mask: GaLoreMask, weight_decay_mask: Mask, params: Tree,
                  grads: Tree, default: GaLoreConfig, layouts: Tree | None, state: Any,
-                 build: Callable[..., Any]) -> _UpdatePlan:
+                 build: Callable[..., Any], build_key: tuple) -> _UpdatePlan:
     """What both GaLore updates need per leaf: the plan under ``layouts``, the state fitted to
-    it, and per leaf the config, the low-rank state's layout, the leaf's layout, the decay."""
+    it, and per leaf the config, the low-rank state's layout, the leaf's layout, the decay.
+    ``build_key``: see :func:`_expected_shapes`."""
     check_grads(params, grads)
     plan = _plan(who, galore_mask, params, default, layouts)
     # Host int: the refresh is data-independent control flow on the step count.
-    state = _fit_state(who, state, int(state.count), build(params, plan, meta=True),
+    state = _fit_state(who, state, int(state.count),
+                       _expected_shapes(build, build_key, params, plan),
                        lambda: build(params, plan))
     return _UpdatePlan(
         state,
@@ -386,6 +416,7 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
     who = "galore_adamw"
     beta1, beta2 = betas
     code_m, code_v = dynamic_map(signed=True), dynamic_map(signed=False)
+    build_key = (who, eight_bit, block_size, min_8bit_size)
 
     def moment_zeros(lf, p, code, device):
         if eight_bit and lf.state_numel >= min_8bit_size:
@@ -411,7 +442,8 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
 
     def step(grads, state: GaLoreAdamWState, params, layouts, out):
         state, cfgs, state_layouts, leaf_layouts, decay = _update_plan(
-            who, galore_mask, weight_decay_mask, params, grads, default, layouts, state, build)
+            who, galore_mask, weight_decay_mask, params, grads, default, layouts, state, build,
+            build_key)
         c = int(state.count)
         count = state.count + 1
         t = count.to(torch.float64)
@@ -441,6 +473,9 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
             elif any(quantized):
                 raise ValueError(f"{who}: one moment of a leaf is 8-bit and the other is not; "
                                  "the state was not built by this optimizer")
+            elif _eager_ok(m, low, v, lr, weight_decay, eps) and _eager_ok(v, low):
+                m_st, v_st, direction = _adam_in_place(m, v, low, scalars,
+                                                       scratch=low if cfg is not None else None)
             else:
                 m_st, v_st, direction = adam8bit_math(m, v, low, scalars)
             if cfg is not None:
@@ -490,11 +525,29 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
     return GradientTransformation(init, update, apply)
 
 
+def _adam_in_place(m: Tensor, v: Tensor, g: Tensor, s: Adam8bitScalars,
+                   scratch: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`~funcpar.kernels.quant8.adam8bit_math`'s operations in its order, written into
+    buffers (the same bits): the moments in place inside inplace_updates (else into fresh
+    ones), the direction into ``scratch`` (the step's own projected gradient, read for the last
+    time by the moments; None: a fresh tensor)."""
+    donated = inplace_allowed()
+    m = (m.mul_(s.beta1) if donated else torch.mul(m, s.beta1)).add_(g, alpha=1 - s.beta1)
+    v = (v.mul_(s.beta2) if donated else torch.mul(v, s.beta2)).addcmul_(g, g,
+                                                                        value=1 - s.beta2)
+    den = torch.sqrt(v, out=scratch) if scratch is not None else torch.sqrt(v)
+    if s.variant != "hf":
+        den.div_(s.bc2_sqrt)
+    return m, v, torch.div(m, den.add_(s.eps), out=den)
+
+
 def _eager_ok(p: Tensor, direction: Tensor, *hyper: Any) -> bool:
-    """Whether GaLore's parameter write may run in place (:func:`_galore_adamw`): not when
-    the step must be differentiable (hyperparameters included) or runs under a torch.func
-    transform or torch.compile's tracing; a leaf of >= 1 dim whose direction has its shape
-    and dtype (0-d arithmetic promotes with the 0-d float64 step size)."""
+    """Whether GaLore's eager in-place paths may run (:func:`_galore_adamw`: its parameter
+    write, ``p`` and the direction; its full-precision inner Adam, a moment and the gradient
+    it sees, the other moment in ``hyper``): not when the step must be differentiable
+    (hyperparameters included) or runs under a torch.func transform or torch.compile's
+    tracing; a tensor of >= 1 dim whose partner has its shape and dtype (0-d arithmetic
+    promotes with the 0-d float64 hyperparameters)."""
     return (p.dim() > 0 and direction.shape == p.shape and direction.dtype == p.dtype
             and p.is_contiguous() and not torch.compiler.is_compiling()
             and fast_path_ok(p, direction, *hyper))
@@ -664,6 +717,7 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
                       scale_parameter, relative_step, warmup_init, min_dim_size_to_factor,
                       default, galore_mask, svd_dtype, weight_decay_mask):
     who = "galore_adafactor"
+    build_key = (who, beta1, min_dim_size_to_factor)
 
     def build(params: Tree, plan: list[_Leaf | None], meta: bool = False
               ) -> GaLoreAdafactorState:
@@ -684,7 +738,8 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
 
     def step(grads, state: GaLoreAdafactorState, params, layouts, out):
         state, cfgs, state_layouts, leaf_layouts, decay = _update_plan(
-            who, galore_mask, weight_decay_mask, params, grads, default, layouts, state, build)
+            who, galore_mask, weight_decay_mask, params, grads, default, layouts, state, build,
+            build_key)
         c = int(state.count)
         count = state.count + 1
         shared = _step_scalars(count, lr=lr, decay_rate=decay_rate,

@@ -49,6 +49,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from funcpar.kernels.inplace import fast_path_ok
 from funcpar.shard import comm
 from funcpar.shard.layout import Layout, Shard, _levels, shard_tensor, unshard
 from funcpar.shard.reduce import Reducible, global_shape, sum_partial
@@ -372,12 +373,17 @@ def project_back(
     """``scale * (P low)``, ``scale * (low Q)`` or ``scale * (P low Q)``: for a sharded leaf,
     this rank's shard of it, from this rank's rows of ``P`` / columns of ``Q`` and its shard of
     ``low`` (no communication)."""
+    back = low
     if proj.left is not None:
-        low = torch.matmul(proj.left, low)
+        back = torch.matmul(proj.left, back)
     if proj.right is not None:
-        low = torch.matmul(low, proj.right)
-    if isinstance(layout, Layout) and tuple(low.shape) != layout.local_shape():
+        back = torch.matmul(back, proj.right)
+    if isinstance(layout, Layout) and tuple(back.shape) != layout.local_shape():
         raise ValueError(f"GaLore projection back of {layout.name or 'a leaf'}: got shape "
-                         f"{tuple(low.shape)}, but the shard of global {layout.global_shape} "
+                         f"{tuple(back.shape)}, but the shard of global {layout.global_shape} "
                          f"is {layout.local_shape()}")
-    return low * scale
+    if back is not low and fast_path_ok(back, scale):
+        # The product is this call's own: scaled where it lies, the same bits without a second
+        # leaf-sized tensor (on a CPU a fresh one costs its page faults, more than the multiply).
+        return back.mul_(scale)
+    return back * scale

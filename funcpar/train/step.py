@@ -108,9 +108,15 @@ def _func_loss_and_grads(apply_fn, loss_fn, leaves, spec, buffers, args, targets
             [leaves[i] for i in wanted])
     finally:
         FIRST_ORDER_GRADS.reset(token)
-    flat = [torch.zeros_like(p) for p in leaves]  # torch.func.grad gives zeros where unused
+    # torch.func.grad gives zeros where the loss does not reach a parameter; a leaf it does not
+    # differentiate (an integer one) gets zeros here. Only those are allocated: under vmap a
+    # zeros_like is a whole (N, ...) tensor per leaf.
+    flat = list(leaves)
     for i, g in zip(wanted, diff_grads):
         flat[i] = g
+    if len(wanted) < len(leaves):
+        done = set(wanted)
+        flat = [x if i in done else torch.zeros_like(x) for i, x in enumerate(flat)]
     return loss.detach(), tree_unflatten(spec, flat), new_buffers
 
 

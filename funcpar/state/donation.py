@@ -30,7 +30,11 @@ class DonatedError(RuntimeError):
 
 def mark_donated(tree: Tree) -> None:
     """Mark every tensor leaf of ``tree`` as donated (consumed by a step)."""
-    for leaf in tree_flatten(tree)[0]:
+    _mark(tree_flatten(tree)[0])
+
+
+def _mark(leaves: list[Any]) -> None:
+    for leaf in leaves:
         if torch.is_tensor(leaf):
             setattr(leaf, _MARK, True)
 
@@ -83,7 +87,7 @@ def donate_into(old: Tree, new: Tree) -> Tree:
                     o.copy_(n)
             n = o
         out.append(n.detach() if torch.is_tensor(n) else n)
-    mark_donated(old)
+    _mark(old_leaves)  # the leaves in hand: no second walk of old
     return tree_unflatten(new_spec, out)
 
 

@@ -257,9 +257,10 @@ def map_leaves(
     """Run ``fn(g, *other_leaves)`` for each leaf of ``grads`` and rebuild the trees.
 
     Each of ``others`` is lined up with ``grads``' leaves as
-    :func:`~funcpar.state.tree.leaves_like` does (``None`` gives ``None`` per leaf), so per-leaf optimizer states may be whole sub-trees (a dict of factored
-    statistics, say). ``fn`` returns ``n_out`` values; ``map_leaves`` returns ``n_out`` trees of
-    ``grads``' structure (a single tree when ``n_out == 1``).
+    :func:`~funcpar.state.tree.leaves_like` does (``None`` gives ``None`` per leaf), so
+    per-leaf optimizer states may be whole sub-trees (a dict of factored statistics, say).
+    ``fn`` returns ``n_out`` values; ``map_leaves`` returns ``n_out`` trees of ``grads``'
+    structure (a single tree when ``n_out == 1``).
     """
     spec, g_leaves, columns = leaf_columns(grads, *others)
     outs = [fn(g, *row) for g, *row in zip(g_leaves, *columns)] if columns else [

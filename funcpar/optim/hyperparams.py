@@ -11,7 +11,7 @@ change is checkpointed with it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -148,10 +148,24 @@ def get_hyperparams(opt_state: Tree) -> dict[str, Tensor]:
     Right after ``init`` these are the values for step 0.
     """
     out: dict[str, Tensor] = {}
-
-    def getter(s: HyperState) -> None:
+    for s in _hyper_states(opt_state):
         for k, v in s.hyperparams.items():
             out.setdefault(k, v)
-
-    _walk(opt_state, getter)
     return out
+
+
+def _hyper_states(state: Tree) -> Iterator[HyperState]:
+    """The HyperStates in ``state``, in :func:`_walk`'s order, read without rebuilding the
+    tree (TrainStep reads the ``lr`` metric every step): the containers of tensor leaves
+    (per-leaf moments, say) are scanned, not walked node by node."""
+    if isinstance(state, HyperState):
+        yield state
+        yield from _hyper_states(state.inner)
+    elif isinstance(state, (tuple, list)):
+        for s in state:
+            if isinstance(s, (tuple, list, dict)):
+                yield from _hyper_states(s)
+    elif isinstance(state, dict):
+        for s in state.values():
+            if isinstance(s, (tuple, list, dict)):
+                yield from _hyper_states(s)

@@ -178,21 +178,56 @@ def test_against_bitsandbytes_quantize_blockwise():
 
 
 def test_code_search_by_table_is_the_binary_search():
-    """nearest_code's table lookup on the top 16 bits (funcpar.kernels.quant8._count_le) gives
-    torch.searchsorted's counts exactly: random float32 bit patterns (every sign, exponent,
-    NaN and infinity), the codes themselves, their midpoints and float neighbours, signed
-    zeros and denormals."""
-    from funcpar.kernels.quant8 import _count_le
+    """The nearest code by the table on the top 16 bits (funcpar.kernels.quant8._nearest_unit,
+    for values in [-1, 1] and NaN) is the binary search's exactly: random float32 bit patterns
+    of [-1, 1] (every sign and exponent, denormals) and NaNs, the codes themselves, their
+    midpoints, the tables' steps and the float neighbours of both, signed zeros; and
+    nearest_code is the search on every bit pattern (infinities, |x| > 1)."""
+    from funcpar.kernels.quant8 import _nearest_search, _nearest_unit, _unit_table
 
     gen = torch.Generator().manual_seed(5)
     bits = torch.randint(-2**31, 2**31 - 1, (200_000,), generator=gen, dtype=torch.int64)
-    for code in (SIGNED, UNSIGNED):
-        xs = [bits.to(torch.int32).view(torch.float32), torch.rand(100_000, generator=gen) * 2 - 1,
-              code, (code[1:] + code[:-1]) / 2, torch.nextafter(code, torch.tensor(2.0)),
-              torch.nextafter(code, torch.tensor(-2.0)),
-              torch.tensor([0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, -math.nan,
-                            1e-45, -1e-45])]
+    every = bits.to(torch.int32).view(torch.float32)
+    unit = every[(every.abs() <= 1) | every.isnan()]
+    up, down = torch.tensor(2.0), torch.tensor(-2.0)
+    for code in (SIGNED, UNSIGNED, dynamic_map(True, max_exponent_bits=4)):
+        step_at = _unit_table(code)[1]
+        edges = torch.cat([code, (code[1:] + code[:-1]) / 2, step_at[~step_at.isnan()]])
+        xs = [unit, torch.rand(100_000, generator=gen) * 2 - 1, edges,
+              torch.nextafter(edges, up), torch.nextafter(edges, down),
+              torch.tensor([0.0, -0.0, 1.0, -1.0, math.nan, -math.nan, 1e-45, -1e-45])]
         for x in xs:
-            x = x.contiguous()
-            assert torch.equal(_count_le(code, x).long(),
-                               torch.searchsorted(code, x, right=True))
+            x = x[(x.abs() <= 1) | x.isnan()].contiguous()
+            assert torch.equal(_nearest_unit(x, code), _nearest_search(x, code))
+        assert torch.equal(nearest_code(every, code), _nearest_search(every, code))
+
+
+@pytest.mark.parametrize("shape,block_size", [((1000,), 256), ((3, 5, 7), 16), ((2, 33), 100)])
+@pytest.mark.parametrize("variant", ["hf", "bnb"])
+def test_in_place_step_is_the_out_of_place_one(shape, block_size, variant):
+    """The 8-bit Adam step on its own temporaries (in place: dequantized states, moments,
+    quotients) gives the out-of-place operations' bits, which a step that must be
+    differentiable (a gradient requiring grad) runs; zero, NaN and infinite blocks included."""
+    from funcpar.kernels.quant8 import Adam8bitScalars, adam8bit_reference, quantize_reference
+
+    gen = torch.Generator().manual_seed(6)
+    g = torch.randn(shape, generator=gen)
+    m = quantize_reference(_data(g.numel(), True, gen).view(shape), SIGNED, block_size)
+    v = quantize_reference(_data(g.numel(), False, gen).view(shape), UNSIGNED, block_size)
+    for eps in (1e-8, torch.tensor(1e-8, dtype=torch.float64)):
+        s = Adam8bitScalars(0.9, 0.999, eps, torch.tensor(0.05, dtype=torch.float64), variant)
+        ours = adam8bit_reference(g, m, v, SIGNED, UNSIGNED, block_size, s)
+        pure = adam8bit_reference(g.clone().requires_grad_(), m, v, SIGNED, UNSIGNED,
+                                  block_size, s)
+        for a, b in zip(optree.tree_leaves(ours), optree.tree_leaves(pure)):
+            assert torch.equal(a, b.detach())
+    x = torch.randn(4 * block_size + 7, generator=gen)
+    x[:block_size] = 0
+    x[block_size:2 * block_size] *= 1e-30
+    x[-2:] = torch.tensor([math.nan, math.inf])  # a NaN block: codes of 0, absmax NaN
+    x[2 * block_size] = -math.inf  # an infinite one: NaN quotients beside it
+    for code in (SIGNED, UNSIGNED):
+        own = quantize_reference(x.clone(), code, block_size, own=True)
+        pure = quantize_reference(x, code, block_size)
+        assert torch.equal(own[0], pure[0])
+        assert torch.equal(own[1].view(torch.int32), pure[1].view(torch.int32))

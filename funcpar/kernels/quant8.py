@@ -42,7 +42,7 @@ from jaxtyping import Float, Float32, UInt8
 from torch import Tensor
 
 from funcpar.kernels import _launch
-from funcpar.kernels.dispatch import use_kernels
+from funcpar.kernels.dispatch import fast_path_ok, use_kernels
 
 __all__ = [
     "Adam8bitScalars",
@@ -82,11 +82,21 @@ def nearest_code(
 ) -> UInt8[Tensor, "*shape"]:
     """Index of the code nearest to each ``scaled`` value; a tie goes to the lower index.
 
-    The left neighbour by binary search, then a float32 comparison of the two distances (the
-    order of operations of bitsandbytes' CPU quantizer, so exact ties resolve alike).
+    The definition is :func:`_nearest_search`; on CPU, for values in ``[-1, 1]`` (and NaN),
+    :func:`_nearest_unit`'s table gives the same codes in a few cheap passes.
     """
+    if (scaled.numel() and _table_ok(scaled, code)
+            and bool(scaled.abs().amax() <= 1)):  # NaN, inf, |x| > 1: the search
+        return _nearest_unit(scaled, code)
+    return _nearest_search(scaled, code)
+
+
+def _nearest_search(scaled: Tensor, code: Tensor) -> Tensor:
+    """The nearest code by definition: the left neighbour by binary search, then a float32
+    comparison of the two distances (the order of operations of bitsandbytes' CPU quantizer,
+    so exact ties resolve alike)."""
     last = code.numel() - 1
-    left = (_count_le(code, scaled.contiguous()) - 1).clamp(0, last - 1)
+    left = (torch.searchsorted(code, scaled.contiguous(), right=True) - 1).clamp(0, last - 1)
     lo, hi = _gather(code, left), _gather(code, left + 1)
     go_right = (hi - scaled).abs() < (scaled - lo).abs()
     return (left + go_right.to(left.dtype)).to(torch.uint8)
@@ -98,75 +108,126 @@ def _gather(src: Tensor, index: Tensor) -> Tensor:
     return torch.index_select(src, 0, index.reshape(-1)).view(index.shape)
 
 
-# The count tables of _count_le, per code map (the maps are a few constant tensors).
-_tables: dict[bytes, tuple[Tensor, int, int, Tensor]] = {}
+def _table_ok(x: Tensor, code: Tensor) -> bool:
+    # CUDA runs the kernels; inside a torch.func transform or torch.compile's tracing the
+    # search (no data-dependent tables there).
+    return (x.dtype == torch.float32 and code.dtype == torch.float32 and code.numel() <= 256
+            and x.device.type == "cpu" and code.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and torch._C._functorch.maybe_current_level() is None)
 
 
-def _count_table(code: Tensor) -> tuple[Tensor, int, int, Tensor]:
-    """For each of the 2^16 float32 buckets sharing their top 16 bits (sign, exponent, 7
-    mantissa bits: an interval of reals, or NaNs), the least ``#{codes <= x}`` over the bucket,
-    the most the count grows inside any bucket, the count torch gives a NaN, and ``code``
-    followed by a NaN."""
-    # By value: optimizers rebuilt every step (inject_hyperparams) make new map tensors.
+# The tables of _nearest_unit per code map, by value (optimizers rebuilt every step by
+# inject_hyperparams make new map tensors); None: a map the tables cannot describe.
+_tables: dict[bytes, tuple[Tensor, Tensor] | None] = {}
+
+
+def _float_key(bits: Tensor) -> Tensor:
+    """An int64 key of float32 bit patterns (int64 holding the signed int32) in the order of
+    their values (-0.0 just below +0.0); NaNs excluded."""
+    return torch.where(bits >= 0, bits, -(bits + 2**31) - 1)
+
+
+def _key_float(key: Tensor) -> Tensor:
+    bits = torch.where(key >= 0, key, -(key + 1) - 2**31)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _unit_table(code: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Per bucket of the 2^16 float32 buckets sharing their top 16 bits (``(bits >> 16) +
+    32768``): the nearest code of its least value (uint8) and the least value of the bucket
+    whose nearest code is one more (NaN where none), over the buckets of ``[-1, 1]``; elsewhere
+    the code of NaN and no step. Built from :func:`_nearest_search` itself.
+
+    On ``[-1, 1]`` (beyond the ends, a little past +-1) the nearest code is a nondecreasing
+    function of the value: between two neighbours ``lo <= x < hi`` the float32 distances
+    ``hi - x`` and ``x - lo`` are monotone in ``x`` (rounding is), so it steps from ``lo``'s
+    index to ``hi``'s once. (Far outside it is not: for ``x >= 2**24`` both distances round
+    alike by parity.) A bucket is an interval of values, so its codes are its least value's
+    plus at most one step, found by binary search over its 2^16 members: when a bucket holds
+    two steps (not so for the dynamic maps: a bucket spans 2^-7 of its magnitude, their codes
+    are farther apart) the tables are None and the search runs."""
     key = code.numpy().tobytes()
-    hit = _tables.get(key)
-    if hit is None:
-        if len(_tables) >= 8:  # a handful of maps in any run: bound it all the same
-            _tables.pop(next(iter(_tables)))
-        bits = torch.arange(-32768, 32768, dtype=torch.int32, device=code.device) << 16
-        ends = [(b.view(torch.float32)) for b in (bits, bits | 0xFFFF)]
-        counts = [torch.searchsorted(code, e, right=True) for e in ends]
-        nan = [torch.isnan(e) for e in ends]
-        # A bucket's non-NaN members form an interval: its count lies between its ends' counts.
-        low = torch.where(nan[0], counts[1], torch.where(nan[1], counts[0],
-                                                         torch.minimum(*counts)))
-        high = torch.where(nan[0], counts[1], torch.where(nan[1], counts[0],
-                                                          torch.maximum(*counts)))
-        nan_count = int(torch.searchsorted(code, torch.tensor([float("nan")],
-                                                              device=code.device), right=True))
-        # A NaN after the last code: no x is >= it, so a count never steps past the end.
-        ext = torch.cat([code, code.new_full((1,), float("nan"))])
-        hit = (low.to(torch.int32), int((high - low).max()), nan_count, ext)
-        _tables[key] = hit
+    if key in _tables:
+        return _tables[key]
+    if len(_tables) >= 8:  # a handful of maps in any run: bound it all the same
+        _tables.pop(next(iter(_tables)))
+    top = torch.arange(-32768, 32768, dtype=torch.int64)
+    ends = (_float_key(top << 16), _float_key((top << 16) + 0xFFFF))
+    low, high = torch.minimum(*ends), torch.maximum(*ends)
+
+    def codes(k: Tensor) -> Tensor:
+        return _nearest_search(_key_float(k), code).long()
+
+    # Buckets of values up to 1.0078 in magnitude: exponent and top mantissa bits <= 1.0's.
+    unit = (top & 0x7FFF) <= 0x3F80
+    c_low, steps = codes(low), codes(high) - codes(low)
+    hit: tuple[Tensor, Tensor] | None = None
+    if bool(((steps >= 0) & (steps <= 1))[unit].all()):
+        lo, hi = low.clone(), high.clone()
+        for _ in range(16):  # the least member whose code is c_low + 1
+            mid = (lo + hi) // 2
+            up = codes(mid) > c_low
+            lo, hi = torch.where(up, lo, mid), torch.where(up, mid, hi)
+        nan = torch.tensor([float("nan")])
+        table = torch.where(unit, c_low, _nearest_search(nan, code).long())
+        step_at = torch.where(unit & (steps == 1), _key_float(hi), nan)
+        hit = (table.to(torch.uint8), step_at)
+    _tables[key] = hit
     return hit
 
 
-def _count_le(code: Tensor, x: Tensor) -> Tensor:
-    """``torch.searchsorted(code, x, right=True)`` (how many codes are <= each ``x``), for a
-    sorted float32 ``code`` and contiguous float32 ``x``, by a table lookup on the top 16 bits
-    of ``x`` and as many compare-and-step passes as one such bucket holds codes (1 for the
-    dynamic maps): a few cheap vector passes instead of a binary search per element, the
-    same integers (tests/test_quant8.py compares them). Other dtypes and devices (CUDA runs
-    the kernels), and inside a torch.func transform or torch.compile's tracing, the binary
-    search itself."""
-    if (x.dtype != torch.float32 or code.dtype != torch.float32 or code.device.type != "cpu"
-            or x.device.type != "cpu" or torch.compiler.is_compiling()
-            or torch._C._functorch.maybe_current_level() is not None):
-        return torch.searchsorted(code, x, right=True)
-    table, extra, nan_count, ext = _count_table(code)
-    count = _gather(table, (x.view(torch.int32) >> 16) + 32768)
-    for _ in range(extra):
-        count += _gather(ext, count) <= x
-    return torch.where(torch.isnan(x), nan_count, count)
+def _nearest_unit(scaled: Tensor, code: Tensor) -> Tensor:
+    """:func:`nearest_code` of values in ``[-1, 1]`` or NaN (any other value: wrong codes),
+    by the bucket of the top 16 bits: its code, plus one past its step. Four passes over
+    ``scaled`` (two of them 1-byte) where the search makes a dozen; the same codes
+    (tests/test_quant8.py). Outside :func:`_table_ok`'s cases the search."""
+    tables = _unit_table(code) if _table_ok(scaled, code) else None
+    if tables is None:
+        return _nearest_search(scaled, code)
+    table, step_at = tables
+    x = scaled.contiguous()
+    bucket = torch.bitwise_right_shift(x.view(torch.int32), 16).add_(32768)
+    out = _gather(table, bucket)
+    return out.add_(x >= _gather(step_at, bucket))
 
 
 def _blocks(x: Tensor, block_size: int) -> tuple[Tensor, int]:
+    """``x`` (float32) as rows of ``block_size``, the last padded with zeros (a copy only
+    then), and its number of elements."""
     flat = x.reshape(-1).to(torch.float32)
     n = flat.numel()
     pad = _num_blocks(n, block_size) * block_size - n
-    return F.pad(flat, (0, pad)).view(-1, block_size), n
+    return (F.pad(flat, (0, pad)) if pad else flat).view(-1, block_size), n
+
+
+def _own(*tensors: object) -> bool:
+    """Whether a step's own temporaries may be written in place (the same operations, the
+    same bits): not when it must be differentiable, nor under a torch.func transform or
+    torch.compile's tracing."""
+    return fast_path_ok(*tensors) and not torch.compiler.is_compiling()
 
 
 def quantize_reference(
-    x: Float[Tensor, "*shape"], code: Float32[Tensor, " n_codes"], block_size: int
+    x: Float[Tensor, "*shape"], code: Float32[Tensor, " n_codes"], block_size: int, *,
+    own: bool = False,
 ) -> tuple[UInt8[Tensor, "*shape"], Float32[Tensor, " n_blocks"]]:
-    """``(codes, absmax)`` of the whole tensor ``x`` (rounded to float32 first)."""
+    """``(codes, absmax)`` of the whole tensor ``x`` (rounded to float32 first). ``own``: ``x``
+    is the caller's scratch, which the quotients may overwrite."""
     blocks, n = _blocks(x, block_size)
-    absmax = blocks.abs().amax(dim=1)
-    # |x| <= absmax makes the IEEE quotient lie in [-1, 1]; an all-zero block maps to 0.
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    scaled = torch.where(absmax[:, None] > 0, blocks / safe[:, None], torch.zeros_like(blocks))
-    codes = nearest_code(scaled, code).reshape(-1)[:n].reshape(x.shape)
+    # max |x| is |max x| or |min x|: two passes that write nothing (abs would write a copy).
+    absmax = torch.maximum(blocks.amax(dim=1).abs(), blocks.amin(dim=1).abs())
+    # |x| <= absmax makes the IEEE quotient lie in [-1, 1] (or be NaN: inf / inf), the domain
+    # of _nearest_unit; an all-zero (or NaN) block maps to 0.
+    ok = absmax > 0
+    safe = torch.where(ok, absmax, torch.ones_like(absmax))
+    if own and _own(x, absmax):
+        scaled = blocks.div_(safe[:, None])
+        if not bool(ok.all()):
+            scaled.masked_fill_(~ok[:, None], 0.0)
+    else:
+        scaled = torch.where(ok[:, None], blocks / safe[:, None], torch.zeros_like(blocks))
+    codes = _nearest_unit(scaled, code).reshape(-1)[:n].reshape(x.shape)
     return codes, absmax
 
 
@@ -176,9 +237,10 @@ def dequantize_reference(
 ) -> Float[Tensor, "*shape"]:
     """``code[codes] * absmax`` per block (float32 product), as ``dtype``."""
     n = codes.numel()
-    values, _ = _blocks(_gather(code, codes.reshape(-1).long()), block_size)
-    out = (values * absmax[:, None]).reshape(-1)[:n]
-    return out.reshape(codes.shape).to(dtype)
+    values, _ = _blocks(_gather(code, codes.reshape(-1).to(torch.int32)), block_size)
+    # (values is this function's own: the product may overwrite it.)
+    out = values.mul_(absmax[:, None]) if _own(codes, absmax) else values * absmax[:, None]
+    return out.reshape(-1)[:n].reshape(codes.shape).to(dtype)
 
 
 class Adam8bitScalars(NamedTuple):
@@ -190,14 +252,25 @@ class Adam8bitScalars(NamedTuple):
 
 
 def adam8bit_math(
-    m: Tensor, v: Tensor, g: Tensor, s: Adam8bitScalars
+    m: Tensor, v: Tensor, g: Tensor, s: Adam8bitScalars, *, own: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(m', v', direction)``: GaLore's inner Adam on (dequantized) states, element-wise."""
-    m = torch.add(m * s.beta1, g, alpha=1 - s.beta1)
-    v = torch.addcmul(v * s.beta2, g, g, value=1 - s.beta2)
-    if s.variant == "hf":
-        return m, v, m / (v.sqrt() + s.eps)
-    return m, v, m / (v.sqrt() / s.bc2_sqrt + s.eps)
+    """``(m', v', direction)``: GaLore's inner Adam on (dequantized) states, element-wise.
+
+    ``own``: ``m`` and ``v`` are the caller's to overwrite, of ``g``'s shape and dtype with at
+    least one dim (a 0-d state meets the 0-d float64 hyperparameters in float64), and the step
+    is not differentiated: the same operations in place, the same bits."""
+    if not own:
+        m = torch.add(m * s.beta1, g, alpha=1 - s.beta1)
+        v = torch.addcmul(v * s.beta2, g, g, value=1 - s.beta2)
+        if s.variant == "hf":
+            return m, v, m / (v.sqrt() + s.eps)
+        return m, v, m / (v.sqrt() / s.bc2_sqrt + s.eps)
+    m = m.mul_(s.beta1).add_(g, alpha=1 - s.beta1)
+    v = v.mul_(s.beta2).addcmul_(g, g, value=1 - s.beta2)
+    den = v.sqrt()
+    if s.variant != "hf":
+        den.div_(s.bc2_sqrt)
+    return m, v, torch.div(m, den.add_(s.eps), out=den)
 
 
 Q = tuple[Tensor, Tensor]  # (codes, absmax)
@@ -207,12 +280,15 @@ def adam8bit_reference(
     g: Tensor, m: Q, v: Q, code_m: Tensor, code_v: Tensor, block_size: int, s: Adam8bitScalars,
 ) -> tuple[Tensor, Q, Q]:
     """Dequantize (to ``g``'s dtype), :func:`adam8bit_math`, requantize:
-    ``(direction, (m codes, absmax), (v codes, absmax))``."""
+    ``(direction, (m codes, absmax), (v codes, absmax))``. The dequantized states are this
+    function's own: the moments and the quotients overwrite them when :func:`_own` allows."""
     m_f = dequantize_reference(*m, code_m, block_size, g.dtype)
     v_f = dequantize_reference(*v, code_v, block_size, g.dtype)
-    m_f, v_f, direction = adam8bit_math(m_f, v_f, g, s)
-    return (direction, quantize_reference(m_f, code_m, block_size),
-            quantize_reference(v_f, code_v, block_size))
+    own = (g.dim() > 0 and m_f.shape == g.shape == v_f.shape
+           and _own(g, *m, *v, s.eps, s.bc2_sqrt))
+    m_f, v_f, direction = adam8bit_math(m_f, v_f, g, s, own=own)
+    return (direction, quantize_reference(m_f, code_m, block_size, own=own),
+            quantize_reference(v_f, code_v, block_size, own=own))
 
 
 # --------------------------------------------------------------------------------------------

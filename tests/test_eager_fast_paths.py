@@ -60,7 +60,7 @@ def _run(name, dtype, *, eager, donate, monkeypatch, via_update=False):
     ``update`` + ``apply_updates``): the new params, state and updates."""
     with monkeypatch.context() as mp:
         if not eager:
-            mp.setattr(foreach_factored, "eager_ok", lambda *a, **k: False)
+            mp.setattr(foreach_factored, "eager_allowed", lambda *a, **k: False)
             mp.setattr(lamb_kernels, "lamb_fast_ok", lambda *a, **k: False)
             mp.setattr(galore, "_eager_ok", lambda *a, **k: False)
             mp.setattr(ADAFACTOR_TORCH, "fast_path_ok", lambda *a, **k: False)

@@ -254,23 +254,23 @@ def _kernel_ok(*tensors: Tensor | None, hyper: Sequence[Any] = ()) -> bool:
 
 
 def _check_factored(g: Tensor, factors: Factors | None, who: str) -> None:
-    if g.dim() < 2:
+    shape = g.shape
+    if len(shape) < 2:
         raise ValueError(f"{who}: a factored pass needs a leaf with >= 2 dims, got shape "
-                         f"{tuple(g.shape)}")
+                         f"{tuple(shape)}")
     if factors is None:
         return
-    n, m = g.shape[-2], g.shape[-1]
-    lead = tuple(g.shape[:-2])
-    want = {"row": lead + (n, 1), "col": lead + (1, m), "row_mean": lead + (1, 1)}
-    for name, t in zip(Factors._fields, factors):
-        if tuple(t.shape) != want[name]:
+    lead = shape[:-2]
+    want = (lead + (shape[-2], 1), lead + (1, shape[-1]), lead + (1, 1))
+    for name, t, w in zip(Factors._fields, factors, want):
+        if t.shape != w:
             raise ValueError(f"{who}: factors.{name} has shape {tuple(t.shape)}, expected "
-                             f"{want[name]} for a leaf of shape {tuple(g.shape)}")
+                             f"{tuple(w)} for a leaf of shape {tuple(shape)}")
 
 
 def _check_same(who: str, g: Tensor, **others: Tensor | None) -> None:
     for name, t in others.items():
-        if t is not None and tuple(t.shape) != tuple(g.shape):
+        if t is not None and t.shape != g.shape:
             raise ValueError(f"{who}: {name} has shape {tuple(t.shape)} but the leaf has "
                              f"{tuple(g.shape)}")
 
@@ -323,6 +323,9 @@ def _apply_reference(x, p, precond, kw):
     return precond_apply_reference(x, p, precond, **kw)
 
 
+_NOT_CONTAINERS = (float, int, bool, str, type(None), torch.dtype)
+
+
 def _tensors_in(args: Any) -> list[Tensor]:
     """Every tensor in ``args`` (nested tuples, lists, dicts, :class:`Factors`): the
     hyperparameters a pass was given count in its differentiability check."""
@@ -331,11 +334,18 @@ def _tensors_in(args: Any) -> list[Tensor]:
         a = todo.pop()
         if isinstance(a, Tensor):
             out.append(a)
+        elif isinstance(a, _NOT_CONTAINERS):
+            continue
         elif isinstance(a, (tuple, list)):
             todo.extend(a)
         elif isinstance(a, Mapping):
             todo.extend(a.values())
     return out
+
+
+def _requires_grad(args: Any) -> bool:
+    """Whether a tensor in ``args`` (as :func:`_tensors_in` finds them) requires grad."""
+    return any(t.requires_grad for t in _tensors_in(args))
 
 
 def execute_batched(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical: Any,
@@ -350,25 +360,30 @@ def execute_batched(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical:
     :func:`_kernel_ok` accepts go together to ``many`` (a list of arguments -> the list of
     results): a function, or the name of one in the Triton kernel module (imported then).
     Of the others (float64, empty, not on CUDA in ``auto`` mode, ``reference`` mode), those
-    :func:`funcpar.kernels.foreach_factored.eager_ok` accepts go together to ``eager`` (the
-    in-place plain-torch path, the references' operations; ``None``: none); the rest take
-    ``reference(*arguments)`` one by one, exactly as a one-leaf call would."""
+    the eager path takes (:func:`funcpar.kernels.foreach_factored.eager_allowed` for the
+    batch, then per leaf :func:`~funcpar.kernels.foreach_factored.eager_leaf_ok` and nothing
+    to differentiate) go together to ``eager`` (the in-place plain-torch path, the references'
+    operations; ``None``: none); the rest take ``reference(*arguments)`` one by one, exactly
+    as a one-leaf call would."""
     canon = [canonical(*args, **kwargs) for args, kwargs in calls]
     results: list[Any] = [None] * len(canon)
     fast, plain = [], []
     # Asked once per batch, not per leaf (this runs for every pass of every step): the mode,
-    # and whether any tensor can require grad at all.
+    # whether any tensor can require grad at all, whether the eager path may run at all.
     mode = current_mode()
     grad_on = torch.is_grad_enabled()
+    eager_on = eager is not None and _ff.eager_allowed()
     for i, (args, tensors) in enumerate(canon):
-        hyper = _tensors_in(args) if grad_on else ()
         # use_kernels says no in mode "reference", and in "auto" unless the leaf is on CUDA:
         # asked only where it might say yes (or, in mode "triton", raise).
-        lead = next((t for t in tensors if t is not None), None)
-        maybe = mode == "triton" or (mode == "auto" and lead is not None and lead.is_cuda)
-        if maybe and _kernel_ok(*tensors, hyper=hyper):
-            fast.append(i)
-        elif eager is not None and _ff.eager_ok(tensors, hyper):
+        lead = tensors[0] if tensors and tensors[0] is not None else next(
+            (t for t in tensors if t is not None), None)
+        if mode == "triton" or (mode == "auto" and lead is not None and lead.is_cuda):
+            if _kernel_ok(*tensors, hyper=_tensors_in(args) if grad_on else ()):
+                fast.append(i)
+                continue
+        if (eager_on and _ff.eager_leaf_ok(tensors)
+                and not (grad_on and _requires_grad((args, tensors)))):
             plain.append(i)
         else:
             results[i] = reference(*args)
@@ -515,8 +530,8 @@ def _clip_many(calls: list[tuple]) -> list[Tensor]:
         host = host.to(device, non_blocking=True)
         v = (v / host[:, 0].to(dt)).to(res_dt) / host[:, 1].to(res_dt)
         v = v.clamp(min=1.0)
-        for j, i in enumerate(idx):
-            out[i] = v[j]
+        for i, vi in zip(idx, v.unbind()):
+            out[i] = vi
     return out
 
 

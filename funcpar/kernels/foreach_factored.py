@@ -29,7 +29,9 @@ device). Each ``*_fast`` takes the canonical arguments of many leaves (as the ``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -49,14 +51,35 @@ __all__ = [
 ]
 
 
+def eager_allowed() -> bool:
+    """Whether the eager path may run at all now: not inside ``torch.compile``'s tracing nor
+    under a torch.func transform (:func:`funcpar.kernels.inplace.fast_path_ok` with no
+    tensors). The same for every leaf of a pass, so asked once per batch."""
+    return not torch.compiler.is_compiling() and fast_path_ok()
+
+
+def eager_leaf_ok(tensors: Sequence[Tensor | None]) -> bool:
+    """The per-leaf part of :func:`eager_ok` (differentiability aside): the leaf's tensors
+    are non-empty, contiguous and on one device."""
+    device = None
+    for t in tensors:
+        if t is None:
+            continue
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            return False
+        if not t.is_contiguous() or t.numel() == 0:
+            return False
+    return device is not None
+
+
 def eager_ok(tensors: Sequence[Tensor | None], hyper: Sequence[Any] = ()) -> bool:
     """Whether a pass over ``tensors`` (its leaf-sized and factor tensors) with the tensor
-    hyperparameters ``hyper`` may run here instead of the per-leaf reference."""
+    hyperparameters ``hyper`` may run here instead of the per-leaf reference:
+    :func:`eager_allowed`, :func:`eager_leaf_ok` and nothing to differentiate."""
     live = [t for t in tensors if t is not None]
-    if not live or torch.compiler.is_compiling() or not fast_path_ok(*live, *hyper):
-        return False
-    return (len({t.device for t in live}) == 1
-            and all(t.is_contiguous() and t.numel() > 0 for t in live))
+    return eager_allowed() and eager_leaf_ok(live) and fast_path_ok(*live, *hyper)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,7 +88,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _to_compute(x: Tensor) -> Tensor:
-    return x.to(_compute_dtype(x.dtype))
+    # No call at all when x is in its compute dtype already (the usual case).
+    dtype = x.dtype
+    return x.to(torch.float32) if dtype is torch.float16 or dtype is torch.bfloat16 else x
 
 
 class _Scalars:
@@ -98,24 +123,69 @@ class _Scalars:
         return self(hit[1], dtype)
 
 
+# The scratch of the current step (scratch_scope), else None: each batch call its own.
+_SCOPE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("funcpar_factored_scratch",
+                                                                    default=None)
+
+
+@contextlib.contextmanager
+def scratch_scope() -> Iterator[None]:
+    """Let the passes run inside share their scratch buffers (and the views of them in each
+    leaf's shape): one buffer per (device, dtype) for the whole step instead of one per pass,
+    released when the scope ends. A scope inside another is the outer one. Only the passes'
+    own temporaries live there: no pass returns a tensor that aliases the scratch."""
+    if _SCOPE.get() is not None:
+        yield
+        return
+    token = _SCOPE.set({})
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
 class _Scratch:
     """One leaf-sized temporary per (device, dtype), as large as the largest leaf of the call,
     viewed in each leaf's shape from offset 0 (so a reduction over it sees the layout a fresh
-    contiguous tensor has)."""
+    contiguous tensor has). Inside :func:`scratch_scope` the buffer and its views are the
+    scope's, shared by the step's passes."""
 
     def __init__(self, like: Sequence[Tensor]) -> None:
         self._size: dict[tuple, int] = {}
         for t in like:
             key = (t.device, _compute_dtype(t.dtype))
-            self._size[key] = max(self._size.get(key, 0), t.numel())
-        self._buf: dict[tuple, Tensor] = {}
+            n = t.numel()
+            if n > self._size.get(key, 0):
+                self._size[key] = n
+        scope = _SCOPE.get()
+        self._store: dict = {} if scope is None else scope
 
     def __call__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
         key = (device, dtype)
-        buf = self._buf.get(key)
-        if buf is None:
-            buf = self._buf[key] = torch.empty(self._size[key], dtype=dtype, device=device)
-        return buf[: shape.numel()].view(shape)
+        views = self._store.get(key)
+        if views is None or views[None].numel() < self._size[key]:
+            # views[None]: the buffer itself; a bigger one drops the views of the old one.
+            views = self._store[key] = {None: torch.empty(self._size[key], dtype=dtype,
+                                                          device=device)}
+        view = views.get(shape)
+        if view is None:
+            view = views[shape] = views[None][: shape.numel()].view(shape)
+        return view
+
+
+def _rsqrt_factors(precond: Sequence[Any]) -> list[Any]:
+    """For each leaf's preconditioner, what :func:`_inverse_sqrt_into` multiplies: the factors'
+    ``(rsqrt(R / mean(R)), rsqrt(C))`` (formed by multi-tensor ops over all leaves, the same
+    operations as one leaf at a time) or a full ``V`` itself."""
+    idx = [i for i, f in enumerate(precond) if f is not None and not torch.is_tensor(f)]
+    out = list(precond)
+    if idx:
+        rows = torch._foreach_div([precond[i][0] for i in idx], [precond[i][2] for i in idx])
+        torch._foreach_rsqrt_(rows)
+        cols = torch._foreach_rsqrt([precond[i][1] for i in idx])
+        for i, r, c in zip(idx, rows, cols):
+            out[i] = (r, c)
+    return out
 
 
 def _ema(avg: Tensor, new: Tensor, decay: Any, sc: _Scalars, *, state: bool) -> Tensor:
@@ -127,12 +197,12 @@ def _ema(avg: Tensor, new: Tensor, decay: Any, sc: _Scalars, *, state: bool) -> 
 
 
 def _inverse_sqrt_into(buf: Tensor, precond: Any) -> Tensor:
-    """``inverse_sqrt(precond)`` (the outer product ``rsqrt(R / mean(R)) rsqrt(C)`` or
-    ``rsqrt(V)``) written into ``buf``."""
+    """``inverse_sqrt(precond)`` (the outer product ``rsqrt(R / mean(R)) rsqrt(C)`` of the
+    pair :func:`_rsqrt_factors` formed, or ``rsqrt(V)``) written into ``buf``."""
     if torch.is_tensor(precond):
         return torch.rsqrt(precond, out=buf)
-    row, col, row_mean = precond
-    return torch.mul((row / row_mean).rsqrt(), col.rsqrt(), out=buf)
+    row_rsqrt, col_rsqrt = precond
+    return torch.mul(row_rsqrt, col_rsqrt, out=buf)
 
 
 def sq_row_col_sums_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor]]:
@@ -152,9 +222,9 @@ def scaled_norm_fast(calls: list[tuple]) -> list[Tensor]:
     (``(g, factors)`` each), ``inverse_sqrt(factors) * g`` in the scratch buffer."""
     scratch = _Scratch([c[0] for c in calls])
     out = []
-    for g, factors in calls:
+    for (g, _), pre in zip(calls, _rsqrt_factors([c[1] for c in calls])):
         g = _to_compute(g)
-        u = _inverse_sqrt_into(scratch(g.shape, g.dtype, g.device), factors).mul_(g)
+        u = _inverse_sqrt_into(scratch(g.shape, g.dtype, g.device), pre).mul_(g)
         out.append(torch.linalg.vector_norm(u))
     return out
 
@@ -180,11 +250,13 @@ def came_residual_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]
     and then the residual ``(u - M')^2 + eps2`` in the scratch buffer."""
     scratch = _Scratch([c[0] for c in calls])
     sc = _Scalars()
+    ones = _host_equal_all([c[2] for c in calls], 1.0)
     out = []
-    for g, factors, clip, m, beta1, eps2 in calls:
+    for (g, _, clip, m, beta1, eps2), pre, one in zip(
+            calls, _rsqrt_factors([c[1] for c in calls]), ones):
         g = _to_compute(g)
-        u = _inverse_sqrt_into(scratch(g.shape, g.dtype, g.device), factors).mul_(g)
-        if not host_equals(clip, 1.0):
+        u = _inverse_sqrt_into(scratch(g.shape, g.dtype, g.device), pre).mul_(g)
+        if not one:
             u = u.div_(clip.to(u.dtype))
         m = _ema(m, u, beta1, sc, state=True)
         res = u.sub_(m).pow_(2).add_(eps2)
@@ -201,6 +273,34 @@ def host_equals(x: Any, value: float) -> bool:
     return float(x) == value
 
 
+def _host_equal_all(xs: Sequence[Any], value: float) -> list[bool]:
+    """:func:`host_equals` of each of ``xs`` (``None``: False), the host tensors among them
+    read together (one read instead of one per leaf: the clip divisors of all leaves)."""
+    out = [False] * len(xs)
+    host = []
+    for i, x in enumerate(xs):
+        if x is None:
+            continue
+        if not torch.is_tensor(x):
+            out[i] = float(x) == value
+        elif x.device.type == "cpu" and x.numel() == 1:
+            host.append(i)
+    if len(host) == 1:
+        out[host[0]] = float(xs[host[0]]) == value
+    elif host:
+        # float64 holds every value of the float dtypes exactly: == compares as float(x) does.
+        values = torch.stack([_f64_scalar(xs[i]) for i in host]).tolist()
+        for i, v in zip(host, values):
+            out[i] = v == value
+    return out
+
+
+def _f64_scalar(x: Tensor) -> Tensor:
+    if x.dim():
+        x = x.reshape(())
+    return x if x.dtype == torch.float64 else x.to(torch.float64)
+
+
 def precond_apply_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor | None]]:
     """:func:`funcpar.kernels.factored.precond_apply_reference` for many leaves
     (``(x, p, precond, kw)`` each). Inside inplace_updates the momentum and, with
@@ -209,8 +309,11 @@ def precond_apply_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor | None]]
     donated = inplace_allowed()
     scratch = _Scratch([c[0] for c in calls])
     sc = _Scalars()
+    ones = _host_equal_all([c[3]["clip"] for c in calls], 1.0)
+    no_decay = _host_equal_all([c[3]["decay"] for c in calls], 0.0)
     out = []
-    for x, p, precond, kw in calls:
+    for (x, p, _, kw), precond, clip_one, decay_zero in zip(
+            calls, _rsqrt_factors([c[2] for c in calls]), ones, no_decay):
         y_in = _to_compute(x)
         dt = y_in.dtype
         mode = kw["out"]
@@ -221,7 +324,7 @@ def precond_apply_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor | None]]
             y = _inverse_sqrt_into(buf, precond).mul_(y_in)
         else:
             y = buf.copy_(y_in)
-        if kw["clip"] is not None and not host_equals(kw["clip"], 1.0):
+        if kw["clip"] is not None and not clip_one:
             y.div_(kw["clip"].to(dt))
         if kw["pre"] is not None:
             y.mul_(sc(kw["pre"], dt))
@@ -235,15 +338,13 @@ def precond_apply_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor | None]]
         if mode == "direction":
             out.append((y, m_new))
             continue
-        p32 = p.to(dt)
-        decay = kw["decay"]
-        if decay is not None and host_equals(decay, 0.0):
-            decay = None
+        decay = None if decay_zero else kw["decay"]
         if in_place_p:
             if decay is not None:
                 p.addcmul_(p, sc.derived(decay, "neg", dt))  # p - decay p, as the reference
             out.append((p.sub_(y), m_new))
             continue
+        p32 = p if p.dtype == dt else p.to(dt)
         if decay is None:
             # p - y into y's buffer (an elementwise op may write over its own input).
             new_p = torch.sub(p32, y, out=buf if y is buf else torch.empty_like(y))
@@ -252,7 +353,7 @@ def precond_apply_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor | None]]
         if mode == "update":
             out.append((new_p.sub_(p32), m_new))
         else:
-            out.append((new_p.to(p.dtype), m_new))
+            out.append((new_p if new_p.dtype == p.dtype else new_p.to(p.dtype), m_new))
     return out
 
 

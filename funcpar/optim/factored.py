@@ -278,8 +278,10 @@ def factored_moment_phases(row_sum, col_sum, stats, names, decay, *, shape, layo
     batched pass (:func:`funcpar.kernels.factored.factor_ema_reference`), then (sharded leaves
     only) the sum of the new row factor over the rows completed."""
     nd = len(shape)
-    row_s, col_s = yield [Partial(row_sum, layout, nd - 1, "factored row mean"),
-                          Partial(col_sum, layout, nd - 2, "factored column mean")]
+    row_s, col_s = row_sum, col_sum
+    if layout is not None:  # whole leaves: nothing to complete, no round of their own
+        row_s, col_s = yield [Partial(row_sum, layout, nd - 1, "factored row mean"),
+                              Partial(col_sum, layout, nd - 2, "factored column mean")]
     row, col = to_leaf_coords(stats[names.row], stats[names.col])
     # The EMAs and mean(R) (or, sharded, this shard's sum of R), batched over the leaves.
     row, col, part = yield from one_pass(kernels.factor_ema_batch, row_s, col_s, row, col,

@@ -424,11 +424,14 @@ _COMPUTE, _REDUCE, _FINAL = 0, 1, 2
 
 
 def _klass(requests: list[Any]) -> int:
-    if any(isinstance(r, Partial) for r in requests):
-        return _REDUCE
-    if requests and all(isinstance(r, Pass) and r.final for r in requests):
-        return _FINAL
-    return _COMPUTE
+    # One scan (this runs for every leaf in every round).
+    klass = _FINAL if requests else _COMPUTE
+    for r in requests:
+        if isinstance(r, Partial):
+            return _REDUCE
+        if klass == _FINAL and not (isinstance(r, Pass) and r.final):
+            klass = _COMPUTE
+    return klass
 
 
 def together(*steps: Phased) -> Phased:
@@ -445,36 +448,48 @@ def together(*steps: Phased) -> Phased:
     Within a round the requests are in the order of ``steps``. Steps may have different
     numbers of phases; nested ``together`` s schedule the same way.
     """
-    results: list[Any] = [None] * len(steps)
+    n = len(steps)
+    results: list[Any] = [None] * n
     # Per step: its pending request list and that list's class (None once it has returned).
     pending: list[list[Any]] = [[] for _ in steps]
-    klass: list[int | None] = [None] * len(steps)
+    klass: list[int | None] = [None] * n
 
     def advance(i: int, sent: list[Any] | None) -> None:
         try:
-            reqs = list(next(steps[i]) if sent is None else steps[i].send(sent))
+            reqs = next(steps[i]) if sent is None else steps[i].send(sent)
         except StopIteration as stop:
             klass[i] = None
             results[i] = stop.value
             return
+        reqs = reqs if type(reqs) is list else list(reqs)
         pending[i], klass[i] = reqs, _klass(reqs)
 
-    for i in range(len(steps)):
+    for i in range(n - 1):
         advance(i, None)
+    if n and all(k is None for k in klass):
+        # Every other step is done without a phase (an optimizer's step-size phases when the
+        # step size needs no reduction): the last one is the whole schedule, delegated to as
+        # it is instead of being relayed round by round.
+        results[n - 1] = yield from steps[n - 1]
+        return tuple(results)
+    if n:
+        advance(n - 1, None)
     while True:
-        live = [k for k in klass if k is not None]
-        if not live:
+        first = min((k for k in klass if k is not None), default=None)
+        if first is None:
             break
-        first = min(live)
         order = [i for i, k in enumerate(klass) if k == first]
-        want = sum(len(pending[i]) for i in order)
-        back = yield [r for i in order for r in pending[i]]
-        if len(back) != want:
-            raise ValueError(f"together: {len(back)} results for {want} requests")
+        if len(order) == 1:
+            asked = pending[order[0]]
+        else:
+            asked = [r for i in order for r in pending[i]]
+        back = yield asked
+        if len(back) != len(asked):
+            raise ValueError(f"together: {len(back)} results for {len(asked)} requests")
         pos = 0
         for i in order:
             k = len(pending[i])
-            advance(i, list(back[pos:pos + k]))
+            advance(i, back[pos:pos + k])
             pos += k
     return tuple(results)
 

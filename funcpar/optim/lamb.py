@@ -64,7 +64,10 @@ def _trust_ratio(w_norm, a_norm, eps, *, max_weight_norm, max_trust_ratio, eps_i
     if max_weight_norm is not None:
         w_norm = w_norm.clamp(max=max_weight_norm)
     ratio = w_norm / ((a_norm + eps) if eps_in_trust_ratio else a_norm)
-    ratio = torch.where((w_norm > 0) & (a_norm > 0), ratio, torch.ones_like(ratio))
+    # Both norms > 0 (NaN: neither) as one comparison of their minimum (NaN propagates): a
+    # whole leaf's step runs these 0-d operations once per leaf, each costs about as much as
+    # a pass over a small leaf.
+    ratio = torch.where(torch.minimum(w_norm, a_norm) > 0, ratio, 1.0)
     if max_trust_ratio is not None:
         ratio = ratio.clamp(max=max_trust_ratio)
     return ratio
@@ -154,19 +157,40 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
 
     def eager(g, p, m, v, dec, s, step_size, write_params):
         # Whole leaves need no reduction between the passes: each leaf's step runs to its end
-        # before the next one's (one leaf-sized scratch pair, reused), in place. The reference's
-        # torch operations in its order, written into buffers: the same bits, up to the sign
-        # of a zero (p + (0 - c a) is formed as p - c a). Inside inplace_updates the moments
-        # (and, writing them, the params) are updated in place, else written fresh by the
-        # same operations, so donated and undonated steps are bit-identical. A decay of
-        # exactly 0 is skipped (a + 0 p is a, but for the sign of a zero).
+        # before the next one's, in place. The reference's torch operations in its order,
+        # written into buffers: the same bits, up to the sign of a zero (p + (0 - c a) is
+        # formed as p - c a). Inside inplace_updates the moments (and, writing them, the
+        # params) are updated in place, else written fresh by the same operations, so donated
+        # and undonated steps are bit-identical. A decay of exactly 0 is skipped (a + 0 p is
+        # a, but for the sign of a zero).
+        # Buffers: the direction a (its denominator first, c a last) and, where the variant
+        # needs a second tensor (bias-corrected moments, a decay), b. A donated apply writes
+        # p in place, so a and b are scratch shared by all leaves (on a CPU a fresh leaf-sized
+        # tensor costs its page faults, more than a pass over it); otherwise the result is a
+        # fresh tensor anyway and a is it, b fresh where needed.
         donated = inplace_allowed()
-        sizes: dict[tuple, int] = {}
-        for x in p:
-            sizes[(x.device, x.dtype)] = max(x.numel(), sizes.get((x.device, x.dtype), 0))
-        scratch = {(dev, dt): [torch.empty(n, dtype=dt, device=dev) for _ in range(2)]
-                   for (dev, dt), n in sizes.items()}
         decays = not host_equals(weight_decay, 0.0)
+        shared = donated and write_params
+        scratch: dict[tuple, list[Tensor]] = {}
+        if shared:
+            for x in p:
+                key = (x.device, x.dtype)
+                scratch[key] = [max(x.numel(), scratch.get(key, [0])[0])]
+        views: dict[tuple, tuple[Tensor, Tensor | None]] = {}
+
+        def buffers(p_j, two):
+            if not shared:
+                return torch.empty_like(p_j), torch.empty_like(p_j) if two else None
+            key = (p_j.device, p_j.dtype, p_j.shape, two)
+            if key not in views:
+                flat = scratch[(p_j.device, p_j.dtype)]
+                while len(flat) < (3 if two else 2):  # [numel, a, b], made on first use
+                    flat.append(torch.empty(flat[0], dtype=p_j.dtype, device=p_j.device))
+                views[key] = tuple(x[: p_j.numel()].view(p_j.shape) for x in flat[1:3])
+                if not two:
+                    views[key] = (views[key][0], None)
+            return views[key]
+
         out, ms, vs, ratios = [], [], [], []
         for g_j, p_j, m_j, v_j, dec_j in zip(g, p, m, v, dec):
             if p_j.dim() == 0:  # 0-d arithmetic promotes with the 0-d hyperparameters
@@ -181,8 +205,8 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
                 vs.append(v_new)
                 ratios.append(r)
                 continue
-            bufs = scratch[(p_j.device, p_j.dtype)]
-            a_buf, b_buf = (x[: p_j.numel()].view(p_j.shape) for x in bufs)
+            decay_j = dec_j and decays
+            a_buf, b_buf = buffers(p_j, s.moments or decay_j)
             if s.maximize:
                 g_j = -g_j
             m_j = (m_j.mul_(beta1) if donated else torch.mul(m_j, beta1)).add_(g_j,
@@ -193,26 +217,30 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
                 den = torch.div(v_j, s.bc2, out=b_buf).sqrt_().add_(s.eps)
                 a = torch.div(m_j, s.bc1, out=a_buf).div_(den)
             else:  # m / (sqrt(v) + eps)
-                a = torch.div(m_j, torch.sqrt(v_j, out=b_buf).add_(s.eps), out=a_buf)
+                a = torch.div(m_j, torch.sqrt(v_j, out=a_buf).add_(s.eps), out=a_buf)
             w = p_j
-            if dec_j and s.in_update and decays:
+            if decay_j and s.in_update:
                 a.add_(torch.mul(p_j, s.weight_decay, out=b_buf))
-            elif dec_j and not s.in_update and decays:
+            elif decay_j:
                 w = torch.mul(p_j, s.shrink, out=b_buf)
             ratio = _trust_ratio(torch.linalg.vector_norm(w), torch.linalg.vector_norm(a), eps,
                                  **ratio_opts)
             ca = a.mul_(step_size * (torch.ones_like(ratio) if adam else ratio))
             if w is p_j:  # (p - p) - c a = -(c a)
-                if write_params:
-                    res = p_j.sub_(ca) if donated else torch.sub(p_j, ca)
+                if not write_params:
+                    res = ca.neg_()
+                elif donated:
+                    res = p_j.sub_(ca)
                 else:
-                    res = torch.neg(ca)
+                    res = torch.sub(p_j, ca, out=ca)
             else:
                 u = w.sub_(p_j).sub_(ca)  # (w - p) - c a
-                if write_params:
-                    res = p_j.add_(u) if donated else torch.add(p_j, u)
+                if not write_params:
+                    res = u
+                elif donated:
+                    res = p_j.add_(u)
                 else:
-                    res = u.clone()
+                    res = torch.add(p_j, u, out=u)
             out.append(res)
             ms.append(m_j)
             vs.append(v_j)

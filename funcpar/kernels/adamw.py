@@ -61,13 +61,15 @@ def _t(x: Tensor | float) -> Tensor:
 def adamw_leaf(
     g: Tensor, p: Tensor, m: Tensor, v: Tensor, vmax: Tensor | None, use_decay: bool,
     s: AdamWScalars, *, amsgrad: bool, maximize: bool,
+    cast: dict[torch.dtype, tuple[Tensor, ...]] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """The reference for one leaf: ``(u, m', v', vmax')`` exactly as torch.optim.AdamW."""
+    """The reference for one leaf: ``(u, m', v', vmax')`` exactly as torch.optim.AdamW.
+    ``cast``, when given, caches the step's scalars per dtype across a loop over leaves."""
     if maximize:
         g = -g
-    # Low-precision gradients with float32 states: the arithmetic in the states' precision (a
-    # no-op when the dtypes agree, as they do for states made by zeros_like(params)).
-    g = g.to(torch.promote_types(g.dtype, m.dtype))
+    # Low-precision gradients with float32 states: the arithmetic in the states' precision.
+    if g.dtype != m.dtype:
+        g = g.to(torch.promote_types(g.dtype, m.dtype))
     m = torch.lerp(m, g, 1 - s.beta1)
     v = v * s.beta2 + (1 - s.beta2) * g * g
     if amsgrad:
@@ -75,10 +77,15 @@ def adamw_leaf(
     # Hyperparameters in the leaf's dtype: a 0-d float64 scalar would otherwise promote a 0-d
     # float32 leaf to float64.
     dt = g.dtype
-    denom = ((vmax if amsgrad else v).sqrt() / _t(s.bc2_sqrt).to(dt)) + _t(s.eps).to(dt)
-    u = -_t(s.step_size).to(dt) * (m / denom)
+    cast = {} if cast is None else cast
+    if dt not in cast:
+        cast[dt] = (_t(s.bc2_sqrt).to(dt), _t(s.eps).to(dt), -_t(s.step_size).to(dt),
+                    _t(s.lr_wd).to(dt))
+    bc2_sqrt, eps, neg_step_size, lr_wd = cast[dt]
+    denom = ((vmax if amsgrad else v).sqrt() / bc2_sqrt) + eps
+    u = neg_step_size * (m / denom)
     if use_decay:
-        u = u - _t(s.lr_wd).to(dt) * p
+        u = u - lr_wd * p
     return u, m, v, vmax
 
 
@@ -238,10 +245,12 @@ def adamw_reference(
         return _adamw_multi(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s,
                             amsgrad=amsgrad, maximize=maximize, write_params=write_params)
     outs, ms, vs, vmaxs = [], [], [], []
+    cast: dict[torch.dtype, tuple[Tensor, ...]] = {}
     for g, p, m, v, vmax, dec in zip(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay,
                                      strict=True):
-        u, m, v, vmax = adamw_leaf(g, p, m, v, vmax, dec, s, amsgrad=amsgrad, maximize=maximize)
-        outs.append(p + u.to(p.dtype) if write_params else u)
+        u, m, v, vmax = adamw_leaf(g, p, m, v, vmax, dec, s, amsgrad=amsgrad, maximize=maximize,
+                                   cast=cast)
+        outs.append((p + (u if u.dtype == p.dtype else u.to(p.dtype))) if write_params else u)
         ms.append(m)
         vs.append(v)
         vmaxs.append(vmax)

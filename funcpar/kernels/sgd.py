@@ -45,11 +45,15 @@ def _t(x: Tensor | float) -> Tensor:
 
 def sgd_leaf(
     g: Tensor, p: Tensor, buf: Tensor | None, use_decay: bool, s: SGDScalars, *,
-    nesterov: bool, maximize: bool,
+    nesterov: bool, maximize: bool, cast: dict[torch.dtype, tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The reference for one leaf: ``(u, b')`` exactly as torch.optim.SGD."""
+    """The reference for one leaf: ``(u, b')`` exactly as torch.optim.SGD. ``cast``, when
+    given, caches the step's scalars per dtype across a loop over leaves."""
     # Hyperparameters in the leaf's dtype (a 0-d float64 would promote 0-d leaves).
-    lr_, wd = _t(s.lr).to(g.dtype), _t(s.weight_decay).to(g.dtype)
+    cast = {} if cast is None else cast
+    if g.dtype not in cast:
+        cast[g.dtype] = (_t(s.lr).to(g.dtype), _t(s.weight_decay).to(g.dtype))
+    lr_, wd = cast[g.dtype]
     d = -g if maximize else g
     if use_decay:
         d = d + wd * p
@@ -78,9 +82,10 @@ def sgd_reference(
         return _sgd_multi(grads, params, bufs, decay, s, nesterov=nesterov, maximize=maximize,
                           write_params=write_params)
     outs, new_bufs = [], []
+    cast: dict[torch.dtype, tuple[Tensor, Tensor]] = {}
     for g, p, b, dec in zip(grads, params, bufs, decay, strict=True):
-        u, b = sgd_leaf(g, p, b, dec, s, nesterov=nesterov, maximize=maximize)
-        outs.append(p + u.to(p.dtype) if write_params else u)
+        u, b = sgd_leaf(g, p, b, dec, s, nesterov=nesterov, maximize=maximize, cast=cast)
+        outs.append((p + (u if u.dtype == p.dtype else u.to(p.dtype))) if write_params else u)
         new_bufs.append(b)
     return outs, new_bufs
 

@@ -153,6 +153,15 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def update(grads, state, params=None, *, layouts=None):
         total = global_norm(grads, layouts)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        return tree_map(lambda g: None if g is None else g * coef.to(g.dtype), grads), state
+        cast: dict[torch.dtype, Tensor] = {}  # the coefficient in each leaf dtype, cast once
+
+        def scale(g: Tensor | None) -> Tensor | None:
+            if g is None:
+                return None
+            if g.dtype not in cast:
+                cast[g.dtype] = coef.to(g.dtype)
+            return g * cast[g.dtype]
+
+        return tree_map(scale, grads), state
 
     return GradientTransformation(init, update)

@@ -153,8 +153,8 @@ def _copy(x: Tensor) -> Tensor:
 
 def _signature(x: Any) -> Any:
     # Strides too: the traced graph's reshapes are views where the traced strides allowed.
-    if torch.is_tensor(x):
-        return ("T", tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
+    if torch.is_tensor(x):  # torch.Size is a hashable tuple: no conversion (every leaf, every call)
+        return ("T", x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
     return ("C", type(x).__name__, repr(x))
 
 

@@ -204,30 +204,39 @@ def test_code_search_by_table_is_the_binary_search():
 
 @pytest.mark.parametrize("shape,block_size", [((1000,), 256), ((3, 5, 7), 16), ((2, 33), 100)])
 @pytest.mark.parametrize("variant", ["hf", "bnb"])
-def test_in_place_step_is_the_out_of_place_one(shape, block_size, variant):
+def test_in_place_step_is_the_out_of_place_one(shape, block_size, variant, monkeypatch):
     """The 8-bit Adam step on its own temporaries (in place: dequantized states, moments,
-    quotients) gives the out-of-place operations' bits, which a step that must be
-    differentiable (a gradient requiring grad) runs; zero, NaN and infinite blocks included."""
-    from funcpar.kernels.quant8 import Adam8bitScalars, adam8bit_reference, quantize_reference
+    quotients), in pieces of two blocks, and donated (writing the state's codes and absmax),
+    gives the out-of-place operations' bits, which a step that must be differentiable (a
+    gradient requiring grad) runs; zero, NaN and infinite blocks included."""
+    import funcpar.kernels.quant8 as kq
+    from funcpar.kernels.inplace import inplace_updates
 
+    monkeypatch.setattr(kq, "PIECE", 2 * block_size)
     gen = torch.Generator().manual_seed(6)
     g = torch.randn(shape, generator=gen)
-    m = quantize_reference(_data(g.numel(), True, gen).view(shape), SIGNED, block_size)
-    v = quantize_reference(_data(g.numel(), False, gen).view(shape), UNSIGNED, block_size)
+    m = kq.quantize_reference(_data(g.numel(), True, gen).view(shape), SIGNED, block_size)
+    v = kq.quantize_reference(_data(g.numel(), False, gen).view(shape), UNSIGNED, block_size)
     for eps in (1e-8, torch.tensor(1e-8, dtype=torch.float64)):
-        s = Adam8bitScalars(0.9, 0.999, eps, torch.tensor(0.05, dtype=torch.float64), variant)
-        ours = adam8bit_reference(g, m, v, SIGNED, UNSIGNED, block_size, s)
-        pure = adam8bit_reference(g.clone().requires_grad_(), m, v, SIGNED, UNSIGNED,
-                                  block_size, s)
-        for a, b in zip(optree.tree_leaves(ours), optree.tree_leaves(pure)):
-            assert torch.equal(a, b.detach())
+        s = kq.Adam8bitScalars(0.9, 0.999, eps, torch.tensor(0.05, dtype=torch.float64),
+                               variant)
+        pure = kq.adam8bit_reference(g.clone().requires_grad_(), m, v, SIGNED, UNSIGNED,
+                                     block_size, s)
+        ours = kq.adam8bit_reference(g, m, v, SIGNED, UNSIGNED, block_size, s)
+        with inplace_updates():
+            mine = optree.tree_map(torch.clone, (m, v))
+            donated = kq.adam8bit_reference(g, *mine, SIGNED, UNSIGNED, block_size, s)
+        for a, b, c in zip(optree.tree_leaves(ours), optree.tree_leaves(pure),
+                           optree.tree_leaves(donated)):
+            assert torch.equal(a, b.detach()) and torch.equal(c, a)
+    x = torch.randn(4 * block_size + 7, generator=gen)
     x = torch.randn(4 * block_size + 7, generator=gen)
     x[:block_size] = 0
     x[block_size:2 * block_size] *= 1e-30
     x[-2:] = torch.tensor([math.nan, math.inf])  # a NaN block: codes of 0, absmax NaN
     x[2 * block_size] = -math.inf  # an infinite one: NaN quotients beside it
     for code in (SIGNED, UNSIGNED):
-        own = quantize_reference(x.clone(), code, block_size, own=True)
-        pure = quantize_reference(x, code, block_size)
+        own = kq.quantize_reference(x.clone(), code, block_size, own=True)
+        pure = kq.quantize_reference(x, code, block_size)
         assert torch.equal(own[0], pure[0])
         assert torch.equal(own[1].view(torch.int32), pure[1].view(torch.int32))

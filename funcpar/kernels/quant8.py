@@ -42,7 +42,7 @@ from jaxtyping import Float, Float32, UInt8
 from torch import Tensor
 
 from funcpar.kernels import _launch
-from funcpar.kernels.dispatch import fast_path_ok, use_kernels
+from funcpar.kernels.dispatch import fast_path_ok, inplace_allowed, use_kernels
 
 __all__ = [
     "Adam8bitScalars",
@@ -276,16 +276,52 @@ def adam8bit_math(
 Q = tuple[Tensor, Tensor]  # (codes, absmax)
 
 
+#: Elements per piece of the in-place CPU step (whole blocks): its temporaries, 1 MiB of float32
+#: each, are reused by the allocator from piece to piece and stay in a core's cache, where
+#: leaf-sized ones page-fault in fresh memory on every step.
+PIECE = 1 << 18
+
+
 def adam8bit_reference(
     g: Tensor, m: Q, v: Q, code_m: Tensor, code_v: Tensor, block_size: int, s: Adam8bitScalars,
 ) -> tuple[Tensor, Q, Q]:
     """Dequantize (to ``g``'s dtype), :func:`adam8bit_math`, requantize:
-    ``(direction, (m codes, absmax), (v codes, absmax))``. The dequantized states are this
-    function's own: the moments and the quotients overwrite them when :func:`_own` allows."""
+    ``(direction, (m codes, absmax), (v codes, absmax))``.
+
+    When :func:`_own` allows, the dequantized states are this step's to overwrite (moments,
+    quotients) and a large leaf goes in pieces of whole blocks (:data:`PIECE`) written into its
+    outputs: inside :func:`~funcpar.kernels.inplace.inplace_updates`, the state's own codes and
+    absmax (a piece's are read before they are written). Blockwise and element-wise
+    operations: the same bits."""
+    own = (g.dim() > 0 and m[0].shape == g.shape == v[0].shape
+           and _own(g, *m, *v, s.eps, s.bc2_sqrt))
+    n = g.numel()
+    rows = max(1, PIECE // block_size)
+    if not own or _num_blocks(n, block_size) <= rows:
+        return _adam8bit_blocks(g, m, v, code_m, code_v, block_size, s, own)
+    states = (m[0], m[1], v[0], v[1])
+    if not (inplace_allowed() and all(t.is_contiguous() for t in states)):
+        states = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                       for t in states)
+    direction = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    ins = (g.reshape(-1), m[0].reshape(-1), m[1], v[0].reshape(-1), v[1])
+    outs = (direction.view(-1), *(t.view(-1) for t in states))
+    for r in range(0, _num_blocks(n, block_size), rows):
+        e, b = slice(r * block_size, (r + rows) * block_size), slice(r, r + rows)
+        at = (e, e, b, e, b)
+        gp, mc, ma, vc, va = (t[i] for t, i in zip(ins, at))
+        d, mq, vq = _adam8bit_blocks(gp, (mc, ma), (vc, va), code_m, code_v, block_size, s, True)
+        for out, i, x in zip(outs, at, (d, *mq, *vq)):
+            out[i] = x
+    return direction, (states[0], states[1]), (states[2], states[3])
+
+
+def _adam8bit_blocks(
+    g: Tensor, m: Q, v: Q, code_m: Tensor, code_v: Tensor, block_size: int, s: Adam8bitScalars,
+    own: bool,
+) -> tuple[Tensor, Q, Q]:
     m_f = dequantize_reference(*m, code_m, block_size, g.dtype)
     v_f = dequantize_reference(*v, code_v, block_size, g.dtype)
-    own = (g.dim() > 0 and m_f.shape == g.shape == v_f.shape
-           and _own(g, *m, *v, s.eps, s.bc2_sqrt))
     m_f, v_f, direction = adam8bit_math(m_f, v_f, g, s, own=own)
     return (direction, quantize_reference(m_f, code_m, block_size, own=own),
             quantize_reference(v_f, code_v, block_size, own=own))

@@ -65,6 +65,7 @@ from torch import Tensor
 
 from funcpar.kernels import foreach_factored as _ff
 from funcpar.kernels.dispatch import current_mode, use_kernels
+from funcpar.kernels.foreach_factored import scratch_scope
 
 __all__ = [
     "KERNEL_DTYPES",
@@ -91,6 +92,7 @@ __all__ = [
     "scaled_norm",
     "scaled_norm_batch",
     "scaled_norm_reference",
+    "scratch_scope",
     "sq_row_col_sums",
     "sq_row_col_sums_batch",
     "sq_row_col_sums_reference",
@@ -323,9 +325,6 @@ def _apply_reference(x, p, precond, kw):
     return precond_apply_reference(x, p, precond, **kw)
 
 
-_NOT_CONTAINERS = (float, int, bool, str, type(None), torch.dtype)
-
-
 def _tensors_in(args: Any) -> list[Tensor]:
     """Every tensor in ``args`` (nested tuples, lists, dicts, :class:`Factors`): the
     hyperparameters a pass was given count in its differentiability check."""
@@ -334,8 +333,6 @@ def _tensors_in(args: Any) -> list[Tensor]:
         a = todo.pop()
         if isinstance(a, Tensor):
             out.append(a)
-        elif isinstance(a, _NOT_CONTAINERS):
-            continue
         elif isinstance(a, (tuple, list)):
             todo.extend(a)
         elif isinstance(a, Mapping):
@@ -343,9 +340,28 @@ def _tensors_in(args: Any) -> list[Tensor]:
     return out
 
 
+# Argument types that hold no tensor, skipped at once by _requires_grad.
+_LEAF_TYPES = frozenset({float, int, bool, str, type(None), torch.dtype})
+
+
 def _requires_grad(args: Any) -> bool:
-    """Whether a tensor in ``args`` (as :func:`_tensors_in` finds them) requires grad."""
-    return any(t.requires_grad for t in _tensors_in(args))
+    """Whether a tensor in ``args`` (as :func:`_tensors_in` finds them) requires grad: the
+    same walk, stopping at the first, with exact-type tests first (it runs for every leaf of
+    every pass while grad mode is on)."""
+    todo = [args]
+    while todo:
+        a = todo.pop()
+        t = type(a)
+        if t in _LEAF_TYPES:
+            continue
+        if t is Tensor or isinstance(a, Tensor):
+            if a.requires_grad:
+                return True
+        elif t is tuple or t is list or isinstance(a, (tuple, list)):
+            todo.extend(a)
+        elif t is dict or isinstance(a, Mapping):
+            todo.extend(a.values())
+    return False
 
 
 def execute_batched(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical: Any,
@@ -383,7 +399,8 @@ def execute_batched(calls: Sequence[tuple[tuple, Mapping[str, Any]]], canonical:
                 fast.append(i)
                 continue
         if (eager_on and _ff.eager_leaf_ok(tensors)
-                and not (grad_on and _requires_grad((args, tensors)))):
+                and not (grad_on and (_requires_grad(args) or any(
+                    t is not None and t.requires_grad for t in tensors)))):
             plain.append(i)
         else:
             results[i] = reference(*args)
@@ -513,19 +530,27 @@ def _clip_args(norm, threshold, numel, squared):
 def _clip_many(calls: list[tuple]) -> list[Tensor]:
     out: list[Any] = [None] * len(calls)
     groups: dict[tuple, list[int]] = {}
+    # Per threshold object (the leaves share one): its promoted dtype with each norm dtype
+    # and its host value, asked once.
+    promoted: dict[tuple, torch.dtype] = {}
+    values: dict[int, float] = {}
     for i, (norm, thr, _numel, squared) in enumerate(calls):
         if not _host(thr):
             out[i] = clip_divisor_reference(*calls[i])
             continue
-        groups.setdefault((norm.device, norm.dtype, torch.result_type(norm, thr), squared),
-                          []).append(i)
+        key = (id(thr), norm.dtype, norm.dim())
+        res_dt = promoted.get(key)
+        if res_dt is None:
+            res_dt = promoted[key] = torch.result_type(norm, thr)
+            values[id(thr)] = float(thr)
+        groups.setdefault((norm.device, norm.dtype, res_dt, squared), []).append(i)
     for (device, dt, res_dt, squared), idx in groups.items():
-        v = torch.stack([calls[i][0].reshape(()) for i in idx])
+        v = torch.stack([n if n.dim() == 0 else n.reshape(()) for n in (calls[i][0] for i in idx)])
         if squared:
             v = v.sqrt()
         # The reference's roundings: sqrt(numel) to the norm's dtype, then the division by the
         # threshold in the promoted dtype (float64 for a 0-d float64 threshold).
-        host = torch.tensor([[math.sqrt(calls[i][2]), float(calls[i][1])] for i in idx],
+        host = torch.tensor([[math.sqrt(calls[i][2]), values[id(calls[i][1])]] for i in idx],
                             dtype=torch.float64)
         host = host.to(device, non_blocking=True)
         v = (v / host[:, 0].to(dt)).to(res_dt) / host[:, 1].to(res_dt)

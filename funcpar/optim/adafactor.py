@@ -36,6 +36,7 @@ from funcpar.optim.factored import (
     eps_pair,
     init_moment,
     is_factored,
+    no_grad_unless_needed,
     one_pass,
     second_moment_phases,
 )
@@ -407,7 +408,11 @@ def _adafactor(
         # All leaves' steps in lockstep: each phase's reductions of the whole tree in one
         # all-reduce per mesh axis (run_phased), not one per leaf and axis.
         spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
-        outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
+        # The eager passes share one scratch buffer; grad mode is off unless an input
+        # requires grad (then the passes ask leaf by leaf).
+        with kernels.scratch_scope(), no_grad_unless_needed(
+                g_leaves, columns[0], columns[1], lr, weight_decay, clip_threshold):
+            outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
         results, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))
         return results, AdafactorState(count, stats)
 

@@ -60,9 +60,10 @@ def _row_col_mean_squares_phases(g: Tensor, layout: Reducible | None):
     dim, completed over the shards in one phase, over the global size of the dim."""
     shape = global_shape(g, layout)
     dims = (g.ndim - 1, g.ndim - 2)
-    local = [torch.linalg.vector_norm(g, dim=d, keepdim=True).square() for d in dims]
-    done = yield [Partial(x, layout, d, f"factored {what} mean")
-                  for x, d, what in zip(local, dims, ("row", "column"))]
+    done = [torch.linalg.vector_norm(g, dim=d, keepdim=True).square() for d in dims]
+    if layout is not None:  # whole leaves: nothing to complete, no round of their own
+        done = yield [Partial(x, layout, d, f"factored {what} mean")
+                      for x, d, what in zip(done, dims, ("row", "column"))]
     return tuple(x / shape[d] for x, d in zip(done, dims))
 
 
@@ -97,6 +98,12 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
         t = count.to(torch.float64)
         one_minus_beta2 = t**beta2_decay
         rho = torch.minimum(lr, 1.0 / t.sqrt())
+        # What is the same for every leaf, asked once: whether the in-place path may run at
+        # all (the hyperparameters, compilation, transforms; the leaves' own tensors are asked
+        # per leaf) and the averaging weight in each leaf dtype.
+        eager_step = fast_path_ok(lr, weight_decay) and not torch.compiler.is_compiling()
+        grad_on = torch.is_grad_enabled()
+        weights: dict[torch.dtype, Tensor] = {}
 
         def leaf(g, p, st, use_decay, layout):
             # A phased step (funcpar.shard.reduce.run_phased): the parameter's RMS and the
@@ -106,11 +113,13 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
                 return (None if out == "update" else p), st
             # The same operations in place on this step's own temporaries (and, donated, on
             # p) where nothing must be differentiated: the same bits, fewer allocations.
-            eager = fast_path_ok(g, p, lr, weight_decay) and not torch.compiler.is_compiling()
+            eager = eager_step and not (grad_on and (g.requires_grad or p.requires_grad))
             if maximize:
                 g = -g
             e1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
-            w = one_minus_beta2.to(g.dtype)
+            w = weights.get(g.dtype)
+            if w is None:
+                w = weights[g.dtype] = one_minus_beta2.to(g.dtype)
             if _TORCH_NAMES.row in st:
                 p_rms, (row_mean, col_mean) = yield from together(
                     _rms_f64_phases(p, layout, "param rms"),

@@ -21,6 +21,7 @@ from funcpar.optim.factored import (
     factored_moment_phases,
     init_moment,
     is_factored,
+    no_grad_unless_needed,
     one_pass,
     second_moment_phases,
 )
@@ -105,7 +106,11 @@ def _came(lr, weight_decay, clip_threshold, *, betas, eps, weight_decay_mask):
         # runs all leaves together so each round of reductions costs one all-reduce per mesh
         # axis and each pass one launch for the whole tree.
         spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
-        outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
+        # The eager passes share one scratch buffer; grad mode is off unless an input
+        # requires grad (then the passes ask leaf by leaf).
+        with kernels.scratch_scope(), no_grad_unless_needed(
+                g_leaves, columns[0], columns[1], lr, weight_decay, clip_threshold):
+            outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
         results, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))
         return results, CAMEState(state.count + 1, stats)
 

@@ -28,6 +28,7 @@ Stored shapes: Hugging Face / fairseq / came-pytorch store ``R`` with shape ``sh
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, NamedTuple
 
@@ -68,6 +69,7 @@ __all__ = [
     "init_moment",
     "is_factored",
     "mean_over_rows",
+    "no_grad_unless_needed",
     "one_pass",
     "row_col_mean_squares",
     "row_col_means",
@@ -235,6 +237,33 @@ def eps_pair(who: str, eps: Any) -> tuple[Any, Any]:
 # --------------------------------------------------------------------------------------------
 # The passes of Adafactor and CAME, with the layout-aware reductions between them
 # --------------------------------------------------------------------------------------------
+
+
+def no_grad_unless_needed(*inputs: Any) -> contextlib.AbstractContextManager:
+    """``torch.no_grad()`` for a step none of whose ``inputs`` (tensors, and lists, tuples and
+    dicts of them, nested; anything else ignored) requires grad; else a context that does
+    nothing.
+
+    Every tensor of a step derives from its inputs (gradients, parameters, state,
+    hyperparameters), so when none of those requires grad no result can, and grad mode off
+    changes no value (it records nothing that would have been recorded). It tells the passes
+    so once for the whole step: while grad mode is on, each pass asks, leaf by leaf, whether
+    any tensor among its arguments requires grad before it takes a fast path
+    (:func:`funcpar.kernels.factored.execute_batched`). Under a torch.func transform (wrapped
+    tensors) grad mode is left as it is."""
+    if not torch.is_grad_enabled() or torch._C._functorch.maybe_current_level() is not None:
+        return contextlib.nullcontext()
+    todo = list(inputs)
+    while todo:
+        x = todo.pop()
+        if isinstance(x, Tensor):
+            if x.requires_grad:
+                return contextlib.nullcontext()
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+    return torch.no_grad()
 
 
 def one_pass(run, *args, final: bool = False, **kwargs):

@@ -179,10 +179,10 @@ def _local_total(
     xs: Sequence[Tensor], layouts: Sequence[Reducible | None], purpose: str
 ) -> Tensor:
     groups: dict[tuple, tuple[Tensor, Reducible | None, int]] = {}
+    squares = _local_squares(xs)
     for i, (x, lay) in enumerate(zip(xs, layouts)):
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        local = torch.linalg.vector_norm(x, dtype=acc).square() if x.numel() else (
-            torch.zeros((), dtype=acc, device=x.device))
+        acc = squares[i].dtype
+        local = squares[i]
         dims = tuple(range(x.dim()))
         if lay is None or not dims:
             key: tuple = (acc, ())
@@ -201,6 +201,33 @@ def _local_total(
         return torch.zeros(())
     acc = torch.float64 if any(t.dtype == torch.float64 for t in sums) else torch.float32
     return torch.stack([t.to(acc).to(sums[0].device) for t in sums]).sum()
+
+
+def _local_squares(xs: Sequence[Tensor]) -> list[Tensor]:
+    """Each tensor's ``sum(x**2)``, accumulated in float32 (float64 for float64 tensors), 0 for
+    an empty one. Eagerly, outside torch.func transforms, by one multi-tensor norm per
+    accumulation dtype and device (the same per-tensor kernel, so the same values as one
+    ``vector_norm`` per tensor, at one call for the whole tree: the grad-norm metric runs every
+    step); else one ``vector_norm`` per tensor (foreach ops have no vmap rule)."""
+    def acc_of(x: Tensor) -> torch.dtype:
+        return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    out: list[Tensor | None] = [None] * len(xs)
+    batched = (len(xs) > 1 and not torch.compiler.is_compiling()
+               and torch._C._functorch.maybe_current_level() is None)
+    buckets: dict[tuple, list[int]] = {}
+    for i, x in enumerate(xs):
+        if not x.numel():
+            out[i] = torch.zeros((), dtype=acc_of(x), device=x.device)
+        elif batched:
+            buckets.setdefault((acc_of(x), x.device), []).append(i)
+        else:
+            out[i] = torch.linalg.vector_norm(x, dtype=acc_of(x)).square()
+    for (acc, _), ids in buckets.items():
+        norms = torch._foreach_norm([xs[i] for i in ids], 2, dtype=acc)
+        for i, sq in zip(ids, torch._foreach_mul(norms, norms), strict=True):
+            out[i] = sq
+    return out  # type: ignore[return-value]
 
 
 class _TreeSplit(NamedTuple):

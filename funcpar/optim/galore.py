@@ -91,6 +91,7 @@ from funcpar.shard.reduce import Partial, global_shape, run_phased, sum_partials
 from funcpar.state.tree import (
     Tree,
     leaves_like,
+    leaves_up_to,
     named_leaves,
     tree_flatten,
     tree_map_with_path,
@@ -269,7 +270,11 @@ def _unprojected_phases():
     empty phase) because run_phased's scheduler lets phases without reductions run ahead of
     those with one."""
     yield []
-    yield [Partial(torch.zeros(()), None, None, PROJECTION)]
+    yield [Partial(_NOTHING, None, None, PROJECTION)]
+
+
+# The unprojected leaves' reduction: returned as it is (no layout), never read.
+_NOTHING = torch.zeros(())
 
 
 def _with_galore_collectives(step):
@@ -323,39 +328,64 @@ def _map_phased(fn: Callable[..., Any], grads: Tree, *others: Tree | None, n_out
 
 def _shapes_of(tree: Tree) -> tuple[Any, list[Any]]:
     leaves, spec = tree_flatten(tree)
-    return spec, [None if x is None else (tuple(x.shape), x.dtype) for x in leaves]
+    return spec, [None if x is None else (x.shape, x.dtype) for x in leaves]
 
 
-# The last few _expected_shapes results. Not per optimizer: inject_hyperparams builds the
-# optimizer anew every step.
-_SHAPES_MEMO: dict = {}
+class _Planned(NamedTuple):
+    """What :func:`_update_plan` derives from the leaves' shapes, configs and layouts alone."""
+
+    plan: list[_Leaf | None]
+    cfgs: Tree
+    state_layouts: Tree
+    leaf_layouts: Tree
+    shapes: tuple[Any, list[Any]]  # _shapes_of the meta-device state build makes for plan
 
 
-def _expected_shapes(build: Callable[..., Any], build_key: tuple, params: Tree,
-                     plan: list[_Leaf | None]) -> tuple[Any, list[Any]]:
-    """:func:`_shapes_of` the meta-device state ``build`` makes for ``plan``, remembered
-    (building it took longer than a small leaf's whole step, every step). ``build_key``: what
-    else ``build`` depends on (the optimizer and its static options). A plan's layouts key by
-    identity; an unhashable key is built every time."""
+# The last few _planned results. Not per optimizer: inject_hyperparams builds the optimizer
+# anew every step.
+_PLANNED: dict = {}
+
+
+def _planned(who: str, galore_mask: GaLoreMask, params: Tree, default: GaLoreConfig,
+             layouts: Tree | None, build: Callable[..., Any], build_key: tuple) -> _Planned:
+    """The plan of ``params`` under ``layouts`` (:func:`_plan`), its per-leaf trees, and the
+    shapes of the state ``build`` makes for it, remembered by the leaves' structure, shapes
+    and dtypes, the layouts (by identity), ``galore_mask`` (None or a predicate, by identity:
+    a predicate is asked once per structure) and ``build_key`` (the optimizer and the static
+    options ``build`` depends on): making them (the meta-device state above all) took longer
+    than a small leaf's whole step, every step. A tree mask, or a layout that cannot be
+    hashed, plans every step."""
     leaves, spec = tree_flatten(params)
-    key = (build_key, spec,
-           tuple(None if p is None else (tuple(p.shape), p.dtype) for p in leaves), tuple(plan))
-    try:
-        shapes = _SHAPES_MEMO.get(key)
-    except TypeError:
-        return _shapes_of(build(params, plan, meta=True))
-    if shapes is None:
-        shapes = _shapes_of(build(params, plan, meta=True))
-        if len(_SHAPES_MEMO) >= 8:
-            _SHAPES_MEMO.pop(next(iter(_SHAPES_MEMO)))
-        _SHAPES_MEMO[key] = shapes
-    return shapes
+    lays = leaves_up_to(spec, layouts, what="layouts", against="params")
+    key = None
+    if galore_mask is None or callable(galore_mask):
+        key = (who, build_key, default, galore_mask, spec, tuple(lays),
+               tuple(None if p is None else (p.shape, p.dtype) for p in leaves))
+        try:
+            hit = _PLANNED.get(key)
+        except TypeError:
+            key = hit = None
+        if hit is not None:
+            return hit
+    plan = _plan(who, galore_mask, params, default, layouts)
+    out = _Planned(
+        plan,
+        _per_leaf(params, [None if lf is None else lf.cfg for lf in plan]),
+        _per_leaf(params, [None if lf is None else lf.state_layout for lf in plan]),
+        _per_leaf(params, [None if lf is None else lf.layout for lf in plan]),
+        _shapes_of(build(params, plan, meta=True)),
+    )
+    if key is not None:
+        if len(_PLANNED) >= 8:
+            _PLANNED.pop(next(iter(_PLANNED)))
+        _PLANNED[key] = out
+    return out
 
 
 def _fit_state(who: str, state: Any, count: int, shapes: tuple[Any, list[Any]],
                fresh: Callable[[], Any]) -> Any:
     """The state to update: ``state`` itself when it is shaped as ``shapes`` (those of a
-    meta-device init for the whole leaves' shapes, :func:`_expected_shapes`); ``fresh()`` when
+    meta-device init for the whole leaves' shapes, :func:`_planned`); ``fresh()`` when
     ``state`` is an untouched init (count 0: all zeros by construction, and every first update
     refits the projectors) made from shards without their layouts (``init`` sees only local
     shapes, so a side, an 8-bit choice or an absmax length may differ from the whole leaf's);
@@ -383,20 +413,14 @@ def _update_plan(who: str, galore_mask: GaLoreMask, weight_decay_mask: Mask, par
                  build: Callable[..., Any], build_key: tuple) -> _UpdatePlan:
     """What both GaLore updates need per leaf: the plan under ``layouts``, the state fitted to
     it, and per leaf the config, the low-rank state's layout, the leaf's layout, the decay.
-    ``build_key``: see :func:`_expected_shapes`."""
+    ``build_key``: see :func:`_planned`."""
     check_grads(params, grads)
-    plan = _plan(who, galore_mask, params, default, layouts)
+    planned = _planned(who, galore_mask, params, default, layouts, build, build_key)
     # Host int: the refresh is data-independent control flow on the step count.
-    state = _fit_state(who, state, int(state.count),
-                       _expected_shapes(build, build_key, params, plan),
-                       lambda: build(params, plan))
-    return _UpdatePlan(
-        state,
-        _per_leaf(params, [None if lf is None else lf.cfg for lf in plan]),
-        _per_leaf(params, [None if lf is None else lf.state_layout for lf in plan]),
-        _per_leaf(params, [None if lf is None else lf.layout for lf in plan]),
-        resolve_mask(weight_decay_mask, params),
-    )
+    state = _fit_state(who, state, int(state.count), planned.shapes,
+                       lambda: build(params, planned.plan))
+    return _UpdatePlan(state, planned.cfgs, planned.state_layouts, planned.leaf_layouts,
+                       resolve_mask(weight_decay_mask, params))
 
 
 # --------------------------------------------------------------------------------------------
@@ -455,10 +479,14 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
 
         scalars = Adam8bitScalars(beta1=beta1, beta2=beta2, eps=eps, bc2_sqrt=bc2_sqrt,
                                   variant=adam_variant)
+        decays = not host_equals(weight_decay, 0.0)
 
         def leaf(g, p, proj, m, v, cfg, use_decay, layout, low_layout):
             # Phases: the refresh's gather, the projection's partial sum, the 8-bit absmax of a
             # sharded state (the same rounds for every leaf: _unprojected_phases).
+            # One check for both eager paths (each costs as much as a small leaf's pass): the
+            # direction and the fitted state have the dtype of g and p, the direction p's shape.
+            eager = _eager_ok(p, g, m, v, *(proj or ()), lr, weight_decay, eps)
             low = g
             if cfg is not None:
                 low, proj = yield from _project_phases(g, proj, cfg, c, svd_dtype, layout)
@@ -473,15 +501,16 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
             elif any(quantized):
                 raise ValueError(f"{who}: one moment of a leaf is 8-bit and the other is not; "
                                  "the state was not built by this optimizer")
-            elif _eager_ok(m, low, v, lr, weight_decay, eps) and _eager_ok(v, low):
+            elif eager:
                 m_st, v_st, direction = _adam_in_place(m, v, low, scalars,
                                                        scratch=low if cfg is not None else None)
             else:
                 m_st, v_st, direction = adam8bit_math(m, v, low, scalars)
             if cfg is not None:
                 direction = project_back(direction, proj, cfg.scale, layout=layout)
-            if out == "param" and _eager_ok(p, direction, lr, weight_decay):
-                return (_apply_in_place(p, direction, step_size, use_decay, cfg is None),
+            if out == "param" and eager:
+                return (_apply_in_place(p, direction, step_size, use_decay and decays,
+                                        cfg is None),
                         proj, m_st, v_st)
             new_p = p - step_size * direction
             if use_decay and adam_variant == "bnb" and cfg is None:
@@ -500,14 +529,13 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         )
         return u, GaLoreAdamWState(count, proj, m, v)
 
-    def _apply_in_place(p, direction, step_size, use_decay, unprojected):
+    def _apply_in_place(p, direction, step_size, decays, unprojected):
         # The operations of the out-of-place code above, written into the step's own fresh
         # direction and, inside inplace_updates (a donated step), into p itself: the same
         # bits, donated or not. A decay of exactly 0 is skipped (w - 0 w is w, but for the
         # sign of a zero), as galore-torch and bitsandbytes skip it.
         donated = inplace_allowed()
         sd = direction.mul_(step_size)  # step_size * direction
-        decays = use_decay and not host_equals(weight_decay, 0.0)
         if decays and adam_variant == "bnb" and unprojected:
             new_p = torch.mul(p, 1 - lr * weight_decay).sub_(sd)
             return p.copy_(new_p) if donated else new_p
@@ -542,12 +570,12 @@ def _adam_in_place(m: Tensor, v: Tensor, g: Tensor, s: Adam8bitScalars,
 
 
 def _eager_ok(p: Tensor, direction: Tensor, *hyper: Any) -> bool:
-    """Whether GaLore's eager in-place paths may run (:func:`_galore_adamw`: its parameter
-    write, ``p`` and the direction; its full-precision inner Adam, a moment and the gradient
-    it sees, the other moment in ``hyper``): not when the step must be differentiable
-    (hyperparameters included) or runs under a torch.func transform or torch.compile's
-    tracing; a tensor of >= 1 dim whose partner has its shape and dtype (0-d arithmetic
-    promotes with the 0-d float64 hyperparameters)."""
+    """Whether GaLore's eager in-place paths may run for a leaf ``p`` (its parameter write;
+    in :func:`_galore_adamw` also its full-precision inner Adam, given the gradient as
+    ``direction`` and the state's tensors among ``hyper``): not when the step must be
+    differentiable (any of the tensors given, hyperparameters included) or runs under a
+    torch.func transform or torch.compile's tracing; a leaf of >= 1 dim whose direction has
+    its shape and dtype (0-d arithmetic promotes with the 0-d float64 step size)."""
     return (p.dim() > 0 and direction.shape == p.shape and direction.dtype == p.dtype
             and p.is_contiguous() and not torch.compiler.is_compiling()
             and fast_path_ok(p, direction, *hyper))

@@ -213,22 +213,22 @@ def quantize_reference(
     own: bool = False,
 ) -> tuple[UInt8[Tensor, "*shape"], Float32[Tensor, " n_blocks"]]:
     """``(codes, absmax)`` of the whole tensor ``x`` (rounded to float32 first). ``own``: ``x``
-    is the caller's scratch, which the quotients may overwrite."""
+    is the caller's scratch, which the quotients may overwrite (:func:`_own` holds)."""
     blocks, n = _blocks(x, block_size)
     # max |x| is |max x| or |min x|: two passes that write nothing (abs would write a copy).
     absmax = torch.maximum(blocks.amax(dim=1).abs(), blocks.amin(dim=1).abs())
     # |x| <= absmax makes the IEEE quotient lie in [-1, 1] (or be NaN: inf / inf), the domain
     # of _nearest_unit; an all-zero (or NaN) block maps to 0.
     ok = absmax > 0
-    safe = torch.where(ok, absmax, torch.ones_like(absmax))
-    if own and _own(x, absmax):
-        scaled = blocks.div_(safe[:, None])
+    safe = torch.where(ok, absmax, 1.0).unsqueeze(1)
+    if own:
+        scaled = blocks.div_(safe)
         if not bool(ok.all()):
-            scaled.masked_fill_(~ok[:, None], 0.0)
+            scaled.masked_fill_(~ok.unsqueeze(1), 0.0)
     else:
-        scaled = torch.where(ok[:, None], blocks / safe[:, None], torch.zeros_like(blocks))
-    codes = _nearest_unit(scaled, code).reshape(-1)[:n].reshape(x.shape)
-    return codes, absmax
+        scaled = torch.where(ok.unsqueeze(1), blocks / safe, torch.zeros_like(blocks))
+    codes = _nearest_unit(scaled, code)
+    return (codes if codes.numel() == n else codes.reshape(-1)[:n]).view(x.shape), absmax
 
 
 def dequantize_reference(
@@ -239,8 +239,9 @@ def dequantize_reference(
     n = codes.numel()
     values, _ = _blocks(_gather(code, codes.reshape(-1).to(torch.int32)), block_size)
     # (values is this function's own: the product may overwrite it.)
-    out = values.mul_(absmax[:, None]) if _own(codes, absmax) else values * absmax[:, None]
-    return out.reshape(-1)[:n].reshape(codes.shape).to(dtype)
+    scale = absmax.unsqueeze(1)
+    out = values.mul_(scale) if _own(codes, absmax) else values * scale
+    return (out if out.numel() == n else out.reshape(-1)[:n]).view(codes.shape).to(dtype)
 
 
 class Adam8bitScalars(NamedTuple):

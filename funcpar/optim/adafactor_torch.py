@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from funcpar.kernels import factored as kernels
 from funcpar.kernels.foreach_factored import host_equals
 from funcpar.kernels.inplace import fast_path_ok, inplace_allowed
 from funcpar.optim import validate
@@ -25,6 +26,8 @@ from funcpar.optim.factored import (
     eps_pair,
     init_moment,
     is_factored,
+    no_grad_unless_needed,
+    one_pass,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
@@ -44,37 +47,79 @@ __all__ = ["adafactor_torch"]
 _TORCH_NAMES = MomentNames("row_var", "col_var", "variance")
 
 
-def _rms_f64_phases(x: Tensor, layout: Reducible | None, purpose: str):
+def _clamp_min(x: float | Tensor, low: float) -> float | Tensor:
+    """``x.clamp(min=low)`` for a tensor; the same for a host float (NaN kept)."""
+    if torch.is_tensor(x):
+        return x.clamp(min=low)
+    return low if x < low else x
+
+
+def _rms_f64_phases(x: Tensor, layout: Reducible | None, purpose: str, host: bool):
     """``RMS(x)`` as torch.optim.Adafactor forms it (the norm in the leaf's dtype, divided by
     ``sqrt(numel)`` in Python floats, i.e. float64), as a phased step: one phase completing the
-    sum of squares of a sharded leaf."""
+    sum of squares of a sharded leaf. ``host``: as a Python float (a CPU leaf on the eager
+    path: torch itself reads these norms to the host; the same float64 arithmetic, without a
+    tensor operation per step), else a 0-d float64 tensor (no device sync)."""
     n = math.prod(global_shape(x, layout))
     if layout is None:
-        return torch.linalg.vector_norm(x).to(torch.float64) / math.sqrt(n)
-    (sq,) = yield [Partial(local_sum_of_squares(x), layout, None, purpose)]
-    return sq.sqrt().to(torch.float64) / math.sqrt(n)
+        norm = torch.linalg.vector_norm(x)
+    else:
+        (sq,) = yield [Partial(local_sum_of_squares(x), layout, None, purpose)]
+        norm = sq.sqrt()
+    return (float(norm) if host else norm.to(torch.float64)) / math.sqrt(n)
 
 
 def _row_col_mean_squares_phases(g: Tensor, layout: Reducible | None):
-    """torch's ``mean_{-1}(g^2)`` and ``mean_{-2}(g^2)`` (keepdim): squared local norms over each
-    dim, completed over the shards in one phase, over the global size of the dim."""
-    shape = global_shape(g, layout)
+    """torch's squared norms of ``g`` over its last dim and over its second-last (keepdim),
+    completed over the shards in one phase; :func:`_moments_batch` divides them by the global
+    size of the dim."""
     dims = (g.ndim - 1, g.ndim - 2)
     done = [torch.linalg.vector_norm(g, dim=d, keepdim=True).square() for d in dims]
     if layout is not None:  # whole leaves: nothing to complete, no round of their own
         done = yield [Partial(x, layout, d, f"factored {what} mean")
                       for x, d, what in zip(done, dims, ("row", "column"))]
-    return tuple(x / shape[d] for x, d in zip(done, dims))
+    return done
 
 
-def _mean_over_rows_phases(row: Tensor, layout: Reducible | None):
-    """``mean_{-2}(R)`` (keepdim) of the row factor: one phase for a leaf split over rows."""
-    if layout is None:
-        return row.mean(dim=-2, keepdim=True)
+def _moments_reference(row_sq: Tensor, col_sq: Tensor, row: Tensor, col: Tensor, w: Tensor,
+                       n: int, m: int, local_sum: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """torch.optim.Adafactor's factors from the completed squared norms of a leaf of global
+    last dims ``(n, m)``: ``R' = lerp(R, row_sq / m, w)``, ``C' = lerp(C, col_sq / n, w)``, and
+    ``mean_{-2}(R')`` (``local_sum``: this shard's sum of ``R'`` over its rows, to complete
+    over the shards and divide by ``n``)."""
+    row = torch.lerp(row, row_sq / m, w)
+    col = torch.lerp(col, col_sq / n, w)
     d = row.ndim - 2
-    (total,) = yield [Partial(row.sum(dim=d, keepdim=True), layout, d,
-                              "factored mean of row stats")]
-    return total / global_shape(row, layout)[d]
+    return row, col, (row.sum(dim=d, keepdim=True) if local_sum
+                      else row.mean(dim=d, keepdim=True))
+
+
+def _moments_many(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    # The divisions and the lerps of all leaves' factors as multi-tensor ops (per weight:
+    # one per leaf dtype), then each leaf's mean of R': the reference's operations.
+    out: list[Any] = [None] * len(calls)
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(calls):
+        groups.setdefault(id(c[4]), []).append(i)
+    for idx in groups.values():
+        cs = [calls[i] for i in idx]
+        k = len(cs)
+        means = torch._foreach_div([c[0] for c in cs] + [c[1] for c in cs],
+                                   [c[6] for c in cs] + [c[5] for c in cs])
+        new = torch._foreach_lerp([c[2] for c in cs] + [c[3] for c in cs], means,
+                                  [cs[0][4]] * (2 * k))
+        for j, (i, c) in enumerate(zip(idx, cs)):
+            row = new[j]
+            d = row.ndim - 2
+            out[i] = (row, new[k + j], row.sum(dim=d, keepdim=True) if c[7]
+                      else row.mean(dim=d, keepdim=True))
+    return out
+
+
+def _moments_batch(calls):
+    """:func:`_moments_reference` for many leaves (a few multi-tensor ops for all)."""
+    return kernels.execute_batched(calls, lambda *a: (a, a[:4]), _moments_reference,
+                                   _moments_many, _moments_many)
 
 
 def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_decay_mask):
@@ -104,6 +149,18 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
         eager_step = fast_path_ok(lr, weight_decay) and not torch.compiler.is_compiling()
         grad_on = torch.is_grad_enabled()
         weights: dict[torch.dtype, Tensor] = {}
+        zero_decay = host_equals(weight_decay, 0.0)
+        kept: dict[torch.dtype, Tensor] = {}
+
+        def keep(dtype: torch.dtype) -> Tensor:
+            # 1 - lr wd in a leaf dtype (what the decay multiplies by), once per dtype.
+            if dtype not in kept:
+                kept[dtype] = (1 - lr * weight_decay).to(dtype)
+            return kept[dtype]
+
+        # The eager path of CPU leaves forms the step's scalars in host floats, as torch does.
+        host_step = eager_step and rho.device.type == "cpu"
+        rho_host = float(rho) if host_step else None
 
         def leaf(g, p, st, use_decay, layout):
             # A phased step (funcpar.shard.reduce.run_phased): the parameter's RMS and the
@@ -120,47 +177,58 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
             w = weights.get(g.dtype)
             if w is None:
                 w = weights[g.dtype] = one_minus_beta2.to(g.dtype)
+            host = eager and host_step and p.device.type == "cpu" and g.device.type == "cpu"
             if _TORCH_NAMES.row in st:
-                p_rms, (row_mean, col_mean) = yield from together(
-                    _rms_f64_phases(p, layout, "param rms"),
+                p_rms, (row_sq, col_sq) = yield from together(
+                    _rms_f64_phases(p, layout, "param rms", host),
                     _row_col_mean_squares_phases(g, layout))
-                row = torch.lerp(st[_TORCH_NAMES.row], row_mean, w)
-                col = torch.lerp(st[_TORCH_NAMES.col], col_mean, w)
-                mean = yield from _mean_over_rows_phases(row, layout)
+                shape = global_shape(g, layout)
+                row, col, part = yield from one_pass(
+                    _moments_batch, row_sq, col_sq, st[_TORCH_NAMES.row], st[_TORCH_NAMES.col],
+                    w, shape[-2], shape[-1], layout is not None)
+                if layout is None:
+                    mean = part
+                else:
+                    (total,) = yield [Partial(part, layout, g.ndim - 2,
+                                              "factored mean of row stats")]
+                    mean = total / shape[-2]
                 var = row @ col
                 var = var.div_(mean.clamp(min=e1)) if eager else var / mean.clamp(min=e1)
                 new = {_TORCH_NAMES.row: row, _TORCH_NAMES.col: col}
             else:
-                p_rms = yield from _rms_f64_phases(p, layout, "param rms")
+                p_rms = yield from _rms_f64_phases(p, layout, "param rms", host)
                 var = torch.lerp(st[_TORCH_NAMES.full], g * g, w)
                 new = {_TORCH_NAMES.full: var}
-            alpha = p_rms.clamp(min=eps2) * rho
+            alpha = _clamp_min(p_rms, eps2) * (rho_host if host else rho)
             if eager:  # var is a temporary here unless it is the (full) state
                 u = var.clamp(min=e1 * e1) if _TORCH_NAMES.full in new else var.clamp_(min=e1 * e1)
                 u = u.rsqrt_().mul_(g)
             else:
                 u = var.clamp(min=e1 * e1).rsqrt() * g
             # torch folds the clipping into the step size, in float64.
-            u_rms = yield from _rms_f64_phases(u, layout, "update rms")
-            denom = (u_rms / d).clamp(min=1.0)
-            coef = (-alpha / denom).to(u.dtype)
+            u_rms = yield from _rms_f64_phases(u, layout, "update rms", host)
+            coef = -alpha / _clamp_min(u_rms / d, 1.0)
+            # (a host float rounds to the dtype as the tensor's .to() rounds it)
+            coef = (torch.scalar_tensor(coef, dtype=u.dtype) if host
+                    else coef.to(u.dtype))
             if out == "param" and eager:
                 # The new parameter (p * (1 - lr wd), then + coef u) in place when donated;
                 # a decay of exactly 0 (p * 1) skipped.
-                decays = use_decay and not host_equals(weight_decay, 0.0)
+                decays = use_decay and not zero_decay
                 if inplace_allowed():
-                    new_p = p.mul_((1 - lr * weight_decay).to(p.dtype)) if decays else p
+                    new_p = p.mul_(keep(p.dtype)) if decays else p
                     return new_p.addcmul_(u, coef), new
-                new_p = p * (1 - lr * weight_decay).to(p.dtype) if decays else p
+                new_p = p * keep(p.dtype) if decays else p
                 return torch.addcmul(new_p, u, coef), new
-            new_p = p * (1 - lr * weight_decay).to(p.dtype) if use_decay else p
+            new_p = p * keep(p.dtype) if use_decay else p
             new_p = torch.addcmul(new_p, u, coef)
             # (new param - param) is exact while the step is under half the parameter, so
             # apply_updates reproduces torch's rounding of the new parameter (apply: new_p).
             return (new_p - p if out == "update" else new_p.to(p.dtype)), new
 
         spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
-        outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
+        with no_grad_unless_needed(g_leaves, columns[0], columns[1], lr, weight_decay):
+            outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
         updates, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))
         return updates, AdafactorState(count, stats)
 

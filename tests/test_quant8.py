@@ -217,15 +217,17 @@ def test_in_place_step_is_the_out_of_place_one(shape, block_size, variant, monke
     g = torch.randn(shape, generator=gen)
     m = kq.quantize_reference(_data(g.numel(), True, gen).view(shape), SIGNED, block_size)
     v = kq.quantize_reference(_data(g.numel(), False, gen).view(shape), UNSIGNED, block_size)
-    for eps in (1e-8, torch.tensor(1e-8, dtype=torch.float64)):
+    for dtype, eps in ((torch.float32, 1e-8), (torch.float32, torch.tensor(1e-8).double()),
+                       (torch.bfloat16, 1e-8)):
         s = kq.Adam8bitScalars(0.9, 0.999, eps, torch.tensor(0.05, dtype=torch.float64),
                                variant)
-        pure = kq.adam8bit_reference(g.clone().requires_grad_(), m, v, SIGNED, UNSIGNED,
+        gd = g.to(dtype)
+        pure = kq.adam8bit_reference(gd.clone().requires_grad_(), m, v, SIGNED, UNSIGNED,
                                      block_size, s)
-        ours = kq.adam8bit_reference(g, m, v, SIGNED, UNSIGNED, block_size, s)
+        ours = kq.adam8bit_reference(gd, m, v, SIGNED, UNSIGNED, block_size, s)
         with inplace_updates():
             mine = optree.tree_map(torch.clone, (m, v))
-            donated = kq.adam8bit_reference(g, *mine, SIGNED, UNSIGNED, block_size, s)
+            donated = kq.adam8bit_reference(gd, *mine, SIGNED, UNSIGNED, block_size, s)
         for a, b, c in zip(optree.tree_leaves(ours), optree.tree_leaves(pure),
                            optree.tree_leaves(donated)):
             assert torch.equal(a, b.detach()) and torch.equal(c, a)

@@ -12,6 +12,13 @@ its Adam step is two passes around the absmax all-reduce that :mod:`funcpar.opti
 issues (:func:`adam8bit_absmax_triton`, :func:`adam8bit_requantize_triton`, references
 beside them).
 
+The references on CPU: the nearest code of a quotient (in ``[-1, 1]`` by construction) is a
+lookup of its top 16 bits plus at most one comparison (:func:`_nearest_unit`, tables built
+from the binary search itself), and the gathers are ``index_select`` s with int32 indices. The
+8-bit Adam step, when nothing must be differentiated, writes its own temporaries in place and
+goes over a large leaf in cache-sized pieces of whole blocks (:data:`PIECE`). All of it is the
+same operations on the same float32 values: the same bits as the out-of-place code (tested).
+
 Kernels: one program quantizes ``ROWS`` blocks: the block's absmax is a row max of the tile in
 registers, the quotient an IEEE division, the nearest code an 8-step binary search over the map
 (1 KiB, cached) and one comparison of the two neighbours' distances: the same float32

@@ -382,8 +382,10 @@ def project_back(
         raise ValueError(f"GaLore projection back of {layout.name or 'a leaf'}: got shape "
                          f"{tuple(back.shape)}, but the shard of global {layout.global_shape} "
                          f"is {layout.local_shape()}")
-    if back is not low and fast_path_ok(back, scale):
+    if back is not low and (isinstance(scale, float) or fast_path_ok(back, scale)):
         # The product is this call's own: scaled where it lies, the same bits without a second
-        # leaf-sized tensor (on a CPU a fresh one costs its page faults, more than the multiply).
+        # leaf-sized tensor (on a CPU a fresh one costs more than the multiply). By a number
+        # that is differentiable and vmappable as it is; by a tensor only off the autograd
+        # and torch.func paths.
         return back.mul_(scale)
     return back * scale

@@ -270,11 +270,12 @@ def _check_factored(g: Tensor, factors: Factors | None, who: str) -> None:
                              f"{tuple(w)} for a leaf of shape {tuple(shape)}")
 
 
-def _check_same(who: str, g: Tensor, **others: Tensor | None) -> None:
-    for name, t in others.items():
-        if t is not None and t.shape != g.shape:
+def _check_same(who: str, g: Tensor, *others: tuple[str, Tensor | None]) -> None:
+    shape = g.shape
+    for name, t in others:
+        if t is not None and t.shape != shape:
             raise ValueError(f"{who}: {name} has shape {tuple(t.shape)} but the leaf has "
-                             f"{tuple(g.shape)}")
+                             f"{tuple(shape)}")
 
 
 # The canonical arguments of each pass (what its reference and its kernel take) and the tensors
@@ -292,32 +293,46 @@ def _norm_args(g, factors):
 
 
 def _full_args(g, v, decay, eps):
-    _check_same("full_moment", g, v=v)
+    _check_same("full_moment", g, ("v", v))
     return (g, v, decay, eps), (g, v)
 
 
 def _came_args(g, factors, clip, m, beta1, eps2):
     _check_factored(g, factors, "came_residual")
-    _check_same("came_residual", g, m=m)
+    _check_same("came_residual", g, ("m", m))
     return (g, factors, clip, m, beta1, eps2), (g, m, *factors)
 
 
-def _apply_args(x, p, precond, *, clip=None, pre=None, momentum=None, beta1=None, post=None,
-                decay=None, out="param"):
+_APPLY_DEFAULTS = dict(clip=None, pre=None, momentum=None, beta1=None, post=None, decay=None,
+                       out="param")
+
+
+def _apply_args(x, p, precond, **kw):
+    if kw.keys() != _APPLY_DEFAULTS.keys():
+        unknown = kw.keys() - _APPLY_DEFAULTS.keys()
+        if unknown:
+            raise TypeError(f"precond_apply: unexpected keyword arguments {sorted(unknown)}")
+        kw = {**_APPLY_DEFAULTS, **kw}
+    out, momentum = kw["out"], kw["momentum"]
     if out not in OUT_MODES:
         raise ValueError(f"precond_apply: out must be one of {OUT_MODES}, got {out!r}")
-    if (momentum is None) != (beta1 is None):
+    if (momentum is None) != (kw["beta1"] is None):
         raise ValueError("precond_apply: momentum and beta1 go together")
-    if out != "direction" and p is None:
+    if out == "direction":
+        p_read = None
+    elif p is None:
         raise ValueError(f"precond_apply: out={out!r} needs the parameter p")
+    else:
+        p_read = p
+    tensors = [x, momentum, p_read]
     if isinstance(precond, Factors):
         _check_factored(x, precond, "precond_apply")
-    _check_same("precond_apply", x, p=p if out != "direction" else None, momentum=momentum,
-                precond=precond if torch.is_tensor(precond) else None)
-    tensors = [x, momentum, p if out != "direction" else None]
-    tensors += list(precond) if isinstance(precond, Factors) else [precond]
-    kw: dict[str, Any] = dict(clip=clip, pre=pre, momentum=momentum, beta1=beta1, post=post,
-                              decay=decay, out=out)
+        _check_same("precond_apply", x, ("p", p_read), ("momentum", momentum))
+        tensors += precond
+    else:
+        _check_same("precond_apply", x, ("p", p_read), ("momentum", momentum),
+                    ("precond", precond))
+        tensors.append(precond)
     return (x, p, precond, kw), tensors
 
 

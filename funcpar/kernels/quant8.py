@@ -193,16 +193,17 @@ def _nearest_unit(scaled: Tensor, code: Tensor) -> Tensor:
     if tables is None:
         return _nearest_search(scaled, code)
     table, step_at = tables
-    x = scaled.contiguous()
+    x = scaled.reshape(-1)
     bucket = torch.bitwise_right_shift(x.view(torch.int32), 16).add_(32768)
-    out = _gather(table, bucket)
-    return out.add_(x >= _gather(step_at, bucket))
+    out = torch.index_select(table, 0, bucket)
+    return out.add_(x >= torch.index_select(step_at, 0, bucket)).view(scaled.shape)
 
 
 def _blocks(x: Tensor, block_size: int) -> tuple[Tensor, int]:
     """``x`` (float32) as rows of ``block_size``, the last padded with zeros (a copy only
     then), and its number of elements."""
-    flat = x.reshape(-1).to(torch.float32)
+    flat = x.reshape(-1)
+    flat = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
     n = flat.numel()
     pad = _num_blocks(n, block_size) * block_size - n
     return (F.pad(flat, (0, pad)) if pad else flat).view(-1, block_size), n
@@ -222,8 +223,7 @@ def quantize_reference(
     """``(codes, absmax)`` of the whole tensor ``x`` (rounded to float32 first). ``own``: ``x``
     is the caller's scratch, which the quotients may overwrite (:func:`_own` holds)."""
     blocks, n = _blocks(x, block_size)
-    # max |x| is |max x| or |min x|: two passes that write nothing (abs would write a copy).
-    absmax = torch.maximum(blocks.amax(dim=1).abs(), blocks.amin(dim=1).abs())
+    absmax = blocks.abs().amax(dim=1)
     # |x| <= absmax makes the IEEE quotient lie in [-1, 1] (or be NaN: inf / inf), the domain
     # of _nearest_unit; an all-zero (or NaN) block maps to 0.
     ok = absmax > 0
@@ -235,7 +235,7 @@ def quantize_reference(
     else:
         scaled = torch.where(ok.unsqueeze(1), blocks / safe, torch.zeros_like(blocks))
     codes = _nearest_unit(scaled, code)
-    return (codes if codes.numel() == n else codes.reshape(-1)[:n]).view(x.shape), absmax
+    return (codes if codes.numel() == n else codes.view(-1)[:n]).view(x.shape), absmax
 
 
 def dequantize_reference(
@@ -244,11 +244,13 @@ def dequantize_reference(
 ) -> Float[Tensor, "*shape"]:
     """``code[codes] * absmax`` per block (float32 product), as ``dtype``."""
     n = codes.numel()
-    values, _ = _blocks(_gather(code, codes.reshape(-1).to(torch.int32)), block_size)
+    values, _ = _blocks(torch.index_select(code, 0, codes.reshape(-1).to(torch.int32)),
+                        block_size)
     # (values is this function's own: the product may overwrite it.)
     scale = absmax.unsqueeze(1)
     out = values.mul_(scale) if _own(codes, absmax) else values * scale
-    return (out if out.numel() == n else out.reshape(-1)[:n]).view(codes.shape).to(dtype)
+    out = (out if out.numel() == n else out.view(-1)[:n]).view(codes.shape)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 class Adam8bitScalars(NamedTuple):

@@ -565,14 +565,23 @@ def _clip_many(calls: list[tuple]) -> list[Tensor]:
             v = v.sqrt()
         # The reference's roundings: sqrt(numel) to the norm's dtype, then the division by the
         # threshold in the promoted dtype (float64 for a 0-d float64 threshold).
-        host = torch.tensor([[math.sqrt(calls[i][2]), values[id(calls[i][1])]] for i in idx],
-                            dtype=torch.float64)
-        host = host.to(device, non_blocking=True)
-        v = (v / host[:, 0].to(dt)).to(res_dt) / host[:, 1].to(res_dt)
+        v = (v / _sqrt_numels(tuple(calls[i][2] for i in idx), dt, device)).to(res_dt)
+        thr = [values[id(calls[i][1])] for i in idx]
+        if all(x == thr[0] for x in thr):  # one threshold (the usual case): a scalar, cast as
+            v = v / thr[0]                 # the reference's 0-d threshold is cast
+        else:
+            v = v / torch.tensor(thr, dtype=torch.float64).to(device, res_dt)
         v = v.clamp(min=1.0)
         for i, vi in zip(idx, v.unbind()):
             out[i] = vi
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _sqrt_numels(numels: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``sqrt(numel)`` of each leaf (float64, then rounded to ``dtype``): the same leaves step
+    after step, so formed once (never written: a read-only operand)."""
+    return torch.tensor([math.sqrt(n) for n in numels], dtype=torch.float64).to(device, dtype)
 
 
 def clip_divisor_batch(calls: Sequence[tuple[tuple, Mapping[str, Any]]]) -> list[Any]:

@@ -176,15 +176,30 @@ class _Scratch:
 def _rsqrt_factors(precond: Sequence[Any]) -> list[Any]:
     """For each leaf's preconditioner, what :func:`_inverse_sqrt_into` multiplies: the factors'
     ``(rsqrt(R / mean(R)), rsqrt(C))`` (formed by multi-tensor ops over all leaves, the same
-    operations as one leaf at a time) or a full ``V`` itself."""
-    idx = [i for i, f in enumerate(precond) if f is not None and not torch.is_tensor(f)]
+    operations as one leaf at a time) or a full ``V`` itself. Inside :func:`scratch_scope`
+    they are formed once per :class:`~funcpar.kernels.factored.Factors` for the step (the norm
+    pass and the passes after it get the same object): the scope keeps each such object, so
+    its ``id`` names it until the scope ends."""
+    scope = _SCOPE.get()
+    memo = None if scope is None else scope.setdefault("rsqrt", {})
     out = list(precond)
+    idx = []
+    for i, f in enumerate(precond):
+        if f is None or torch.is_tensor(f):
+            continue
+        hit = None if memo is None else memo.get(id(f))
+        if hit is not None and hit[0] is f:
+            out[i] = hit[1]
+        else:
+            idx.append(i)
     if idx:
         rows = torch._foreach_div([precond[i][0] for i in idx], [precond[i][2] for i in idx])
         torch._foreach_rsqrt_(rows)
         cols = torch._foreach_rsqrt([precond[i][1] for i in idx])
         for i, r, c in zip(idx, rows, cols):
             out[i] = (r, c)
+            if memo is not None:
+                memo[id(precond[i])] = (precond[i], out[i])
     return out
 
 

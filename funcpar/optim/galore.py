@@ -247,16 +247,16 @@ def _init_projectors(params: Tree, plan: list[_Leaf | None], meta: bool = False)
 
 def _project_phases(g: Tensor, proj: Projector, cfg: GaLoreConfig, count: int, svd_dtype,
                     layout):
-    """galore-torch's ``project`` as two phases: the refresh's gather (counts 0, gap, 2 gap,
-    ...: a :class:`~funcpar.optim.projector.Gather` the driver completes for all leaves with
-    one all-gather per mesh axis; an empty phase otherwise), the SVD, then the projection's
-    partial sum (a Partial: one all-reduce per mesh axis for all leaves)."""
+    """galore-torch's ``project`` as phases: at a refresh (counts 0, gap, 2 gap, ...) the
+    gradient's gather (a :class:`~funcpar.optim.projector.Gather` the driver completes for all
+    leaves with one all-gather per mesh axis) and the SVD; then the projection's partial sum (a
+    Partial: one all-reduce per mesh axis for all leaves). The scheduler runs every gather
+    before any reduction (:func:`funcpar.shard.reduce.together`), so the leaves that refresh
+    and those that do not still reduce in one round."""
     if count % cfg.update_proj_gap == 0:
         (whole,) = yield [Gather(g, layout, REFRESH)]
         proj = projector_from(whole, g, cfg.rank, cfg.proj_type, svd_dtype=svd_dtype,
                               layout=layout)
-    else:
-        yield []
     partial, dims = local_projection(g, proj)
     (low,) = yield [Partial(partial, layout, dims, PROJECTION)]
     return low, proj
@@ -264,12 +264,11 @@ def _project_phases(g: Tensor, proj: Projector, cfg: GaLoreConfig, count: int, s
 
 def _unprojected_phases():
     """The phases of :func:`_project_phases` for an unprojected leaf: nothing to gather, a
-    reduction that needs no message (no layout). Both keep every leaf's later phases (its
-    8-bit absmax, its Adafactor statistics) in the round of the projected leaves' ones, so that
-    each is one all-reduce per mesh axis for the whole tree; the second is a reduction (not an
-    empty phase) because run_phased's scheduler lets phases without reductions run ahead of
-    those with one."""
-    yield []
+    reduction that needs no message (no layout). It keeps every leaf's later phases (its 8-bit
+    absmax, its Adafactor statistics) in the round of the projected leaves' ones, so that each
+    is one all-reduce per mesh axis for the whole tree: a reduction (not an empty phase)
+    because run_phased's scheduler lets phases without reductions run ahead of those with
+    one."""
     yield [Partial(_NOTHING, None, None, PROJECTION)]
 
 
@@ -480,6 +479,7 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         scalars = Adam8bitScalars(beta1=beta1, beta2=beta2, eps=eps, bc2_sqrt=bc2_sqrt,
                                   variant=adam_variant)
         decays = not host_equals(weight_decay, 0.0)
+        lr_wd = torch.as_tensor(lr * weight_decay, dtype=torch.float64)  # addcmul takes tensors
 
         def leaf(g, p, proj, m, v, cfg, use_decay, layout, low_layout):
             # Phases: the refresh's gather, the projection's partial sum, the 8-bit absmax of a
@@ -509,16 +509,20 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
             if cfg is not None:
                 direction = project_back(direction, proj, cfg.scale, layout=layout)
             if out == "param" and eager:
-                return (_apply_in_place(p, direction, step_size, use_decay and decays,
+                return (_apply_in_place(p, direction, step_size, lr_wd, use_decay and decays,
                                         cfg is None),
                         proj, m_st, v_st)
-            new_p = p - step_size * direction
+            # w - s N rounded once, as galore-torch's p.add_(N, alpha=-s) (one fused pass).
             if use_decay and adam_variant == "bnb" and cfg is None:
                 # bitsandbytes' own AdamW shrinks the weight before its step ...
-                new_p = p * (1 - lr * weight_decay) - step_size * direction
-            elif use_decay:
-                # ... galore-torch shrinks the already updated weight (both AdamWs).
-                new_p = new_p - (lr * weight_decay) * new_p
+                new_p = torch.addcmul(p * (1 - lr * weight_decay), step_size, direction,
+                                      value=-1)
+            else:
+                new_p = torch.addcmul(p, step_size, direction, value=-1)
+            if use_decay and not (adam_variant == "bnb" and cfg is None):
+                # ... galore-torch shrinks the already updated weight (both AdamWs), also
+                # rounded once: p.add_(p, alpha=-lr wd).
+                new_p = torch.addcmul(new_p, lr_wd, new_p, value=-1)
             # new - old is exact while the step is under half the weight, so apply_updates
             # rebuilds new_p with the rounding computed here (apply: new_p itself).
             return (new_p - p if out == "update" else new_p.to(p.dtype)), proj, m_st, v_st
@@ -529,19 +533,22 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         )
         return u, GaLoreAdamWState(count, proj, m, v)
 
-    def _apply_in_place(p, direction, step_size, decays, unprojected):
+    def _apply_in_place(p, direction, step_size, lr_wd, decays, unprojected):
         # The operations of the out-of-place code above, written into the step's own fresh
-        # direction and, inside inplace_updates (a donated step), into p itself: the same
-        # bits, donated or not. A decay of exactly 0 is skipped (w - 0 w is w, but for the
+        # direction (or a fresh shrunk weight) and, inside inplace_updates (a donated step),
+        # into p itself: the same bits, donated or not. A decay of exactly 0 is skipped (w - 0 w is w, but for the
         # sign of a zero), as galore-torch and bitsandbytes skip it.
         donated = inplace_allowed()
-        sd = direction.mul_(step_size)  # step_size * direction
         if decays and adam_variant == "bnb" and unprojected:
-            new_p = torch.mul(p, 1 - lr * weight_decay).sub_(sd)
-            return p.copy_(new_p) if donated else new_p
-        new_p = p.sub_(sd) if donated else torch.sub(p, sd, out=sd)
+            shrunk = p.mul_(1 - lr * weight_decay) if donated else torch.mul(
+                p, 1 - lr * weight_decay)
+            return shrunk.addcmul_(step_size, direction, value=-1)
+        if donated:
+            new_p = p.addcmul_(step_size, direction, value=-1)
+        else:
+            new_p = torch.addcmul(p, step_size, direction, value=-1, out=direction)
         if decays:
-            new_p.sub_(torch.mul(new_p, lr * weight_decay))
+            new_p.addcmul_(lr_wd, new_p, value=-1)
         return new_p
 
     def update(grads, state: GaLoreAdamWState, params=None, *, layouts=None):

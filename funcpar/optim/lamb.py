@@ -8,6 +8,7 @@ difference and a ``variant`` preset per reference, each tested step by step agai
 
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import torch
@@ -71,6 +72,37 @@ def _trust_ratio(w_norm, a_norm, eps, *, max_weight_norm, max_trust_ratio, eps_i
     if max_trust_ratio is not None:
         ratio = ratio.clamp(max=max_trust_ratio)
     return ratio
+
+
+def _to_float32(x: float) -> float:
+    return ctypes.c_float(x).value  # round to nearest even; beyond the range: +-inf
+
+
+def _trust_ratio_host(w_norm: Tensor, a_norm: Tensor, eps, *, max_weight_norm,
+                      max_trust_ratio, eps_in_trust_ratio) -> tuple[Tensor, float]:
+    """:func:`_trust_ratio` of one leaf's 0-d float32 or float64 norms, as a 0-d tensor of the
+    same value and dtype, and that value as a number: computed on the host (two reads and one
+    0-d tensor for its six 0-d operations, which cost more than a small leaf's passes). A
+    float32 operation is its float64 counterpart rounded once to float32 (exact for +, / and
+    the clamps: a float64 sum or quotient of float32 numbers rounds to float32 as the float32
+    operation does); a float64 ``eps`` tensor promotes as torch promotes 0-d tensors."""
+    rnd = _to_float32 if w_norm.dtype == torch.float32 else float
+    w, a = w_norm.item(), a_norm.item()
+    if max_weight_norm is not None and w > rnd(max_weight_norm):  # clamp keeps a NaN
+        w = rnd(max_weight_norm)
+    dtype = w_norm.dtype
+    if eps_in_trust_ratio and torch.is_tensor(eps):
+        dtype = torch.promote_types(dtype, eps.dtype)
+        out = _to_float32 if dtype == torch.float32 else float
+        den = out(a + float(eps))
+    else:
+        out = rnd
+        den = rnd(a + rnd(eps)) if eps_in_trust_ratio else a
+    # Both norms > 0 (NaN: neither); then den > 0 (eps > 0).
+    ratio = out(w / den) if w > 0 and a > 0 else 1.0
+    if max_trust_ratio is not None and ratio > out(max_trust_ratio):
+        ratio = out(max_trust_ratio)
+    return torch.tensor(ratio, dtype=dtype), ratio
 
 
 def _sum_sq(x: Tensor) -> Tensor:
@@ -170,6 +202,8 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
         # fresh tensor anyway and a is it, b fresh where needed.
         donated = inplace_allowed()
         decays = not host_equals(weight_decay, 0.0)
+        step_f = (float(step_size) if torch.is_tensor(step_size) and step_size.dim() == 0
+                  and step_size.dtype == torch.float64 else None)
         shared = donated and write_params
         scratch: dict[tuple, list[Tensor]] = {}
         if shared:
@@ -223,9 +257,14 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
                 a.add_(torch.mul(p_j, s.weight_decay, out=b_buf))
             elif decay_j:
                 w = torch.mul(p_j, s.shrink, out=b_buf)
-            ratio = _trust_ratio(torch.linalg.vector_norm(w), torch.linalg.vector_norm(a), eps,
-                                 **ratio_opts)
-            ca = a.mul_(step_size * (torch.ones_like(ratio) if adam else ratio))
+            norms = torch.linalg.vector_norm(w), torch.linalg.vector_norm(a)
+            if step_f is not None and p_j.dtype in (torch.float32, torch.float64):
+                # The ratio and s * ratio (float64, as the tensors promote) on the host.
+                ratio, r = _trust_ratio_host(*norms, eps, **ratio_opts)
+                ca = a.mul_(step_f * (1.0 if adam else r))
+            else:
+                ratio = _trust_ratio(*norms, eps, **ratio_opts)
+                ca = a.mul_(step_size * (torch.ones_like(ratio) if adam else ratio))
             if w is p_j:  # (p - p) - c a = -(c a)
                 if not write_params:
                     res = ca.neg_()

@@ -1,6 +1,9 @@
 """lamb step by step against torch_optimizer.Lamb, pytorch_optimizer.Lamb and torch.optim.AdamW,
 and against the paper's equations written out here."""
 
+import itertools
+import math
+
 import pytest
 import pytorch_optimizer
 import torch
@@ -8,7 +11,7 @@ import torch_optimizer
 from conftest import max_rel_err
 
 import funcpar.optim as fo
-from funcpar.optim.lamb import lamb
+from funcpar.optim.lamb import _trust_ratio, _trust_ratio_host, lamb
 
 # "zero" starts at 0 (||w|| = 0: trust ratio 1 at step 1); "nograd" only ever gets zero
 # gradients (||a|| = 0 without decay); "big" has ||w|| > 10, so the references' clamp acts.
@@ -180,6 +183,29 @@ def test_trust_ratio_edge_cases():
     # The first step of a zero leaf is plain Adam's: -lr * m_hat / (sqrt(v_hat) + eps).
     g = grads["zero"]
     assert max_rel_err(updates["zero"], -0.02 * g / (g.abs() + 1e-6)) <= 1e-14
+
+
+def test_host_trust_ratio_is_the_tensor_one():
+    """The eager path's host arithmetic (_trust_ratio_host) against _trust_ratio's 0-d tensor
+    operations: the same value and dtype, bit for bit, on zeros, signed zeros, subnormals, the
+    clamps' edges, overflowing quotients, inf and NaN, with eps a number or a 0-d tensor of
+    either dtype (a float64 one promotes a float32 ratio)."""
+    values = [0.0, -0.0, 1e-45, 1e-40, 2.5e-8, 0.1, 1.0, 2.0 / 3.0, 9.999999, 10.0, 10.000001,
+              1e20, 3.3e38, float("inf"), float("nan")]
+    for dtype, eps, mwn, mtr, in_ratio in itertools.product(
+            (torch.float32, torch.float64),
+            (1e-6, 0.1, torch.tensor(1e-6, dtype=torch.float64),
+             torch.tensor(0.3, dtype=torch.float32)),
+            (None, 0.3), (None, 0.7), (False, True)):
+        opts = dict(max_weight_norm=mwn, max_trust_ratio=mtr, eps_in_trust_ratio=in_ratio)
+        for w, a in itertools.product(values, values):
+            w, a = torch.tensor(w, dtype=dtype), torch.tensor(a, dtype=dtype)
+            want = _trust_ratio(w, a, eps, **opts)
+            got, number = _trust_ratio_host(w, a, eps, **opts)
+            case = (dtype, eps, opts, w, a, want, got)
+            assert got.dtype == want.dtype, case
+            assert torch.equal(got, want) or (got.isnan() and want.isnan()), case
+            assert number == float(want) or (math.isnan(number) and want.isnan()), case
 
 
 @pytest.mark.parametrize(

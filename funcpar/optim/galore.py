@@ -536,8 +536,8 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
     def _apply_in_place(p, direction, step_size, lr_wd, decays, unprojected):
         # The operations of the out-of-place code above, written into the step's own fresh
         # direction (or a fresh shrunk weight) and, inside inplace_updates (a donated step),
-        # into p itself: the same bits, donated or not. A decay of exactly 0 is skipped (w - 0 w is w, but for the
-        # sign of a zero), as galore-torch and bitsandbytes skip it.
+        # into p itself: the same bits, donated or not. A decay of exactly 0 is skipped
+        # (w - 0 w is w, but for the sign of a zero), as galore-torch and bitsandbytes skip it.
         donated = inplace_allowed()
         if decays and adam_variant == "bnb" and unprojected:
             shrunk = p.mul_(1 - lr * weight_decay) if donated else torch.mul(

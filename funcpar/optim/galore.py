@@ -779,6 +779,7 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
         count = state.count + 1
         shared = _step_scalars(count, lr=lr, decay_rate=decay_rate,
                                relative_step=relative_step, warmup_init=warmup_init)
+        decays_any = not host_equals(weight_decay, 0.0)
 
         def leaf(g, p, proj, st, cfg, use_decay, param_layout, layout, low_layout):
             # Phases: the refresh's gather and the projection's partial sum (as every leaf's:
@@ -799,20 +800,20 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
             )
             if cfg is not None:
                 u = project_back(u, proj, cfg.scale, layout=layout)
-            coeff = weight_decay * step_size
             if out == "param" and _eager_ok(p, u, lr, weight_decay):
-                # In place under donation (u is only read: unprojected with beta1 it is the
-                # new momentum itself); a decay of exactly 0 skipped.
-                decays = use_decay and not host_equals(weight_decay, 0.0)
+                # In place under donation; else into u where it is the step's own (projected
+                # back; unprojected with beta1 it is the new momentum itself). A decay of
+                # exactly 0 skipped.
+                decays = use_decay and decays_any
                 if inplace_allowed():
-                    new_p = decoupled_decay_(p, coeff) if decays else p
+                    new_p = decoupled_decay_(p, weight_decay * step_size) if decays else p
                     return new_p.sub_(u), proj, new_st
-                new_p = decoupled_decay(p, coeff) if decays else p
-                return torch.sub(new_p, u), proj, new_st
+                new_p = decoupled_decay(p, weight_decay * step_size) if decays else p
+                return torch.sub(new_p, u, out=u if cfg is not None else None), proj, new_st
             p_in = p
             p = p.to(u.dtype)
             # galore-torch's order: decay with alpha_t on the pre-update weight, then the step.
-            new_p = decoupled_decay(p, coeff) if use_decay else p
+            new_p = decoupled_decay(p, weight_decay * step_size) if use_decay else p
             if out == "param":
                 return (new_p - u).to(p_in.dtype), proj, new_st
             return (new_p - u) - p, proj, new_st

@@ -61,17 +61,17 @@ def eager_allowed() -> bool:
 def eager_leaf_ok(tensors: Sequence[Tensor | None]) -> bool:
     """The per-leaf part of :func:`eager_ok` (differentiability aside): the leaf's tensors
     are non-empty, contiguous and on one device."""
-    device = None
+    first = None
     for t in tensors:
         if t is None:
             continue
-        if device is None:
-            device = t.device
-        elif t.device != device:
-            return False
         if not t.is_contiguous() or t.numel() == 0:
             return False
-    return device is not None
+        if first is None:
+            first = t
+        elif t.is_cpu is not first.is_cpu or (not t.is_cpu and t.device != first.device):
+            return False
+    return first is not None
 
 
 def eager_ok(tensors: Sequence[Tensor | None], hyper: Sequence[Any] = ()) -> bool:

@@ -166,7 +166,7 @@ def _step_size_phases(step, param, *, lr, eps2, scale_parameter, relative_step, 
     if rho is None:
         rho = _rho(step, lr, relative_step, warmup_init)
     if not scale_parameter:  # host scalars only
-        return rho, (None if weight_decay is None else weight_decay * rho)
+        return _unscaled_step(rho, weight_decay)
     sq = None
     if param_layout is not None:
         # rms()'s arithmetic: the completed sum of squares, rooted, over sqrt(global numel).
@@ -174,6 +174,12 @@ def _step_size_phases(step, param, *, lr, eps2, scale_parameter, relative_step, 
         (sq,) = yield [Partial(local, param_layout, None, "param rms")]
     return (yield from one_pass(_step_size_batch, param, sq, rho, eps2,
                                 math.prod(global_shape(param, param_layout)), weight_decay))
+
+
+def _unscaled_step(rho, weight_decay):
+    """``(alpha_t, weight_decay alpha_t or None)`` without ``scale_parameter``: ``alpha_t`` is
+    ``rho_t``."""
+    return rho, (None if weight_decay is None else weight_decay * rho)
 
 
 def _param_sq_reference(param: Tensor) -> Tensor:
@@ -338,11 +344,17 @@ def _leaf_step(grad, param, state, step, *, lr, eps, clip_threshold, decay_rate,
     beta2t, rho = shared or _step_scalars(step, lr=lr, decay_rate=decay_rate,
                                           relative_step=relative_step, warmup_init=warmup_init)
     moments = {k: v for k, v in state.items() if k != "exp_avg"}
-    (alpha, decay), (precond, new_state, local_norm) = yield from together(
-        _step_size_phases(step, param, lr=lr, eps2=eps2, scale_parameter=scale_parameter,
-                          relative_step=relative_step, warmup_init=warmup_init,
-                          param_layout=param_layout, weight_decay=weight_decay, rho=rho),
-        second_moment_phases(grad, moments, SECOND_MOMENT, beta2t, eps1, layout=layout))
+    moment_phases = second_moment_phases(grad, moments, SECOND_MOMENT, beta2t, eps1,
+                                         layout=layout)
+    if scale_parameter:
+        (alpha, decay), (precond, new_state, local_norm) = yield from together(
+            _step_size_phases(step, param, lr=lr, eps2=eps2, scale_parameter=scale_parameter,
+                              relative_step=relative_step, warmup_init=warmup_init,
+                              param_layout=param_layout, weight_decay=weight_decay, rho=rho),
+            moment_phases)
+    else:  # no phase of its own (and no generator to relay through)
+        alpha, decay = _unscaled_step(rho, weight_decay)
+        precond, new_state, local_norm = yield from moment_phases
     clip = yield from clip_divisor_phases(local_norm, clip_threshold,
                                           shape=global_shape(grad, layout), layout=layout)
     if beta1 is not None and "exp_avg" not in state:

@@ -168,17 +168,19 @@ def _unit_table(code: Tensor) -> tuple[Tensor, Tensor] | None:
 
     # Buckets of values up to 1.0078 in magnitude: exponent and top mantissa bits <= 1.0's.
     unit = (top & 0x7FFF) <= 0x3F80
-    c_low, steps = codes(low), codes(high) - codes(low)
+    c_low = codes(low)
+    steps = codes(high) - c_low
     hit: tuple[Tensor, Tensor] | None = None
     if bool(((steps >= 0) & (steps <= 1))[unit].all()):
-        lo, hi = low.clone(), high.clone()
-        for _ in range(16):  # the least member whose code is c_low + 1
+        at = (unit & (steps == 1)).nonzero().squeeze(1)
+        lo, hi, c = low[at], high[at], c_low[at]
+        for _ in range(16):  # the least member whose code is c + 1
             mid = (lo + hi) // 2
-            up = codes(mid) > c_low
+            up = codes(mid) > c
             lo, hi = torch.where(up, lo, mid), torch.where(up, mid, hi)
-        nan = torch.tensor([float("nan")])
-        table = torch.where(unit, c_low, _nearest_search(nan, code).long())
-        step_at = torch.where(unit & (steps == 1), _key_float(hi), nan)
+        nan = float("nan")
+        table = torch.where(unit, c_low, _nearest_search(torch.tensor([nan]), code).long())
+        step_at = torch.full((65536,), nan).index_put_((at,), _key_float(hi))
         hit = (table.to(torch.uint8), step_at)
     _tables[key] = hit
     return hit

@@ -189,3 +189,27 @@ def test_factored_kernel_choice_counts_tensor_hyperparameters(arg):
     with kernel_mode("auto"), inplace_updates(True):
         out, _ = factored.precond_apply(x, p, v, **{arg: h})
     assert out.requires_grad and torch.equal(p, p0)  # the reference: p not written
+
+
+def test_grad_mode_is_off_for_a_step_only_when_nothing_requires_grad():
+    """no_grad_unless_needed (Adafactor's and CAME's steps): grad mode off when no input
+    (nested lists, tuples, dicts; numbers ignored) requires grad, as it is otherwise, and
+    untouched under a torch.func transform."""
+    from funcpar.optim.factored import no_grad_unless_needed
+
+    x = torch.ones(2)
+    with no_grad_unless_needed([x, None], {"a": (x,)}, 1.0, None):
+        assert not torch.is_grad_enabled()
+    assert torch.is_grad_enabled()
+    lr = torch.tensor(0.1, requires_grad=True)
+    with no_grad_unless_needed([x], {"a": [x, lr]}):
+        assert torch.is_grad_enabled()
+    with torch.no_grad(), no_grad_unless_needed([x]):
+        assert not torch.is_grad_enabled()
+
+    def f(y):
+        with no_grad_unless_needed([x]):
+            assert torch.is_grad_enabled()
+        return (y * y).sum()
+
+    assert torch.equal(torch.func.grad(f)(torch.ones(2)), torch.full((2,), 2.0))

@@ -262,3 +262,21 @@ def test_run_phased_batches_passes_per_round_and_orders_classes():
     assert _LOG == [("X", [("q", 0), ("r", 0)]), ("X", [("p", 1)]), ("F", [("r", 1)])], _LOG
     with pytest.raises(TypeError, match="not a Partial or a Pass"):
         R.run_requests([object()])
+
+
+def test_together_runs_the_last_step_as_it_is_when_the_others_finish_at_once():
+    """Steps that return before asking for anything (Adafactor's step size when it needs no
+    reduction) leave together() the last step alone: it is delegated to, not relayed round by
+    round, with the same schedule and results."""
+
+    def done():
+        return "now"
+        yield  # a generator that asks for nothing
+
+    _LOG.clear()
+
+    def outer():
+        return (yield from R.together(done(), done(), _scripted("p", "XPF", _LOG)))
+
+    assert R.run_phased([outer(), _scripted("r", "XF", _LOG)]) == [("now", "now", "p"), "r"]
+    assert _LOG == [("X", [("p", 0), ("r", 0)]), ("F", [("p", 2), ("r", 1)])], _LOG

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from funcpar.kernels.inplace import fast_path_ok, inplace_allowed
 
@@ -372,29 +374,46 @@ def precond_apply_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor | None]]
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _segment_divisors(segments: tuple[tuple[int, int], ...], dtype: torch.dtype,
+                      device: torch.device) -> Tensor:
+    """A vector holding each ``(length, divisor)`` segment's divisor ``length`` times, in
+    ``dtype`` (the divisor as a tensor divided by a Python number casts it): the same leaves
+    step after step, so formed once (never written: a read-only operand)."""
+    lengths = torch.tensor([n for n, _ in segments])
+    divisors = torch.tensor([float(d) for _, d in segments], dtype=torch.float64)
+    return torch.repeat_interleave(divisors, lengths).to(device, dtype)
+
+
 def factor_ema_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
     """:func:`funcpar.kernels.factored.factor_ema_reference` for many leaves
     (``(row_sum, col_sum, row, col, decay, n, m, local_sum)`` each): the means and the factors'
-    EMAs as multi-tensor ops over all leaves' row and column factors (per decay and dtype),
-    then each leaf's ``mean(R')`` (or, ``local_sum``, ``sum(R')``). Small tensors: written
-    fresh, the references' operations."""
+    EMAs over all leaves' row and column factors at once (per decay, dtype and device), each
+    vector a segment of one flat buffer, then each leaf's ``mean(R')`` (or, ``local_sum``,
+    ``sum(R')``). The same elementwise operations as the reference's (an element's rounding
+    does not depend on where it lies in a buffer), a handful of calls where one per factor
+    and operation cost more than the arithmetic. The new factors of a group are views of
+    one fresh buffer (disjoint; the next step reads them, writes new ones)."""
     out: list[Any] = [None] * len(calls)
     groups: dict[tuple, list[int]] = {}
     for i, c in enumerate(calls):
-        groups.setdefault((id(c[4]), c[2].dtype), []).append(i)
+        groups.setdefault((id(c[4]), c[2].dtype, c[0].dtype, c[2].device), []).append(i)
     sc = _Scalars()
-    for (_, dtype), idx in groups.items():
+    for (_, dtype, _, device), idx in groups.items():
         cs = [calls[i] for i in idx]
         decay = cs[0][4]
+        stats = [c[2] for c in cs] + [c[3] for c in cs]
         # row_sum / m and col_sum / n (the global sizes of the other dim), then
         # ema(avg, mean) = addcmul(avg * d, mean, 1 - d) for rows and columns together.
-        means = torch._foreach_div([c[0] for c in cs] + [c[1] for c in cs],
-                                   [float(c[6]) for c in cs] + [float(c[5]) for c in cs])
-        stats = torch._foreach_mul([c[2] for c in cs] + [c[3] for c in cs], sc(decay, dtype))
-        torch._foreach_addcmul_(stats, means,
-                                [sc.derived(decay, "one_minus", dtype)] * len(stats))
+        means = _flatten_dense_tensors([c[0] for c in cs] + [c[1] for c in cs])
+        means.div_(_segment_divisors(
+            tuple((c[0].numel(), c[6]) for c in cs) + tuple((c[1].numel(), c[5]) for c in cs),
+            means.dtype, device))
+        flat = _flatten_dense_tensors(stats).mul_(sc(decay, dtype))
+        flat.addcmul_(means, sc.derived(decay, "one_minus", dtype))
+        new = _unflatten_dense_tensors(flat, stats)
         for j, (i, c) in enumerate(zip(idx, cs)):
-            row, col = stats[j], stats[len(cs) + j]
+            row, col = new[j], new[len(cs) + j]
             nd = row.dim()
             part = (row.sum(dim=nd - 2, keepdim=True) if c[7]
                     else row.mean(dim=(nd - 2,), keepdim=True))

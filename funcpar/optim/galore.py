@@ -87,7 +87,7 @@ from funcpar.optim.quant8 import (
     quantized_zeros,
 )
 from funcpar.optim.schedules import ScalarOrSchedule
-from funcpar.shard.reduce import Partial, Pass, global_shape, run_phased, sum_partials, together
+from funcpar.shard.reduce import Partial, global_shape, run_phased, sum_partials, together
 from funcpar.state.tree import (
     Tree,
     leaves_like,
@@ -502,9 +502,8 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
                 raise ValueError(f"{who}: one moment of a leaf is 8-bit and the other is not; "
                                  "the state was not built by this optimizer")
             elif eager:
-                # All leaves' inner Adams in one batched pass (the round after the projection).
-                ((m_st, v_st, direction),) = yield [
-                    Pass(_adam_pass, (m, v, low, cfg is not None, scalars))]
+                m_st, v_st, direction = _adam_in_place(m, v, low, scalars,
+                                                       scratch=low if cfg is not None else None)
             else:
                 m_st, v_st, direction = adam8bit_math(m, v, low, scalars)
             if cfg is not None:
@@ -561,40 +560,20 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
     return GradientTransformation(init, update, apply)
 
 
-def _adam_pass(calls: list[tuple[tuple, Any]]) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """:func:`~funcpar.kernels.quant8.adam8bit_math` of many leaves (a batched
-    :class:`~funcpar.shard.reduce.Pass`, one per round for all of them), its operations in its
-    order as ``torch._foreach_`` ones: one call each for all leaves instead of one per leaf,
-    and each tensor's arithmetic that of the single-tensor operation (the same bits). Each
-    call's args ``(m, v, g, own, scalars)``: the moments are updated in place inside
-    inplace_updates (else written fresh); the direction's denominator goes into ``g`` where
-    ``own`` (the step's own projected gradient, read for the last time by the moments), else
-    into a fresh tensor; the direction is fresh. Returns ``(m', v', direction)`` per call."""
-    m, v, g, own, scalars = (list(x) for x in zip(*(args for args, _ in calls)))
-    s = scalars[0]
-    if inplace_allowed():
-        torch._foreach_mul_(m, s.beta1)
-        torch._foreach_mul_(v, s.beta2)
-    else:
-        m, v = list(torch._foreach_mul(m, s.beta1)), list(torch._foreach_mul(v, s.beta2))
-    torch._foreach_add_(m, g, alpha=1 - s.beta1)
-    torch._foreach_addcmul_(v, g, g, value=1 - s.beta2)
-    den: list = [None] * len(calls)
-    mine = [i for i, o in enumerate(own) if o]
-    if mine:
-        into = [g[i] for i in mine]
-        torch._foreach_copy_(into, [v[i] for i in mine])
-        torch._foreach_sqrt_(into)
-        for i, d in zip(mine, into):
-            den[i] = d
-    rest = [i for i, o in enumerate(own) if not o]
-    if rest:
-        for i, d in zip(rest, torch._foreach_sqrt([v[i] for i in rest])):
-            den[i] = d
+def _adam_in_place(m: Tensor, v: Tensor, g: Tensor, s: Adam8bitScalars,
+                   scratch: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`~funcpar.kernels.quant8.adam8bit_math`'s operations in its order, written into
+    buffers (the same bits): the moments in place inside inplace_updates (else into fresh
+    ones), the direction into ``scratch`` (the step's own projected gradient, read for the last
+    time by the moments; None: a fresh tensor)."""
+    donated = inplace_allowed()
+    m = (m.mul_(s.beta1) if donated else torch.mul(m, s.beta1)).add_(g, alpha=1 - s.beta1)
+    v = (v.mul_(s.beta2) if donated else torch.mul(v, s.beta2)).addcmul_(g, g,
+                                                                        value=1 - s.beta2)
+    den = torch.sqrt(v, out=scratch) if scratch is not None else torch.sqrt(v)
     if s.variant != "hf":
-        torch._foreach_div_(den, s.bc2_sqrt)
-    torch._foreach_add_(den, s.eps)
-    return list(zip(m, v, torch._foreach_div(m, den)))
+        den.div_(s.bc2_sqrt)
+    return m, v, torch.div(m, den.add_(s.eps), out=den)
 
 
 def _eager_ok(p: Tensor, direction: Tensor, *hyper: Any) -> bool:

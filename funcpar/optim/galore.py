@@ -484,8 +484,8 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         def leaf(g, p, proj, m, v, cfg, use_decay, layout, low_layout):
             # Phases: the refresh's gather, the projection's partial sum, the 8-bit absmax of a
             # sharded state (the same rounds for every leaf: _unprojected_phases).
-            # One check for both eager paths (each costs as much as a small leaf's pass): the
-            # direction and the fitted state have the dtype of g and p, the direction p's shape.
+            # One check for both eager paths (a check costs as much as a small leaf's pass):
+            # the fitted state has p's dtype, as g has, and the direction has p's shape.
             eager = _eager_ok(p, g, m, v, *(proj or ()), lr, weight_decay, eps)
             low = g
             if cfg is not None:

@@ -290,6 +290,9 @@ def _with_galore_collectives(step):
         asked = next(step)
         while True:
             asked = list(asked)
+            if not any(isinstance(r, (Gather, MaxPartial)) for r in asked):
+                asked = step.send((yield asked))  # nothing of GaLore's own (most rounds)
+                continue
             results: list = [None] * len(asked)
             gathers = [i for i, r in enumerate(asked) if isinstance(r, Gather)]
             maxes = [i for i, r in enumerate(asked) if isinstance(r, MaxPartial)]

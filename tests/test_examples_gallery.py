@@ -75,7 +75,10 @@ def test_bench_train_tiny(tmp_path):
     for parts in rows.values():
         assert "FAILED" not in parts, out
         assert float(parts[2]) > 0 and int(parts[4].replace(",", "")) > 0  # ms/step, tokens/s
-        assert 0 < float(parts[5].rstrip("%")) < 100  # MFU against the measured matmul peak
+        # MFU against the matmul peak measured in the same run: positive, not bounded by 100 %:
+        # on a CPU without native bf16 (AVX2 only) the square 256^3 bf16 matmul falls to a
+        # slower path than the model's own matmuls (seen: 250-300 %).
+        assert float(parts[5].rstrip("%")) > 0
     assert re.search(r"matmul peak: [0-9.]+ TFLOP/s", out), out
 
 

@@ -22,7 +22,8 @@
   bit), both one whole-step region, and the traced graph's peak of live intermediates falls;
   a block with a dynamo graph break inside is traced whole by make_fx and is still exact
   (its recompute reinstalls the call's state: checked against a released module).
-  ``-m slow``: the same compiled comparison on tp2 (remat after shard_params, float64).
+  ``-m slow``: the compiled Llama comparison above (remat vs none, peak falls) and the same
+  on tp2 (remat after shard_params, float64).
 """
 
 from __future__ import annotations
@@ -276,6 +277,8 @@ def compiled_runs():
             "bitwise": all(torch.equal(pr[k], pp[k]) for k in pp)}
 
 
+@pytest.mark.slow  # two inductor compilations of the Llama step: 105 s on an AVX2-only 2-core VM;
+# the default suite keeps compiled remat by test_compiled_step_with_a_graph_break_in_a_block
 def test_compiled_remat_matches_compiled_without():
     """compile=True with remat against compile=True without, 3 float32 AdamW steps. In a
     subprocess: beartype's checks of the Llama's annotations (this session's import hook) do

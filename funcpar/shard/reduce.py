@@ -178,8 +178,12 @@ def total_sum_of_squares(
 def _local_total(
     xs: Sequence[Tensor], layouts: Sequence[Reducible | None], purpose: str
 ) -> Tensor:
-    groups: dict[tuple, tuple[Tensor, Reducible | None, int]] = {}
     squares = _local_squares(xs)
+    if squares and all(lay is None for lay in layouts):
+        unsharded = _fold_unsharded(squares)
+        if unsharded is not None:
+            return unsharded
+    groups: dict[tuple, tuple[Tensor, Reducible | None, int]] = {}
     for i, (x, lay) in enumerate(zip(xs, layouts)):
         acc = squares[i].dtype
         local = squares[i]
@@ -203,6 +207,21 @@ def _local_total(
     return torch.stack([t.to(acc).to(sums[0].device) for t in sums]).sum()
 
 
+def _fold_unsharded(squares: list[Tensor]) -> Tensor | None:
+    """:func:`_local_total`'s sum when no leaf is sharded and all share one accumulation dtype
+    and device (the grad-norm metric of one process, every step): the same left fold in the
+    same dtype, so the same bits, without the general path's per-leaf grouping; ``None``
+    otherwise."""
+    first = squares[0]
+    if any(sq.dtype != first.dtype or sq.device != first.device for sq in squares):
+        return None
+    total = first
+    for sq in squares[1:]:
+        total = total + sq
+    # The general path ends with a one-element stack summed: the value itself, bit for bit.
+    return total if len(squares) > 1 else first.clone()
+
+
 def _local_squares(xs: Sequence[Tensor]) -> list[Tensor]:
     """Each tensor's ``sum(x**2)``, accumulated in float32 (float64 for float64 tensors), 0 for
     an empty one. Eagerly, outside torch.func transforms, by one multi-tensor norm per
@@ -212,9 +231,15 @@ def _local_squares(xs: Sequence[Tensor]) -> list[Tensor]:
     def acc_of(x: Tensor) -> torch.dtype:
         return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    out: list[Tensor | None] = [None] * len(xs)
     batched = (len(xs) > 1 and not torch.compiler.is_compiling()
                and torch._C._functorch.maybe_current_level() is None)
+    if batched:
+        # The common tree: one dtype, one device, no empty leaf: one norm call, no buckets.
+        x0 = xs[0]
+        if all(x.dtype == x0.dtype and x.device == x0.device and x.numel() for x in xs):
+            norms = torch._foreach_norm(list(xs), 2, dtype=acc_of(x0))
+            return list(torch._foreach_mul(norms, norms))
+    out: list[Tensor | None] = [None] * len(xs)
     buckets: dict[tuple, list[int]] = {}
     for i, x in enumerate(xs):
         if not x.numel():

@@ -76,17 +76,27 @@ def donate_into(old: Tree, new: Tree) -> Tree:
     old_leaves, old_spec = tree_flatten(old)
     new_leaves, new_spec = tree_flatten(new)
     same = old_spec == new_spec and len(old_leaves) == len(new_leaves)
-    # An old tensor object the new state still holds (elsewhere) must keep its value.
-    kept = {id(n) for n in new_leaves}
-    out = []
-    for i, n in enumerate(new_leaves):
-        o = old_leaves[i] if same else None
-        if _reusable(o, n) and id(o) not in kept:
-            if o.data_ptr() != n.data_ptr():  # already written in place (in the backward)
-                with torch.no_grad():
-                    o.copy_(n)
-            n = o
-        out.append(n.detach() if torch.is_tensor(n) else n)
+    out = [n.detach() if isinstance(n, Tensor) else n for n in new_leaves]
+    if same:
+        kept: set[int] | None = None  # ids of the new leaves, built when first needed
+        dst, src = [], []
+        for i, (o, n) in enumerate(zip(old_leaves, new_leaves)):
+            # The in-place paths hand back the old objects themselves: nothing to move.
+            if o is n or not isinstance(n, Tensor) or not _reusable(o, n):
+                continue
+            if kept is None:
+                # An old tensor object the new state still holds (elsewhere) keeps its value.
+                kept = {id(x) for x in new_leaves}
+            if id(o) in kept:
+                continue
+            if o.data_ptr() != n.data_ptr():  # not already written in place (in the backward)
+                dst.append(o)
+                src.append(n)
+            out[i] = o.detach()
+        if dst:
+            with torch.no_grad():
+                # One multi-tensor copy (per tensor in list order, as copy_ one by one).
+                torch._foreach_copy_(dst, src)
     _mark(old_leaves)  # the leaves in hand: no second walk of old
     return tree_unflatten(new_spec, out)
 

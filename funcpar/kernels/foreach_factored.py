@@ -284,10 +284,19 @@ def came_residual_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]
 def host_equals(x: Any, value: float) -> bool:
     """``x`` is a host value equal to ``value`` (read without a device sync). The passes skip
     a division by a clip divisor of exactly 1 (``y / 1`` is ``y``, bit for bit: the update's
-    RMS is under the threshold, the common case) and a decay of exactly 0 (module docstring)."""
+    RMS is under the threshold, the common case) and a decay of exactly 0 (module docstring).
+    A tensor that cannot be read on the host now (traced by torch.compile or the whole-step
+    region's make_fx, or wrapped by a torch.func transform) is never taken as equal: the skip
+    is an optimisation, never needed for the result."""
     if torch.is_tensor(x):
-        return x.device.type == "cpu" and x.numel() == 1 and float(x) == value
+        return (x.device.type == "cpu" and x.numel() == 1 and _readable() and float(x) == value)
     return float(x) == value
+
+
+def _readable() -> bool:
+    # float() of a traced or functorch-wrapped tensor fails (or would bake a value into a graph).
+    return (not torch.compiler.is_compiling()
+            and torch._C._functorch.maybe_current_level() is None)
 
 
 def _host_equal_all(xs: Sequence[Any], value: float) -> list[bool]:
@@ -300,7 +309,7 @@ def _host_equal_all(xs: Sequence[Any], value: float) -> list[bool]:
             continue
         if not torch.is_tensor(x):
             out[i] = float(x) == value
-        elif x.device.type == "cpu" and x.numel() == 1:
+        elif x.device.type == "cpu" and x.numel() == 1 and _readable():
             host.append(i)
     if len(host) == 1:
         out[host[0]] = float(xs[host[0]]) == value

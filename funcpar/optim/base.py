@@ -26,6 +26,7 @@ whole on this process). Optimizers hand each leaf's layout to the reductions of
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -47,6 +48,7 @@ from funcpar.state.tree import (
 __all__ = [
     "EmptyState",
     "GradientTransformation",
+    "NotTraceable",
     "apply_updates",
     "chain",
     "check_grads",
@@ -129,6 +131,13 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
     return tree_map(lambda p, u: p if u is None else (p + u.to(p.dtype)), params, updates)
 
 
+class NotTraceable(RuntimeError):
+    """Raised while a step is traced whole (``make_train_step(..., compile=True)``'s region,
+    funcpar/train/whole_step.py) by a part that cannot run as eager would inside one graph
+    (the message says what). The train step then compiles the forward and backward only and
+    runs the rest eagerly."""
+
+
 def update_params(
     opt: GradientTransformation, grads: Tree, state: Tree, params: Tree, *, layouts: Tree = None
 ) -> tuple[Tree, Tree]:
@@ -180,6 +189,16 @@ def check_grads(params: Tree, grads: Tree, *, what: str = "grads",
             )
 
 
+def _untraced() -> contextlib.AbstractContextManager:
+    # check_state is host-side validation: inside the whole-step region's make_fx trace its
+    # init on meta params runs untraced (an 8-bit init reads its code map's zero on the host).
+    if torch.compiler.is_compiling():
+        from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+        return disable_proxy_modes_tracing()
+    return contextlib.nullcontext()
+
+
 def check_state(params: Tree, state: Tree, init: Callable[[Tree], Tree], seen: set[Any], *,
                 who: str = "optimizer") -> None:
     """Refuse an optimizer state built for parameters of other shapes (a state for (1, 4)
@@ -204,9 +223,11 @@ def check_state(params: Tree, state: Tree, init: Callable[[Tree], Tree], seen: s
         return
     meta = tree_unflatten(p_spec, [torch.empty_like(x, device="meta") if torch.is_tensor(x)
                                    else x for x in p_leaves])
-    want_leaves, want_spec = tree_flatten(init(meta))
+    with _untraced():
+        want = init(meta)
+    want_leaves, want_spec = tree_flatten(want)
     if want_spec != s_spec:
-        tree_structure_check(init(meta), state, what=f"{who} state",
+        tree_structure_check(want, state, what=f"{who} state",
                              against="the state its init builds for these params")
         raise ValueError(f"{who} state tree {s_spec} is not the one its init builds for these "
                          f"params ({want_spec}): it was built for other params or settings")

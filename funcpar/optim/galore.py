@@ -61,7 +61,13 @@ from funcpar.optim.adafactor import (
     adafactor_hyperparams,
     adafactor_leaf_init,
 )
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
+from funcpar.optim.base import (
+    GradientTransformation,
+    NotTraceable,
+    check_floating,
+    check_grads,
+    leaf_columns,
+)
 from funcpar.optim.factored import decoupled_decay
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask, restrict_to
@@ -417,6 +423,9 @@ def _update_plan(who: str, galore_mask: GaLoreMask, weight_decay_mask: Mask, par
     it, and per leaf the config, the low-rank state's layout, the leaf's layout, the decay.
     ``build_key``: see :func:`_planned`."""
     check_grads(params, grads)
+    if torch.compiler.is_compiling():
+        raise NotTraceable(f"{who}: the projection's refresh every update_proj_gap steps is "
+                           "host control flow on the step count")
     planned = _planned(who, galore_mask, params, default, layouts, build, build_key)
     # Host int: the refresh is data-independent control flow on the step count.
     state = _fit_state(who, state, int(state.count), planned.shapes,

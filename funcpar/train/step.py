@@ -388,7 +388,8 @@ class TrainStep:
                 params, buffers, opt_state, loss, gnorm, finite = (
                     self._core if whole is None else whole)(*args)
             except NotTraceable:
-                # Refused at trace (remat with random draws): the forward and backward alone
+                # Refused at trace (remat with random draws, GaLore's step-count refresh):
+                # the forward and backward alone
                 # are compiled from now on, this call included, from the state's generator.
                 self.__dict__["_whole"] = None
                 _set_rng(device, state.rng)

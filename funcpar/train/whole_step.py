@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from funcpar.optim.base import NotTraceable  # re-exported: raised here and by optimizers
 from funcpar.shard import comm
 from funcpar.state.tree import Tree, tree_flatten, tree_map, tree_unflatten
 
@@ -66,11 +67,6 @@ __all__ = ["NotTraceable", "WholeStep", "applies", "peak_live_bytes", "select"]
 #: The ``torch.compile`` backend of the region (tests use ``"aot_eager"``: same capture,
 #: no code generation).
 BACKEND = "inductor"
-
-
-class NotTraceable(RuntimeError):
-    """The step's trace holds something the region cannot run as eager would (the message
-    says what); the step falls back to compiling the forward and backward only."""
 
 
 def applies(step: Any) -> str | None:

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _functorch as _C
 
 from funcpar.optim.hyperparams import get_hyperparams
 from funcpar.state.train_state import TrainState
@@ -178,22 +179,25 @@ def vmap_step(
                     raise ValueError(f"vmap_step(batch_axis=0): a batch tensor of shape "
                                      f"{tuple(x.shape)} has no member axis of size {n}")
 
-        def member(tensors: list[Tensor], batch_tensors: list[Any]):
+        n_state = len(batched)
+        metric_names: list[str] = []
+
+        def member(tensors: list[Any]) -> list[Tensor]:
             flat = list(leaves)
-            for i, t in zip(batched, tensors):
+            for i, t in zip(batched, tensors[:n_state]):
                 flat[i] = t
             params, buffers, opt_state, extras = tree_unflatten(spec, flat)
             params, buffers, opt_state, loss, gnorm, _ = step._core(
-                params, buffers, opt_state, tree_unflatten(b_spec, batch_tensors), extras)
+                params, buffers, opt_state, tree_unflatten(b_spec, tensors[n_state:]), extras)
             metrics = {"loss": loss, "grad_norm": gnorm}
             hp = get_hyperparams(opt_state)
             if "lr" in hp:
                 metrics["lr"] = hp["lr"]
+            metric_names[:] = list(metrics)
             out = tree_flatten((params, buffers, opt_state, extras))[0]
-            return [out[i] for i in batched], metrics
+            return [out[i] for i in batched] + list(metrics.values())
 
         b_dims = [0 if (batch_axis == 0 and torch.is_tensor(x)) else None for x in b_leaves]
-        fn = torch.func.vmap(member, in_dims=(0, b_dims), randomness=randomness)
         device = _device_of(leaves)
         # Under "error" no draw can happen: the global generator is left alone (saving and
         # restoring it costs a 5 kB copy each way per step).
@@ -206,7 +210,10 @@ def vmap_step(
                                      "generator states; stack states built with one seed, or "
                                      "use randomness='different'")
                 _set_rng(device, state.rng[0])
-            new_tensors, metrics = fn([leaves[i] for i in batched], b_leaves)
+            outs = _flat_vmap(member, n, [leaves[i] for i in batched] + list(b_leaves),
+                              [0] * n_state + b_dims, randomness)
+            new_tensors = outs[:n_state]
+            metrics = dict(zip(metric_names, outs[n_state:], strict=True))
             rng = state.rng if randomness == "error" else (
                 _get_rng(device).unsqueeze(0).expand(n, -1).clone())
         flat = list(leaves)
@@ -216,6 +223,24 @@ def vmap_step(
         return TrainState(params, buffers, opt_state, state.step + 1, rng, extras), metrics
 
     return run
+
+
+def _flat_vmap(fn: Callable[[list[Any]], list[Tensor]], n: int, args: list[Any],
+               in_dims: list[int | None], randomness: str) -> list[Tensor]:
+    """``torch.func.vmap(fn, in_dims=(in_dims,), out_dims=0, randomness=...)(args)`` for a
+    flat list in and a flat list of tensors out, by functorch's own primitives (what
+    ``torch._functorch.vmap._flat_vmap`` runs): the public API's pytree handling of the
+    state's dozens of leaves (in_dims broadcast, flatten and unflatten both ways, in
+    torch.utils._pytree's Python) cost about a fifth of a small vmapped step. An output
+    independent of the inputs comes back expanded along the member axis, as vmap returns it.
+    """
+    level = _C._vmap_increment_nesting(n, randomness)
+    try:
+        batched = [x if d is None else _C._add_batch_dim(x, d, level)
+                   for x, d in zip(args, in_dims, strict=True)]
+        return [_C._remove_batch_dim(out, level, n, 0) for out in fn(batched)]
+    finally:
+        _C._vmap_decrement_nesting()
 
 
 def _leaf_names(state: TrainState) -> list[str]:

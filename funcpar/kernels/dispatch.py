@@ -70,7 +70,9 @@ def differentiable(*tensors: object) -> bool:
     """
     if not torch.is_grad_enabled():
         return False
-    return any(torch.is_tensor(t) and t.requires_grad for t in tensors)
+    # isinstance, not torch.is_tensor (a Python call per tensor): every optimizer step scans
+    # all its leaves' tensors here.
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def use_kernels(*tensors: torch.Tensor | None, hyper: Sequence[object] = ()) -> bool:

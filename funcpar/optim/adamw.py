@@ -9,11 +9,17 @@ from torch import Tensor
 
 from funcpar.kernels.adamw import AdamWScalars, adamw_step
 from funcpar.optim import validate
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
+from funcpar.optim.base import (
+    GradientTransformation,
+    check_floating,
+    check_grads,
+    check_lined_up_grads,
+    leaf_columns,
+)
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
 from funcpar.optim.schedules import ScalarOrSchedule
-from funcpar.state.tree import Tree, tree_map, tree_unflatten
+from funcpar.state.tree import Tree, leaves_up_to, tree_map, tree_unflatten
 
 __all__ = ["AdamWState", "adamw"]
 
@@ -39,16 +45,25 @@ def _adamw(lr, weight_decay, eps, *, betas, amsgrad, maximize, weight_decay_mask
         )
 
     def step(grads, state: AdamWState, params, write_params: bool):
-        check_grads(params, grads)
-        decay = resolve_mask(weight_decay_mask, params)
+        if params is None:
+            check_grads(params, grads)  # names the missing params
+        try:
+            spec, g, (p, m, v, vmax) = leaf_columns(
+                grads, params, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq)
+        except ValueError:
+            check_grads(params, grads)  # a grads tree of another structure, named as such
+            raise
+        # Every update: the trees flattened once here, not again by each check.
+        check_lined_up_grads(params, grads, p, g)
+        dec = ([True] * len(g) if weight_decay_mask is None else
+               leaves_up_to(spec, resolve_mask(weight_decay_mask, params),
+                            what="weight_decay_mask", against="grads"))
         count = state.count + 1
         t = count.to(torch.float64)
         # lr, weight_decay and count too: torch's fused CPU kernel derives the rest itself.
         scalars = AdamWScalars(step_size=lr / (1 - beta1**t), bc2_sqrt=(1 - beta2**t).sqrt(),
                                eps=eps, lr_wd=lr * weight_decay, beta1=beta1, beta2=beta2,
                                lr=lr, weight_decay=weight_decay, count=count)
-        spec, g, (p, m, v, vmax, dec) = leaf_columns(
-            grads, params, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq, decay)
         # The multi-tensor kernel on CUDA, torch's multi-tensor ops elsewhere, the per-leaf
         # reference when differentiated or vmapped (funcpar.kernels).
         out, m, v, vmax = adamw_step(g, p, m, v, vmax, dec, scalars, amsgrad=amsgrad,

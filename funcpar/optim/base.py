@@ -52,6 +52,7 @@ __all__ = [
     "apply_updates",
     "chain",
     "check_grads",
+    "check_lined_up_grads",
     "check_state",
     "identity",
     "map_leaves",
@@ -197,6 +198,21 @@ def _untraced() -> contextlib.AbstractContextManager:
 
         return disable_proxy_modes_tracing()
     return contextlib.nullcontext()
+
+
+def check_lined_up_grads(params: Tree, grads: Tree, p_leaves: Sequence[Any],
+                         g_leaves: Sequence[Any]) -> None:
+    """:func:`check_grads` for leaves :func:`leaf_columns` has already lined up (``p_leaves``
+    from ``params`` up to the structure of ``grads``): the same rule without flattening the
+    two trees again. A lined-up parameter that is not a tensor (``params`` deeper than
+    ``grads`` there) or any failing leaf goes to :func:`check_grads`, which names it."""
+    for p, g in zip(p_leaves, g_leaves, strict=True):
+        if g is None:
+            continue
+        if not (isinstance(g, Tensor) and isinstance(p, Tensor) and g.shape == p.shape
+                and g.dtype == p.dtype):
+            check_grads(params, grads)
+            return
 
 
 def check_state(params: Tree, state: Tree, init: Callable[[Tree], Tree], seen: set[Any], *,

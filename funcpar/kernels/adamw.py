@@ -35,16 +35,19 @@ from funcpar.kernels.multi_tensor import add_scaled, multi_tensor_ok, per_dtype
 
 __all__ = [
     "AdamWScalars", "adamw_fast", "adamw_leaf", "adamw_reference", "adamw_step", "adamw_triton",
+    "with_bias_terms",
 ]
 
 
 class AdamWScalars(NamedTuple):
     """The step's scalars: 0-d float64 tensors (or floats) and the static betas; ``lr``,
     ``weight_decay`` and ``count`` (the step ``t``, from 1), when given, are the raw values
-    torch's fused kernel derives the others from (:func:`adamw_fast` takes it only then)."""
+    torch's fused kernel derives the others from (:func:`adamw_fast` takes it only then).
+    ``step_size`` and ``bc2_sqrt`` may be ``None`` when ``lr`` and ``count`` are given: the
+    paths that read them derive them (:func:`with_bias_terms`); the fused kernel does not."""
 
-    step_size: Tensor | float  # lr / (1 - b1^t)
-    bc2_sqrt: Tensor | float  # sqrt(1 - b2^t)
+    step_size: Tensor | float | None  # lr / (1 - b1^t)
+    bc2_sqrt: Tensor | float | None  # sqrt(1 - b2^t)
     eps: Tensor | float
     lr_wd: Tensor | float  # lr * weight_decay
     beta1: float
@@ -52,6 +55,22 @@ class AdamWScalars(NamedTuple):
     lr: Tensor | float | None = None
     weight_decay: Tensor | float | None = None
     count: Tensor | int | None = None
+
+
+def with_bias_terms(s: AdamWScalars) -> AdamWScalars:
+    """``s`` with ``step_size = lr / (1 - b1^t)`` and ``bc2_sqrt = sqrt(1 - b2^t)`` filled in
+    from ``lr`` and ``count`` where they are ``None`` (0-d float64 tensor operations, as
+    torch.optim.AdamW's capturable path forms them: differentiable in ``lr``, batched under
+    vmap, traced under compile). Computed only on the paths that read them: torch's fused CPU
+    kernel derives its own from ``lr`` and ``t``, and these 0-d operations were a fifth of a
+    small donated step's host time."""
+    if s.step_size is not None and s.bc2_sqrt is not None:
+        return s
+    if s.lr is None or s.count is None:
+        raise ValueError("AdamWScalars: step_size and bc2_sqrt are None, so lr and count are "
+                         "needed to derive them")
+    t = _t(s.count).to(torch.float64)
+    return s._replace(step_size=s.lr / (1 - s.beta1**t), bc2_sqrt=(1 - s.beta2**t).sqrt())
 
 
 def _t(x: Tensor | float) -> Tensor:
@@ -65,6 +84,7 @@ def adamw_leaf(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """The reference for one leaf: ``(u, m', v', vmax')`` exactly as torch.optim.AdamW.
     ``cast``, when given, caches the step's scalars per dtype across a loop over leaves."""
+    s = with_bias_terms(s)
     if maximize:
         g = -g
     # Low-precision gradients with float32 states: the arithmetic in the states' precision.
@@ -152,6 +172,7 @@ def adamw_fast(
                                   amsgrad=amsgrad):
         return _adamw_fused(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s,
                             amsgrad=amsgrad, maximize=maximize)
+    s = with_bias_terms(s)
     # Promoted states (a bf16 m with float32 grads) cannot be written in place: clone-promote.
     m = [x if x.dtype == torch.promote_types(x.dtype, g.dtype) else x.to(g.dtype)
          for x, g in zip(writable(exp_avg), grads, strict=True)]
@@ -240,6 +261,7 @@ def adamw_reference(
     Differentiable. Where :func:`funcpar.kernels.multi_tensor.multi_tensor_ok` allows (eager,
     outside torch.func transforms, one dtype per leaf), the same ops by multi-tensor ops
     (:func:`_adamw_multi`, the same bits); else per leaf."""
+    s = with_bias_terms(s)
     if multi_tensor_ok(grads, params, exp_avg, exp_avg_sq,
                        max_exp_avg_sq if amsgrad else [None] * len(grads)):
         return _adamw_multi(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s,
@@ -375,6 +397,7 @@ def adamw_triton(
     """:func:`adamw_reference` computed by the Triton kernel: one launch per group of leaves
     that share a device and dtypes. Every tensor must have a dtype of
     :data:`funcpar.kernels._launch.KERNEL_DTYPES`; the outputs have the reference's dtypes."""
+    s = with_bias_terms(s)
     block = block or _launch.BLOCK
     n = len(grads)
     outs: list = [None] * n

@@ -59,11 +59,12 @@ def _adamw(lr, weight_decay, eps, *, betas, amsgrad, maximize, weight_decay_mask
                leaves_up_to(spec, resolve_mask(weight_decay_mask, params),
                             what="weight_decay_mask", against="grads"))
         count = state.count + 1
-        t = count.to(torch.float64)
-        # lr, weight_decay and count too: torch's fused CPU kernel derives the rest itself.
-        scalars = AdamWScalars(step_size=lr / (1 - beta1**t), bc2_sqrt=(1 - beta2**t).sqrt(),
-                               eps=eps, lr_wd=lr * weight_decay, beta1=beta1, beta2=beta2,
-                               lr=lr, weight_decay=weight_decay, count=count)
+        # step_size = lr / (1 - b1^t) and bc2_sqrt = sqrt(1 - b2^t) are derived from lr and
+        # count by the paths that read them (kernels.adamw.with_bias_terms): torch's fused CPU
+        # kernel, which donated steps run, derives its own.
+        scalars = AdamWScalars(step_size=None, bc2_sqrt=None, eps=eps, lr_wd=lr * weight_decay,
+                               beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
+                               count=count)
         # The multi-tensor kernel on CUDA, torch's multi-tensor ops elsewhere, the per-leaf
         # reference when differentiated or vmapped (funcpar.kernels).
         out, m, v, vmax = adamw_step(g, p, m, v, vmax, dec, scalars, amsgrad=amsgrad,

@@ -289,14 +289,11 @@ def host_equals(x: Any, value: float) -> bool:
     region's make_fx, or wrapped by a torch.func transform) is never taken as equal: the skip
     is an optimisation, never needed for the result."""
     if torch.is_tensor(x):
-        return (x.device.type == "cpu" and x.numel() == 1 and _readable() and float(x) == value)
+        # eager_allowed: float() of a traced or functorch-wrapped tensor fails (or would bake
+        # a value into a graph).
+        return (x.device.type == "cpu" and x.numel() == 1 and eager_allowed()
+                and float(x) == value)
     return float(x) == value
-
-
-def _readable() -> bool:
-    # float() of a traced or functorch-wrapped tensor fails (or would bake a value into a graph).
-    return (not torch.compiler.is_compiling()
-            and torch._C._functorch.maybe_current_level() is None)
 
 
 def _host_equal_all(xs: Sequence[Any], value: float) -> list[bool]:
@@ -309,7 +306,7 @@ def _host_equal_all(xs: Sequence[Any], value: float) -> list[bool]:
             continue
         if not torch.is_tensor(x):
             out[i] = float(x) == value
-        elif x.device.type == "cpu" and x.numel() == 1 and _readable():
+        elif x.device.type == "cpu" and x.numel() == 1 and eager_allowed():
             host.append(i)
     if len(host) == 1:
         out[host[0]] = float(xs[host[0]]) == value

@@ -9,13 +9,7 @@ from torch import Tensor
 
 from funcpar.kernels.adamw import AdamWScalars, adamw_step
 from funcpar.optim import validate
-from funcpar.optim.base import (
-    GradientTransformation,
-    check_floating,
-    check_grads,
-    check_lined_up_grads,
-    leaf_columns,
-)
+from funcpar.optim.base import GradientTransformation, check_floating, checked_leaf_columns
 from funcpar.optim.hyperparams import inject_hyperparams
 from funcpar.optim.masks import Mask, resolve_mask
 from funcpar.optim.schedules import ScalarOrSchedule
@@ -45,16 +39,9 @@ def _adamw(lr, weight_decay, eps, *, betas, amsgrad, maximize, weight_decay_mask
         )
 
     def step(grads, state: AdamWState, params, write_params: bool):
-        if params is None:
-            check_grads(params, grads)  # names the missing params
-        try:
-            spec, g, (p, m, v, vmax) = leaf_columns(
-                grads, params, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq)
-        except ValueError:
-            check_grads(params, grads)  # a grads tree of another structure, named as such
-            raise
         # Every update: the trees flattened once here, not again by each check.
-        check_lined_up_grads(params, grads, p, g)
+        spec, g, (p, m, v, vmax) = checked_leaf_columns(
+            grads, params, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq)
         dec = ([True] * len(g) if weight_decay_mask is None else
                leaves_up_to(spec, resolve_mask(weight_decay_mask, params),
                             what="weight_decay_mask", against="grads"))

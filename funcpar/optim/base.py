@@ -52,8 +52,8 @@ __all__ = [
     "apply_updates",
     "chain",
     "check_grads",
-    "check_lined_up_grads",
     "check_state",
+    "checked_leaf_columns",
     "identity",
     "map_leaves",
     "update_params",
@@ -200,19 +200,25 @@ def _untraced() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def check_lined_up_grads(params: Tree, grads: Tree, p_leaves: Sequence[Any],
-                         g_leaves: Sequence[Any]) -> None:
-    """:func:`check_grads` for leaves :func:`leaf_columns` has already lined up (``p_leaves``
-    from ``params`` up to the structure of ``grads``): the same rule without flattening the
-    two trees again. A lined-up parameter that is not a tensor (``params`` deeper than
-    ``grads`` there) or any failing leaf goes to :func:`check_grads`, which names it."""
-    for p, g in zip(p_leaves, g_leaves, strict=True):
-        if g is None:
-            continue
-        if not (isinstance(g, Tensor) and isinstance(p, Tensor) and g.shape == p.shape
-                and g.dtype == p.dtype):
+def checked_leaf_columns(grads: Tree, params: Tree,
+                         *others: Tree | None) -> tuple[Any, list[Any], list[list[Any]]]:
+    """:func:`leaf_columns` of ``(grads, params, *others)`` under :func:`check_grads`' rule,
+    each tree flattened once: the rule is checked on the lined-up leaves, and any failure
+    (no params, another structure, a leaf of another shape or dtype, ``params`` deeper than
+    ``grads``) is named by :func:`check_grads` itself, with its messages."""
+    if params is None:
+        check_grads(params, grads)
+    try:
+        spec, g_leaves, columns = leaf_columns(grads, params, *others)
+    except ValueError:
+        check_grads(params, grads)  # a grads tree of another structure, named as such
+        raise
+    for p, g in zip(columns[0], g_leaves, strict=True):
+        if g is not None and not (isinstance(g, Tensor) and isinstance(p, Tensor)
+                                  and g.shape == p.shape and g.dtype == p.dtype):
             check_grads(params, grads)
-            return
+            break
+    return spec, g_leaves, columns
 
 
 def check_state(params: Tree, state: Tree, init: Callable[[Tree], Tree], seen: set[Any], *,

@@ -4,8 +4,16 @@ from funcpar.typecheck_hook import install_import_hook
 
 install_import_hook("funcpar")
 
+import os  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One worker per core (pytest -n 2): each takes one intra-op thread, and so do the
+    # interpreters it starts, so that two workers never oversubscribe the cores.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -282,8 +282,9 @@ def _interpreter_subprocess(marks: str, least: int) -> None:
                     "tests need it")
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("FUNCPAR_KERNELS", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marks,
-           "-k", "test_interp_", str(Path(__file__).resolve())]
+    # -n 0: the cases run in this one interpreter process, not in workers of their own.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+           "-m", marks, "-k", "test_interp_", str(Path(__file__).resolve())]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
                        cwd=Path(__file__).resolve().parent.parent)
     out = r.stdout + r.stderr

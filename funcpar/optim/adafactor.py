@@ -26,8 +26,7 @@ from funcpar.optim import validate
 from funcpar.optim.base import (
     GradientTransformation,
     check_floating,
-    check_grads,
-    leaf_columns,
+    checked_leaf_columns,
 )
 from funcpar.optim.factored import (
     SECOND_MOMENT,
@@ -41,7 +40,7 @@ from funcpar.optim.factored import (
     second_moment_phases,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
-from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.masks import Mask, mask_flags
 from funcpar.shard.reduce import (
     Partial,
     Reducible,
@@ -396,8 +395,6 @@ def _adafactor(
         return AdafactorState(torch.zeros((), dtype=torch.int64), stats)
 
     def step(grads, state: AdafactorState, params, layouts, out):
-        check_grads(params, grads)
-        decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
         shared = _step_scalars(count, lr=lr, decay_rate=decay_rate,
                                relative_step=relative_step, warmup_init=warmup_init)
@@ -419,12 +416,15 @@ def _adafactor(
 
         # All leaves' steps in lockstep: each phase's reductions of the whole tree in one
         # all-reduce per mesh axis (run_phased), not one per leaf and axis.
-        spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
+        spec, g_leaves, (p_leaves, stats, lays) = checked_leaf_columns(
+            grads, params, state.stats, layouts)
+        decay = mask_flags(weight_decay_mask, params, spec)
         # The eager passes share one scratch buffer; grad mode is off unless an input
         # requires grad (then the passes ask leaf by leaf).
         with kernels.scratch_scope(), no_grad_unless_needed(
-                g_leaves, columns[0], columns[1], lr, weight_decay, clip_threshold):
-            outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
+                g_leaves, p_leaves, stats, lr, weight_decay, clip_threshold):
+            outs = run_phased([leaf(*row) for row in zip(g_leaves, p_leaves, stats, decay,
+                                                          lays)])
         results, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))
         return results, AdafactorState(count, stats)
 

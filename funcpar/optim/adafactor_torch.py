@@ -20,7 +20,7 @@ from funcpar.kernels.foreach_factored import host_equals
 from funcpar.kernels.inplace import fast_path_ok, inplace_allowed
 from funcpar.optim import validate
 from funcpar.optim.adafactor import AdafactorState
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
+from funcpar.optim.base import GradientTransformation, check_floating, checked_leaf_columns
 from funcpar.optim.factored import (
     MomentNames,
     eps_pair,
@@ -30,7 +30,7 @@ from funcpar.optim.factored import (
     one_pass,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
-from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.masks import Mask, mask_flags
 from funcpar.shard.reduce import (
     Partial,
     Reducible,
@@ -137,8 +137,6 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
         return AdafactorState(torch.zeros((), dtype=torch.int64), stats)
 
     def step(grads, state: AdafactorState, params, layouts, out):
-        check_grads(params, grads)
-        decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
         t = count.to(torch.float64)
         one_minus_beta2 = t**beta2_decay
@@ -226,9 +224,12 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
             # apply_updates reproduces torch's rounding of the new parameter (apply: new_p).
             return (new_p - p if out == "update" else new_p.to(p.dtype)), new
 
-        spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
-        with no_grad_unless_needed(g_leaves, columns[0], columns[1], lr, weight_decay):
-            outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
+        spec, g_leaves, (p_leaves, stats, lays) = checked_leaf_columns(
+            grads, params, state.stats, layouts)
+        decay = mask_flags(weight_decay_mask, params, spec)
+        with no_grad_unless_needed(g_leaves, p_leaves, stats, lr, weight_decay):
+            outs = run_phased([leaf(*row) for row in zip(g_leaves, p_leaves, stats, decay,
+                                                          lays)])
         updates, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))
         return updates, AdafactorState(count, stats)
 

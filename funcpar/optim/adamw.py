@@ -11,9 +11,9 @@ from funcpar.kernels.adamw import AdamWScalars, adamw_step
 from funcpar.optim import validate
 from funcpar.optim.base import GradientTransformation, check_floating, checked_leaf_columns
 from funcpar.optim.hyperparams import inject_hyperparams
-from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.masks import Mask, mask_flags
 from funcpar.optim.schedules import ScalarOrSchedule
-from funcpar.state.tree import Tree, leaves_up_to, tree_map, tree_unflatten
+from funcpar.state.tree import Tree, tree_map, tree_unflatten
 
 __all__ = ["AdamWState", "adamw"]
 
@@ -42,9 +42,7 @@ def _adamw(lr, weight_decay, eps, *, betas, amsgrad, maximize, weight_decay_mask
         # Every update: the trees flattened once here, not again by each check.
         spec, g, (p, m, v, vmax) = checked_leaf_columns(
             grads, params, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq)
-        dec = ([True] * len(g) if weight_decay_mask is None else
-               leaves_up_to(spec, resolve_mask(weight_decay_mask, params),
-                            what="weight_decay_mask", against="grads"))
+        dec = mask_flags(weight_decay_mask, params, spec)
         count = state.count + 1
         # step_size = lr / (1 - b1^t) and bc2_sqrt = sqrt(1 - b2^t) are derived from lr and
         # count by the paths that read them (kernels.adamw.with_bias_terms): torch's fused CPU

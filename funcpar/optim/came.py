@@ -11,7 +11,7 @@ from torch import Tensor
 
 from funcpar.kernels import factored as kernels
 from funcpar.optim import validate
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
+from funcpar.optim.base import GradientTransformation, check_floating, checked_leaf_columns
 from funcpar.optim.factored import (
     RESIDUAL,
     SECOND_MOMENT,
@@ -26,7 +26,7 @@ from funcpar.optim.factored import (
     second_moment_phases,
 )
 from funcpar.optim.hyperparams import inject_hyperparams
-from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.masks import Mask, mask_flags
 from funcpar.shard.reduce import global_shape, run_phased
 from funcpar.state.tree import Tree, tree_map, tree_unflatten
 
@@ -65,9 +65,6 @@ def _came(lr, weight_decay, clip_threshold, *, betas, eps, weight_decay_mask):
         return CAMEState(torch.zeros((), dtype=torch.int64), stats)
 
     def step(grads, state: CAMEState, params, layouts, out):
-        check_grads(params, grads)
-        decay = resolve_mask(weight_decay_mask, params)
-
         def leaf(g, p, st, use_decay, layout):
             if g is None:
                 return (None if out == "update" else p), st
@@ -105,12 +102,15 @@ def _came(lr, weight_decay, clip_threshold, *, betas, eps, weight_decay_mask):
         # sum, the update RMS, the residual's statistics and its row-factor sum); run_phased
         # runs all leaves together so each round of reductions costs one all-reduce per mesh
         # axis and each pass one launch for the whole tree.
-        spec, g_leaves, columns = leaf_columns(grads, params, state.stats, decay, layouts)
+        spec, g_leaves, (p_leaves, stats, lays) = checked_leaf_columns(
+            grads, params, state.stats, layouts)
+        decay = mask_flags(weight_decay_mask, params, spec)
         # The eager passes share one scratch buffer; grad mode is off unless an input
         # requires grad (then the passes ask leaf by leaf).
         with kernels.scratch_scope(), no_grad_unless_needed(
-                g_leaves, columns[0], columns[1], lr, weight_decay, clip_threshold):
-            outs = run_phased([leaf(g, *row) for g, *row in zip(g_leaves, *columns)])
+                g_leaves, p_leaves, stats, lr, weight_decay, clip_threshold):
+            outs = run_phased([leaf(*row) for row in zip(g_leaves, p_leaves, stats, decay,
+                                                          lays)])
         results, stats = (tree_unflatten(spec, [o[i] for o in outs]) for i in range(2))
         return results, CAMEState(state.count + 1, stats)
 

@@ -25,9 +25,9 @@ from funcpar.kernels.lamb import (
     lamb_update_triton,
 )
 from funcpar.optim import validate
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
+from funcpar.optim.base import GradientTransformation, check_floating, checked_leaf_columns
 from funcpar.optim.hyperparams import inject_hyperparams
-from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.masks import Mask, mask_flags
 from funcpar.optim.schedules import ScalarOrSchedule
 from funcpar.shard.reduce import sum_partials
 from funcpar.state.tree import Tree, tree_map, tree_unflatten
@@ -128,8 +128,6 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
         )
 
     def step(grads, state: LambState, params, layouts, write_params: bool):
-        check_grads(params, grads)
-        decay = resolve_mask(weight_decay_mask, params)
         count = state.count + 1
         t = count.to(torch.float64)
         bc1 = 1 - beta1**t
@@ -144,8 +142,9 @@ def _lamb(lr, weight_decay, eps, *, betas, bias_correction, weight_decay_mode, m
                         weight_decay=weight_decay, shrink=1 - lr * weight_decay,
                         moments=bias_correction == "moments",
                         in_update=weight_decay_mode == "in_update", maximize=maximize)
-        spec, g, (p, m, v, dec, lay) = leaf_columns(
-            grads, params, state.exp_avg, state.exp_avg_sq, decay, layouts)
+        spec, g, (p, m, v, lay) = checked_leaf_columns(
+            grads, params, state.exp_avg, state.exp_avg_sq, layouts)
+        dec = mask_flags(weight_decay_mask, params, spec)
         hyper = [x for x in (lr, weight_decay, eps) if torch.is_tensor(x)]
         if lamb_kernels_apply(*g, *p, *m, *v, hyper=hyper):
             out, m, v, ratio = fused(g, p, m, v, dec, lay, s, step_size, write_params)

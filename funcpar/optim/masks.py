@@ -13,9 +13,16 @@ from typing import Any
 
 from torch import Tensor
 
-from funcpar.state.tree import Tree, leaves_like, named_leaves, tree_flatten, tree_unflatten
+from funcpar.state.tree import (
+    Tree,
+    leaves_like,
+    leaves_up_to,
+    named_leaves,
+    tree_flatten,
+    tree_unflatten,
+)
 
-__all__ = ["Mask", "matrices_only", "resolve_mask", "restrict_to"]
+__all__ = ["Mask", "mask_flags", "matrices_only", "resolve_mask", "restrict_to"]
 
 Mask = None | Callable[[str, Tensor], bool] | Tree
 
@@ -39,6 +46,17 @@ def resolve_mask(mask: Mask, params: Tree, *, what: str = "weight_decay_mask") -
     if mask is None:  # every leaf: no names needed (this runs every update)
         return tree_unflatten(spec, [True] * spec.num_leaves)
     return tree_unflatten(spec, _flags(mask, params, what))
+
+
+def mask_flags(mask: Mask, params: Tree, spec: Any, *,
+               what: str = "weight_decay_mask") -> list[bool]:
+    """:func:`resolve_mask`'s flags lined up with the leaves of ``spec`` (the gradients'
+    structure, as :func:`~funcpar.optim.base.leaf_columns` lines up the other trees); for
+    ``None`` (every leaf, what most runs use) no tree is built."""
+    if mask is None:
+        return [True] * spec.num_leaves
+    return leaves_up_to(spec, resolve_mask(mask, params, what=what), what=what,
+                        against="grads")
 
 
 def _flags(mask: Mask, params: Tree, what: str) -> list[bool]:

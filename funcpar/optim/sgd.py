@@ -9,9 +9,9 @@ from torch import Tensor
 
 from funcpar.kernels.sgd import SGDScalars, sgd_step
 from funcpar.optim import validate
-from funcpar.optim.base import GradientTransformation, check_floating, check_grads, leaf_columns
+from funcpar.optim.base import GradientTransformation, check_floating, checked_leaf_columns
 from funcpar.optim.hyperparams import inject_hyperparams
-from funcpar.optim.masks import Mask, resolve_mask
+from funcpar.optim.masks import Mask, mask_flags
 from funcpar.optim.schedules import ScalarOrSchedule
 from funcpar.state.tree import Tree, tree_map, tree_unflatten
 
@@ -31,11 +31,10 @@ def _sgd(lr, momentum, weight_decay, *, dampening, nesterov, maximize, weight_de
         return SGDState(torch.zeros((), dtype=torch.int64), bufs)
 
     def step(grads, state: SGDState, params, write_params: bool):
-        check_grads(params, grads)
-        decay = resolve_mask(weight_decay_mask, params)
+        spec, g, (p, bufs) = checked_leaf_columns(grads, params, state.momentum_buffer)
+        dec = mask_flags(weight_decay_mask, params, spec)
         scalars = SGDScalars(lr=lr, weight_decay=weight_decay, first=state.count == 0,
                              momentum=momentum, dampening=dampening)
-        spec, g, (p, bufs, dec) = leaf_columns(grads, params, state.momentum_buffer, decay)
         # The multi-tensor kernel on CUDA, torch's multi-tensor ops elsewhere, the per-leaf
         # reference when differentiated or vmapped (funcpar.kernels).
         out, bufs = sgd_step(g, p, bufs, dec, scalars, nesterov=nesterov, maximize=maximize,

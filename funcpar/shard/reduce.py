@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import struct
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -178,6 +179,10 @@ def total_sum_of_squares(
 def _local_total(
     xs: Sequence[Tensor], layouts: Sequence[Reducible | None], purpose: str
 ) -> Tensor:
+    if all(lay is None for lay in layouts):
+        on_host = _host_fold(xs)
+        if on_host is not None:
+            return on_host
     squares = _local_squares(xs)
     if squares and all(lay is None for lay in layouts):
         unsharded = _fold_unsharded(squares)
@@ -220,6 +225,48 @@ def _fold_unsharded(squares: list[Tensor]) -> Tensor | None:
         total = total + sq
     # The general path ends with a one-element stack summed: the value itself, bit for bit.
     return total if len(squares) > 1 else first.clone()
+
+
+_FLOAT32 = struct.Struct("f")
+
+
+def _host_fold(xs: Sequence[Tensor]) -> Tensor | None:
+    """:func:`_fold_unsharded` of :func:`_local_squares`, bit for bit, with the squares and the
+    fold done on the host: eager CPU tensors of one dtype that nothing differentiates (the
+    grad-norm metric of a CPU step), where the 2n tensor ops of the squares and the fold cost
+    more than the norms themselves. ``None`` otherwise.
+
+    The same bits: one multi-tensor norm gives the same per-leaf norms; in float64 the
+    host's multiplications and additions are the tensor ops' own. In float32 each product
+    and sum is formed in float64 and rounded to float32: a product of two float32 numbers is
+    exact in float64, and a float64 sum of two float32 numbers rounded to float32 is the
+    correctly rounded float32 sum (Figueroa, "When is double rounding innocuous?", SIGNUM
+    1995), so each step is the float32 operation's result; a sum past float32's range is inf,
+    as in float32 (CPUs that flush float32 subnormals, ``torch.set_flush_denormal``, could
+    differ below 1e-38)."""
+    if (len(xs) < 2 or torch.compiler.is_compiling()
+            or torch._C._functorch.maybe_current_level() is not None):
+        return None
+    x0 = xs[0]
+    if x0.device.type != "cpu" or not all(
+            x.dtype == x0.dtype and x.device == x0.device and x.numel() and not x.requires_grad
+            for x in xs):
+        return None
+    acc = torch.float64 if x0.dtype == torch.float64 else torch.float32
+    norms = torch.stack(torch._foreach_norm(list(xs), 2, dtype=acc)).tolist()
+    if acc == torch.float64:
+        total = norms[0] * norms[0]
+        for v in norms[1:]:
+            total = total + v * v
+        return torch.tensor(total, dtype=acc)
+    pack, unpack = _FLOAT32.pack, _FLOAT32.unpack
+    try:
+        total = unpack(pack(norms[0] * norms[0]))[0]
+        for v in norms[1:]:
+            total = unpack(pack(total + unpack(pack(v * v))[0]))[0]
+    except OverflowError:  # a finite float64 that rounds past float32's largest: inf
+        total = math.inf
+    return torch.tensor(total, dtype=acc)
 
 
 def _local_squares(xs: Sequence[Tensor]) -> list[Tensor]:

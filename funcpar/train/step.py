@@ -397,9 +397,8 @@ class TrainStep:
                     params, buffers, opt_state, loss, gnorm, finite = self._core(*args)
             rng = _get_rng(device)
         if self.donate:
-            params = donate_into(state.params, params)
-            buffers = donate_into(state.buffers, buffers)
-            opt_state = donate_into(state.opt_state, opt_state)
+            params, buffers, opt_state = donate_into(
+                (state.params, state.buffers, state.opt_state), (params, buffers, opt_state))
         metrics = {"loss": loss, "grad_norm": gnorm}
         hp = get_hyperparams(opt_state)
         if "lr" in hp:

@@ -247,3 +247,60 @@ def test_refused_transforms_and_bad_stacks():
         stack_states([states[0], wide])
     with pytest.raises(ValueError, match="not a stacked state"):
         vmap_step(step)(states[0], _batches()[0])
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_vmapped_adamw_is_each_members_fused_step(amsgrad, monkeypatch):
+    """Under vmap (vmap_step's update) AdamW runs torch's fused CPU kernel on each member's
+    slices (funcpar.kernels.members): every member's new params and state are bit for bit
+    those of its own step, with a per-member lr and weight decay and a decay mask."""
+    calls = []
+    fused = torch._fused_adamw_
+
+    def counting(*args, **kw):
+        calls.append(kw["lr"])
+        return fused(*args, **kw)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", counting)
+    opt = fo.adamw(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad,
+                   weight_decay_mask=fo.matrices_only)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w1": (12, 5), "b1": (12,), "w2": (3, 12)}
+    params = [{k: torch.randn(s, generator=g) for k, s in shapes.items()} for _ in LRS]
+    states = []
+    for i, (p, lr) in enumerate(zip(params, LRS)):
+        st = set_hyperparams(opt.init(p), lr=lr, weight_decay=0.1 * (i + 1))
+        for _ in range(i + 1):  # the members at different counts
+            _, st = opt.apply({k: torch.randn(s, generator=g) for k, s in shapes.items()},
+                              st, p)
+        states.append(st)
+    grads = [{k: torch.randn(s, generator=g) for k, s in shapes.items()} for _ in LRS]
+
+    from funcpar.state.tree import tree_flatten, tree_unflatten
+
+    # vmap takes and returns tensors only: the None moments (amsgrad off) stay outside it
+    leaves, spec = tree_flatten((_stack(grads), _stack(states), _stack(params)))
+    held = [i for i, x in enumerate(leaves) if x is not None]
+
+    def apply(*tensors):
+        flat = list(leaves)
+        for i, t in zip(held, tensors, strict=True):
+            flat[i] = t
+        return tuple(x for x in tree_leaves(opt.apply(*tree_unflatten(spec, flat)))
+                     if x is not None)
+
+    calls.clear()
+    got = torch.func.vmap(apply)(*(leaves[i] for i in held))
+    assert calls == [lr for lr in LRS for _ in range(2)]  # per member: decayed, then not
+    for i in range(len(LRS)):
+        want = [x for x in tree_leaves(opt.apply(grads[i], states[i], params[i]))
+                if x is not None]
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a[i], b), i
+
+
+def _stack(trees):
+    from funcpar.state.tree import tree_map
+
+    return tree_map(lambda *xs: None if xs[0] is None else torch.stack(xs), *trees)

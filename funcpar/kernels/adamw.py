@@ -17,7 +17,7 @@ and written: 28 B (36 B with amsgrad); returning ``u`` instead writes ``u`` and 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, no_type_check
+from typing import Any, NamedTuple, no_type_check
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ from funcpar.kernels.inplace import (
     writable,
     write_back,
 )
+from funcpar.kernels.members import member_scalars, on_members
 from funcpar.kernels.multi_tensor import add_scaled, multi_tensor_ok, per_dtype
 
 __all__ = [
@@ -199,11 +200,15 @@ def _fused_ok(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves
               max_exp_avg_sq: Sequence[Tensor | None], s: AdamWScalars, *,
               amsgrad: bool) -> bool:
     """``torch._fused_adamw_`` computes this step: the raw ``lr``, ``weight_decay`` and
-    ``count`` are known, the count is exact in the float32 step tensor the kernel reads, and
-    the leaves pass :func:`fused_leaves_ok`."""
+    ``count`` are known, the count is exact in the float32 step tensor the kernel reads (every
+    member's, for vmap's ``(n,)`` counts), and the leaves pass :func:`fused_leaves_ok`."""
     if s.lr is None or s.weight_decay is None or s.count is None:
         return False
-    if not 1 <= int(s.count) <= 2**24:
+    if isinstance(s.count, Tensor) and s.count.dim():
+        lo, hi = int(s.count.min()), int(s.count.max())
+    else:
+        lo = hi = int(s.count)
+    if not 1 <= lo <= hi <= 2**24:
         return False
     return fused_leaves_ok(grads, params, exp_avg, exp_avg_sq,
                            max_exp_avg_sq if amsgrad else [None] * len(grads))
@@ -211,29 +216,62 @@ def _fused_ok(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves
 
 def _adamw_fused(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves,
                  max_exp_avg_sq: Sequence[Tensor | None], decay: Sequence[bool],
-                 s: AdamWScalars, *, amsgrad: bool, maximize: bool) -> Out:
+                 s: AdamWScalars, *, amsgrad: bool, maximize: bool,
+                 members: int | None = None) -> Out:
     """The step by ``torch._fused_adamw_`` on :func:`writable` buffers: per element
     ``p' = p (1 - lr wd) - step_size m' / (sqrt(v' or vmax') / bc2_sqrt + eps)`` with ``m'``,
     ``v'``, ``vmax'`` as :func:`adamw_leaf`; ``step_size`` and ``bc2_sqrt`` computed by the
     kernel in float64 from ``lr`` and ``t`` exactly as torch.optim.AdamW. Leaves without decay
     go in a call of their own with ``weight_decay=0`` (the kernel then skips the decay).
-    Gradients are only read (no ``grad_scale``: the kernel would write the unscaled ones)."""
-    p, m, v = writable(params), writable(exp_avg), writable(exp_avg_sq)
-    vmax = writable(max_exp_avg_sq) if amsgrad else list(max_exp_avg_sq)
+    Gradients are only read (no ``grad_scale``: the kernel would write the unscaled ones).
+
+    ``members``: the leaves are vmap's ``(members, ...)`` tensors
+    (:func:`funcpar.kernels.members.on_members`) and ``count``, ``lr``, ``weight_decay`` and
+    ``eps`` may hold one value per member: each member's slices get the call a step of that
+    member alone makes, in copies (the inputs are the state's storage)."""
+    own = writable if members is None else _copies
+    p, m, v = own(params), own(exp_avg), own(exp_avg_sq)
+    vmax = own(max_exp_avg_sq) if amsgrad else list(max_exp_avg_sq)
     (dp, bp), (dm, bm), (dv, bv) = dense(p), dense(m), dense(v)
     (dx, bx), (dg, _) = dense(vmax if amsgrad else []), dense(grads)
     # The kernel reads the step as float32 (exact up to 2^24, _fused_ok) and the hyper-
     # parameters as Python floats: this path runs eagerly on CPU, never traced.
-    step = torch.tensor(float(s.count), dtype=torch.float32)
-    lr, wd, eps = float(s.lr), float(s.weight_decay), float(s.eps)
-    for weight_decay, ids in decay_calls(decay, wd):
-        torch._fused_adamw_(
-            [dp[i] for i in ids], [dg[i] for i in ids], [dm[i] for i in ids],
-            [dv[i] for i in ids], [dx[i] for i in ids] if amsgrad else [], [step] * len(ids),
-            lr=lr, beta1=s.beta1, beta2=s.beta2, weight_decay=weight_decay, eps=eps,
-            amsgrad=amsgrad, maximize=maximize)
+    rows = member_scalars(1 if members is None else members, s.count, s.lr, s.weight_decay,
+                          s.eps)
+    steps = torch.tensor([r[0] for r in rows], dtype=torch.float32).unbind()
+    if members is not None:  # each leaf's member slices, cut once (an index is ~2 us a slice)
+        dp, dg, dm, dv, dx = ([x.unbind() for x in xs] for xs in (dp, dg, dm, dv, dx))
+    for i, ((_, lr, wd, eps), step) in enumerate(zip(rows, steps, strict=True)):
+        member = None if members is None else i
+        for weight_decay, ids in decay_calls(decay, wd):
+            torch._fused_adamw_(
+                _take(dp, ids, member), _take(dg, ids, member), _take(dm, ids, member),
+                _take(dv, ids, member), _take(dx, ids, member) if amsgrad else [],
+                [step] * len(ids), lr=lr, beta1=s.beta1, beta2=s.beta2,
+                weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize)
     write_back([*bp, *bm, *bv, *bx])
     return p, m, v, vmax
+
+
+def _take(xs: Sequence[Any], ids: Sequence[int], member: int | None) -> list[Tensor]:
+    # The leaves ids of xs, or member's slices of them (xs: each leaf's slices).
+    return [xs[j] for j in ids] if member is None else [xs[j][member] for j in ids]
+
+
+def _copies(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
+    return [None if t is None else t.clone() for t in tensors]
+
+
+def _adamw_members(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves,
+                   max_exp_avg_sq: Sequence[Tensor | None], decay: Sequence[bool],
+                   s: AdamWScalars, *, amsgrad: bool, maximize: bool) -> Out | None:
+    """:func:`_adamw_fused` on the members' ``(n, ...)`` tensors (vmap_step's update, given by
+    :func:`funcpar.kernels.members.on_members`), where the fused kernel can run; else
+    ``None``."""
+    if not _fused_ok(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, s, amsgrad=amsgrad):
+        return None
+    return _adamw_fused(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s,
+                        amsgrad=amsgrad, maximize=maximize, members=grads[0].shape[0])
 
 
 def _groups(sizes: Sequence[int]) -> list[list[int]]:
@@ -452,6 +490,14 @@ def adamw_step(
     elif grads and not torch.compiler.is_compiling() and fast_path_ok(*tensors, *s):
         impl = adamw_fast  # multi-tensor/fused plain torch; steps aside for autograd and vmap
     else:
+        if write_params and grads:  # under vmap_step: the fused kernel member by member
+            out = on_members(
+                lambda g, p, m, v, vmax, scalars: _adamw_members(
+                    g, p, m, v, vmax, decay, scalars, amsgrad=amsgrad, maximize=maximize),
+                (grads, params, exp_avg, exp_avg_sq,
+                 max_exp_avg_sq if amsgrad else [None] * len(grads)), s)
+            if out is not None:
+                return out
         impl = adamw_reference
     return impl(grads, params, exp_avg, exp_avg_sq, max_exp_avg_sq, decay, s, amsgrad=amsgrad,
                 maximize=maximize, write_params=write_params)

@@ -16,7 +16,7 @@ from funcpar.optim.base import EmptyState, GradientTransformation
 from funcpar.shard import reduce as _reduce
 from funcpar.shard.layout import Layout
 from funcpar.shard.reduce import total_sum_of_squares
-from funcpar.state.tree import Tree, leaves_like, tree_leaves, tree_map
+from funcpar.state.tree import Tree, leaves_up_to, tree_flatten, tree_map
 
 __all__ = ["clip_by_global_norm", "global_norm", "reuse_global_norm"]
 
@@ -78,9 +78,10 @@ def global_norm(tree: Tree, layouts: Tree | None = None) -> Tensor:
     whole, and all leaves split over the same mesh axes share one all-reduce. Inside
     :func:`reuse_global_norm` the norm of gradients seen before in the context is reused.
     """
-    pairs = [(g, lay) for g, lay in zip(tree_leaves(tree),
-                                        leaves_like(tree, layouts, what="layouts",
-                                                    against="grads")) if g is not None]
+    leaves, spec = tree_flatten(tree)
+    pairs = [(g, lay) for g, lay in zip(leaves, leaves_up_to(spec, layouts, what="layouts",
+                                                             against="grads"))
+             if g is not None]
     known = _KNOWN.get()
     key = None if known is None or torch.compiler.is_compiling() else _key(tree, pairs)
     if key is not None:

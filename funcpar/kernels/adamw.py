@@ -32,7 +32,7 @@ from funcpar.kernels.inplace import (
     write_back,
 )
 from funcpar.kernels.members import member_scalars, on_members
-from funcpar.kernels.multi_tensor import add_scaled, multi_tensor_ok, per_dtype
+from funcpar.kernels.multi_tensor import add_scaled, in_dtype, multi_tensor_ok, per_dtype
 
 __all__ = [
     "AdamWScalars", "adamw_fast", "adamw_leaf", "adamw_reference", "adamw_step", "adamw_triton",
@@ -100,8 +100,7 @@ def adamw_leaf(
     dt = g.dtype
     cast = {} if cast is None else cast
     if dt not in cast:
-        cast[dt] = (_t(s.bc2_sqrt).to(dt), _t(s.eps).to(dt), -_t(s.step_size).to(dt),
-                    _t(s.lr_wd).to(dt))
+        cast[dt] = in_dtype(dt, _t(s.bc2_sqrt), _t(s.eps), -_t(s.step_size), _t(s.lr_wd))
     bc2_sqrt, eps, neg_step_size, lr_wd = cast[dt]
     denom = ((vmax if amsgrad else v).sqrt() / bc2_sqrt) + eps
     u = neg_step_size * (m / denom)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["add_scaled", "multi_tensor_ok", "per_dtype"]
+__all__ = ["add_scaled", "in_dtype", "multi_tensor_ok", "per_dtype"]
 
 
 def multi_tensor_ok(*columns: Sequence[Tensor | None]) -> bool:
@@ -51,6 +51,20 @@ def per_dtype(dtypes: Sequence[torch.dtype], *scalars: Tensor) -> list[list[Tens
         cast = {dt: s.to(dt) for dt in set(dtypes)}
         out.append([cast[dt] for dt in dtypes])
     return out
+
+
+def in_dtype(dtype: torch.dtype, *scalars: Tensor) -> tuple[Tensor, ...]:
+    """The 0-d ``scalars`` cast to ``dtype`` (each value exactly ``scalar.to(dtype)``).
+
+    Under ``torch.compile`` they are first stacked into one small tensor: inductor then
+    computes them once into a buffer that the leaf's loop loads. Left as separate 0-d
+    expressions it inlines them, bias corrections' float64 ``pow`` included, into the loop
+    over every element, which no longer vectorizes: an AdamW step over a 4 M-element leaf took
+    23 ms compiled that way on one CPU thread, 3.2 ms with the stack (2026-11-28)."""
+    if not torch.compiler.is_compiling():
+        return tuple(s.to(dtype) for s in scalars)
+    # Through float64, which holds every real scalar exactly: the same values as one cast.
+    return torch.stack([s.to(torch.float64) for s in scalars]).to(dtype).unbind()
 
 
 def add_scaled(xs: Sequence[Tensor], params: Sequence[Tensor], scales: Sequence[Tensor],

@@ -26,7 +26,7 @@ from funcpar.kernels.inplace import (
     writable,
     write_back,
 )
-from funcpar.kernels.multi_tensor import add_scaled, multi_tensor_ok, per_dtype
+from funcpar.kernels.multi_tensor import add_scaled, in_dtype, multi_tensor_ok, per_dtype
 
 __all__ = ["SGDScalars", "sgd_fast", "sgd_leaf", "sgd_reference", "sgd_step", "sgd_triton"]
 
@@ -52,7 +52,7 @@ def sgd_leaf(
     # Hyperparameters in the leaf's dtype (a 0-d float64 would promote 0-d leaves).
     cast = {} if cast is None else cast
     if g.dtype not in cast:
-        cast[g.dtype] = (_t(s.lr).to(g.dtype), _t(s.weight_decay).to(g.dtype))
+        cast[g.dtype] = in_dtype(g.dtype, _t(s.lr), _t(s.weight_decay))
     lr_, wd = cast[g.dtype]
     d = -g if maximize else g
     if use_decay:

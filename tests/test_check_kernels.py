@@ -5,12 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _kernel_helpers import needs_triton
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @needs_triton
+@pytest.mark.slow  # 15-23 s; each kernel's interpreter cases run by default elsewhere
 def test_check_kernels_script_passes_in_the_interpreter():
     # A subprocess: the script sets TRITON_INTERPRET before Triton is first imported.
     out = subprocess.run(

@@ -237,6 +237,7 @@ def guide_script() -> str:
     return "\n".join(blocks)
 
 
+@pytest.mark.slow  # the same script runs by default under torchrun (tp2), below
 def test_guide_runs_in_one_process(tmp_path):
     (tmp_path / "train.py").write_text(guide_script())
     out = _run(["train.py"], tmp_path)

@@ -476,6 +476,7 @@ def test_interp_optimizers_triton_vs_reference(name, make, fused):
 
 
 @interp
+@pytest.mark.slow  # 3.5 s in the interpreter; the batched passes' other cases stay by default
 def test_interp_many_tiny_leaves():
     _poison()
     shapes = {f"l{i}": s for i, s in enumerate([(1, 1), (2, 3), (1,), (), (3, 1), (1, 5),
@@ -646,8 +647,8 @@ def _tree(k: int) -> dict[str, tuple[int, ...]]:
 
 
 @interp
-@pytest.mark.parametrize("name", ["adafactor", pytest.param("adafactor beta1",
-                                                            marks=pytest.mark.slow), "came"])
+@pytest.mark.parametrize("name", ["adafactor", *(pytest.param(n, marks=pytest.mark.slow)
+                                                 for n in ("adafactor beta1", "came"))])
 def test_interp_launches_per_step_do_not_grow_with_leaves(name, monkeypatch):
     """One optimizer step launches each pass once per launch group, not once per leaf: the
     launches of a step over 1 leaf of each kind and over 4 of each (5 vs 20 leaves) are the

@@ -143,7 +143,10 @@ def test_apply_equals_update_in_reference_mode(name):
 # Each Lamb case takes ~3 s in the interpreter. By default: the paper's variant, the clamped
 # Adam one and pytorch_optimizer's (decoupled decay, eps in the trust ratio); -m slow: the two
 # that differ from those only in the bias correction and the weight-norm clamp.
-_SLOW_UNDER_TRITON = {"lamb_torch_optimizer", "lamb_colossalai"}
+# Lamb's default and SGD under the interpreter by default; the other Lamb variants' kernels
+# differ only in their scalars (tested without the interpreter above).
+_SLOW_UNDER_TRITON = {"lamb_torch_optimizer", "lamb_colossalai", "lamb_pytorch_optimizer",
+                      "lamb_adam_clamped"}
 
 
 @needs_triton
@@ -186,6 +189,7 @@ def lamb_tp2_under_triton():
 
 
 @needs_triton
+@pytest.mark.slow  # 20-35 s: two ranks in the interpreter (Adafactor's and CAME's tp2 case too)
 def test_lamb_kernels_on_tensor_parallel_shards():
     """Kernels on each rank's shard, norms completed over tp between the passes: the
     single-process reference run (float32: <= 1e-5 as the float32 distributed tests)."""

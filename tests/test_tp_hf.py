@@ -92,7 +92,7 @@ def _run(world):
     return {case: train(*case) for case in CASES[world]}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_hf_models_match_single_process(world):
     refs = {kind: train(kind, 1, 1) for kind, _, _ in CASES[world]}
     for rank, res in enumerate(run_ranks(_run, world, world, backend=None, timeout=240)):

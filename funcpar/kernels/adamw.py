@@ -24,6 +24,7 @@ from torch import Tensor
 
 from funcpar.kernels import _access, _launch
 from funcpar.kernels.inplace import (
+    copies,
     decay_calls,
     dense,
     fast_path_ok,
@@ -228,7 +229,7 @@ def _adamw_fused(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Lea
     (:func:`funcpar.kernels.members.on_members`) and ``count``, ``lr``, ``weight_decay`` and
     ``eps`` may hold one value per member: each member's slices get the call a step of that
     member alone makes, in copies (the inputs are the state's storage)."""
-    own = writable if members is None else _copies
+    own = writable if members is None else copies
     p, m, v = own(params), own(exp_avg), own(exp_avg_sq)
     vmax = own(max_exp_avg_sq) if amsgrad else list(max_exp_avg_sq)
     (dp, bp), (dm, bm), (dv, bv) = dense(p), dense(m), dense(v)
@@ -255,10 +256,6 @@ def _adamw_fused(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Lea
 def _take(xs: Sequence[Any], ids: Sequence[int], member: int | None) -> list[Tensor]:
     # The leaves ids of xs, or member's slices of them (xs: each leaf's slices).
     return [xs[j] for j in ids] if member is None else [xs[j][member] for j in ids]
-
-
-def _copies(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
-    return [None if t is None else t.clone() for t in tensors]
 
 
 def _adamw_members(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Leaves,

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "FUSED_DTYPES", "decay_calls", "fast_path_ok", "fused_leaves_ok", "inplace_allowed",
-    "inplace_updates", "writable",
+    "FUSED_DTYPES", "copies", "decay_calls", "fast_path_ok", "fused_leaves_ok",
+    "inplace_allowed", "inplace_updates", "writable",
 ]
 
 _depth: list[bool] = []
@@ -72,6 +72,12 @@ def writable(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
     buffers a fast path may overwrite without touching the caller's values."""
     if inplace_allowed():
         return list(tensors)
+    return copies(tensors)
+
+
+def copies(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Clones of ``tensors`` (``None`` kept): buffers a fast path may overwrite whatever the
+    scope (:func:`writable` outside :func:`inplace_updates`)."""
     return [None if t is None else t.clone() for t in tensors]
 
 

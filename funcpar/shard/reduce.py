@@ -179,12 +179,11 @@ def total_sum_of_squares(
 def _local_total(
     xs: Sequence[Tensor], layouts: Sequence[Reducible | None], purpose: str
 ) -> Tensor:
-    if all(lay is None for lay in layouts):
-        on_host = _host_fold(xs)
-        if on_host is not None:
-            return on_host
+    unsharded = all(lay is None for lay in layouts)
+    if unsharded and (on_host := _host_fold(xs)) is not None:
+        return on_host
     squares = _local_squares(xs)
-    if squares and all(lay is None for lay in layouts):
+    if squares and unsharded:
         unsharded = _fold_unsharded(squares)
         if unsharded is not None:
             return unsharded
@@ -230,6 +229,11 @@ def _fold_unsharded(squares: list[Tensor]) -> Tensor | None:
 _FLOAT32 = struct.Struct("f")
 
 
+def _acc_of(x: Tensor) -> torch.dtype:
+    # Squares accumulate in float32, float64 tensors' in float64.
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _host_fold(xs: Sequence[Tensor]) -> Tensor | None:
     """:func:`_fold_unsharded` of :func:`_local_squares`, bit for bit, with the squares and the
     fold done on the host: eager CPU tensors of one dtype that nothing differentiates (the
@@ -252,7 +256,7 @@ def _host_fold(xs: Sequence[Tensor]) -> Tensor | None:
             x.dtype == x0.dtype and x.device == x0.device and x.numel() and not x.requires_grad
             for x in xs):
         return None
-    acc = torch.float64 if x0.dtype == torch.float64 else torch.float32
+    acc = _acc_of(x0)
     norms = torch.stack(torch._foreach_norm(list(xs), 2, dtype=acc)).tolist()
     if acc == torch.float64:
         total = norms[0] * norms[0]
@@ -275,26 +279,23 @@ def _local_squares(xs: Sequence[Tensor]) -> list[Tensor]:
     accumulation dtype and device (the same per-tensor kernel, so the same values as one
     ``vector_norm`` per tensor, at one call for the whole tree: the grad-norm metric runs every
     step); else one ``vector_norm`` per tensor (foreach ops have no vmap rule)."""
-    def acc_of(x: Tensor) -> torch.dtype:
-        return torch.float64 if x.dtype == torch.float64 else torch.float32
-
     batched = (len(xs) > 1 and not torch.compiler.is_compiling()
                and torch._C._functorch.maybe_current_level() is None)
     if batched:
         # The common tree: one dtype, one device, no empty leaf: one norm call, no buckets.
         x0 = xs[0]
         if all(x.dtype == x0.dtype and x.device == x0.device and x.numel() for x in xs):
-            norms = torch._foreach_norm(list(xs), 2, dtype=acc_of(x0))
+            norms = torch._foreach_norm(list(xs), 2, dtype=_acc_of(x0))
             return list(torch._foreach_mul(norms, norms))
     out: list[Tensor | None] = [None] * len(xs)
     buckets: dict[tuple, list[int]] = {}
     for i, x in enumerate(xs):
         if not x.numel():
-            out[i] = torch.zeros((), dtype=acc_of(x), device=x.device)
+            out[i] = torch.zeros((), dtype=_acc_of(x), device=x.device)
         elif batched:
-            buckets.setdefault((acc_of(x), x.device), []).append(i)
+            buckets.setdefault((_acc_of(x), x.device), []).append(i)
         else:
-            out[i] = torch.linalg.vector_norm(x, dtype=acc_of(x)).square()
+            out[i] = torch.linalg.vector_norm(x, dtype=_acc_of(x)).square()
     for (acc, _), ids in buckets.items():
         norms = torch._foreach_norm([xs[i] for i in ids], 2, dtype=acc)
         for i, sq in zip(ids, torch._foreach_mul(norms, norms), strict=True):

@@ -204,6 +204,20 @@ def test_remat_under_vmap_frees_activations():
           f"{peaks[1] / 2**20:.1f} MiB with")
     assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
     assert peaks[1] < 0.5 * peaks[0]
+    # vmap_step's own route (the backward by autograd outside the level, member_grads) keeps
+    # fewer activations to begin with; remat still frees most of them. Its blocks are
+    # differentiated by torch.func.vjp, the rest by autograd: the same values to rounding.
+    steps, peaks = [], []
+    for s in (step, remat()(step, states[0])[0]):
+        with LiveBytes() as mem:
+            steps.append(vmap_step(s)(stacked, (x, y))[0])
+        peaks.append(mem.peak)
+    print(f"vmap_step peak: {peaks[0] / 2**20:.1f} MiB without remat, "
+          f"{peaks[1] / 2**20:.1f} MiB with")
+    for a, b in zip(tree_leaves(steps[0]), tree_leaves(steps[1]), strict=True):
+        if torch.is_tensor(a):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert peaks[1] < 0.75 * peaks[0]
 
 
 def test_randomness():
@@ -304,3 +318,66 @@ def _stack(trees):
     from funcpar.state.tree import tree_map
 
     return tree_map(lambda *xs: None if xs[0] is None else torch.stack(xs), *trees)
+
+
+def _count_route(monkeypatch):
+    """Record, per call of the step's gradient route, whether member_grads took it."""
+    import funcpar.train.member_grads as mg
+    import funcpar.train.step as step_mod
+
+    taken: list[bool] = []
+    route = mg.grads_at_vmap_level
+
+    def counting(fn, xs):
+        out = route(fn, xs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(step_mod, "grads_at_vmap_level", counting)
+    return taken
+
+
+@pytest.mark.parametrize("randomness, dropout", [("error", 0.0), ("different", 0.5)])
+def test_member_gradients_by_autograd_on_the_stack(randomness, dropout, monkeypatch):
+    """vmap_step's gradients come from ordinary autograd of the summed member losses on the
+    stacked leaves (funcpar.train.member_grads), not torch.func.grad nested in the vmap, at
+    every step; 10 steps give the torch.func.grad route's state to rounding (float64, 1e-12:
+    with a grad level around them some batching rules sum in another order; dropout's
+    per-member draws included)."""
+    import funcpar.train.step as step_mod
+
+    step, states = _members(fo.adamw(lr=1e-2, weight_decay=0.1), dropout=dropout)
+    taken = _count_route(monkeypatch)
+    got = _vmapped(step, states, _batches(), randomness=randomness)
+    assert taken == [True] * STEPS
+    monkeypatch.setattr(step_mod, "grads_at_vmap_level", lambda fn, xs: None)
+    want = _vmapped(step, states, _batches(), randomness=randomness)
+    for a, b in zip(tree_leaves(got), tree_leaves(want), strict=True):
+        if torch.is_tensor(a):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_member_gradients_route_only_under_vmap_step(monkeypatch):
+    """The autograd route is vmap_step's own: torch.func.vmap of loss_and_grads (a level
+    vmap_step does not own) and a step on stacked params that require grad (a graph through
+    the run is being built) keep torch.func.grad, with the same values to rounding."""
+    from funcpar.train.step import loss_and_grads
+
+    step, states = _members(fo.sgd(lr=0.05, momentum=0.9))
+    stacked = stack_states(states)
+    x, y = _batches()[0]
+    taken = _count_route(monkeypatch)
+    torch.func.vmap(lambda p, b: loss_and_grads(step.apply_fn, _mse, p, b, (x, y))[1])(
+        stacked.params, stacked.buffers)
+    assert taken == [False]
+
+    run = vmap_step(step)
+    plain, _ = run(stacked, (x, y))
+    assert taken == [False, True]
+    live = {k: v.detach().requires_grad_() for k, v in stacked.params.items()}
+    traced, _ = run(stacked._replace(params=live), (x, y))
+    assert taken == [False, True, False]
+    assert all(v.requires_grad for v in traced.params.values())
+    for a, b in zip(tree_leaves(plain), tree_leaves(traced), strict=True):
+        if torch.is_tensor(a):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-12)

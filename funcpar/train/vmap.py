@@ -7,7 +7,11 @@ of one structure, :func:`unstack_states` splits it back. ``vmap_step(step)`` ret
 ``f(stacked_state, batch) -> (stacked_state, stacked_metrics)``, which runs ``step``'s forward,
 backward, norm and optimizer update for all N members at once (each op runs once on
 ``(N, ...)`` tensors instead of N times: functorch's model-ensembling recipe applied to the
-whole training step, optimizer included).
+whole training step, optimizer included). The members' gradients come from ordinary autograd
+of their summed losses on the stacked tensors, the forward at the vmap level and the backward
+outside it (:mod:`funcpar.train.member_grads`: the same batched ops without torch.func.grad's
+layer on each of them); with nothing else differentiated, the optimizer update runs on the
+members' tensors (AdamW: torch's fused CPU kernel per member, below).
 
 Members may differ in anything that is a tensor of the state: initial params (seeds), data
 order, and the optimizer's injected hyperparameters (``lr``, ``weight_decay``, ...), which are
@@ -75,6 +79,7 @@ from funcpar.state.tree import (
     tree_structure_check,
     tree_unflatten,
 )
+from funcpar.train.member_grads import owned_level
 from funcpar.train.step import TrainStep, _device_of, _get_rng, _set_rng
 
 __all__ = ["RANDOMNESS", "check_vmappable", "stack_states", "unstack_states", "vmap_step"]
@@ -238,7 +243,10 @@ def _flat_vmap(fn: Callable[[list[Any]], list[Tensor]], n: int, args: list[Any],
     try:
         batched = [x if d is None else _C._add_batch_dim(x, d, level)
                    for x, d in zip(args, in_dims, strict=True)]
-        return [_C._remove_batch_dim(out, level, n, 0) for out in fn(batched)]
+        # The step's backward may run outside the level (funcpar.train.member_grads).
+        with owned_level(level, n, randomness):
+            outs = fn(batched)
+        return [_C._remove_batch_dim(out, level, n, 0) for out in outs]
     finally:
         _C._vmap_decrement_nesting()
 

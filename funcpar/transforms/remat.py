@@ -49,8 +49,9 @@ never replaced, so ``remat()`` goes anywhere in the chain. Under tensor or seque
 parallelism the recompute repeats the forward's activation collectives (every rank recomputes
 the same blocks in the same order).
 
-**Under torch.func transforms** (``vmap_step``, whose gradients come from ``torch.func.grad``
-under ``torch.func.vmap``; a user's ``torch.func.grad``/``vjp`` of the step's ``apply_fn``).
+**Under torch.func transforms** (``vmap_step``, whose forward runs under its vmap level, the
+gradients coming from autograd outside it or from ``torch.func.grad`` inside it,
+funcpar.train.member_grads; a user's ``torch.func.grad``/``vjp`` of the step's ``apply_fn``).
 torch.func refuses ``torch.utils.checkpoint``'s saved-tensor hooks, so there each chosen
 forward runs as :class:`_FuncCheckpoint`, an ``autograd.Function`` with ``setup_context`` and
 a generated vmap rule: its forward runs the block and saves only its inputs, the block's
@@ -58,8 +59,10 @@ parameters and buffers among them (explicit inputs, so they get their gradients)
 reinstalls the module state recorded at the forward's start with those tensors and the
 forward's generator states, and takes the vector-Jacobian product of the recomputed block by
 ``torch.func.vjp``. Same ops on the same values: the results equal the step without remat
-(tested bit for bit under vmap, dropout included with ``randomness="same"`` and
-``"different"``). ``torch.func.grad`` differentiates with ``create_graph=True``, which would
+(tested bit for bit under ``torch.func.grad`` in a vmap, dropout included with
+``randomness="same"`` and ``"different"``; to rounding, ~1e-16 relative, under vmap_step's
+autograd route, which differentiates the blocks by torch.func.vjp and the rest by autograd).
+``torch.func.grad`` differentiates with ``create_graph=True``, which would
 keep every recompute in the graph; under :class:`~funcpar.train.step.TrainStep`'s first-order
 gradients (:data:`funcpar.train.step.FIRST_ORDER_GRADS`) the backward records nothing for the
 outer levels, so one block's activations are alive at a time; elsewhere the graph is kept and

@@ -265,21 +265,26 @@ class Adam8bitScalars(NamedTuple):
 
 def adam8bit_math(
     m: Tensor, v: Tensor, g: Tensor, s: Adam8bitScalars, *, own: bool = False,
+    keep_moments: bool = False, scratch: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(m', v', direction)``: GaLore's inner Adam on (dequantized) states, element-wise.
 
-    ``own``: ``m`` and ``v`` are the caller's to overwrite, of ``g``'s shape and dtype with at
-    least one dim (a 0-d state meets the 0-d float64 hyperparameters in float64), and the step
-    is not differentiated: the same operations in place, the same bits."""
+    ``own``: the step is not differentiated and ``m``, ``v`` have ``g``'s shape and dtype with
+    at least one dim (a 0-d state meets the 0-d float64 hyperparameters in float64): the same
+    operations in place on buffers, the same bits. The moments are then overwritten, unless
+    ``keep_moments`` (new moments: the first operation of each writes a fresh tensor), and the
+    direction goes into ``scratch`` when given (a buffer of ``g``'s shape the caller no longer
+    reads: the step's own projected gradient, read for the last time by the moments)."""
     if not own:
         m = torch.add(m * s.beta1, g, alpha=1 - s.beta1)
         v = torch.addcmul(v * s.beta2, g, g, value=1 - s.beta2)
         if s.variant == "hf":
             return m, v, m / (v.sqrt() + s.eps)
         return m, v, m / (v.sqrt() / s.bc2_sqrt + s.eps)
-    m = m.mul_(s.beta1).add_(g, alpha=1 - s.beta1)
-    v = v.mul_(s.beta2).addcmul_(g, g, value=1 - s.beta2)
-    den = v.sqrt()
+    m = (torch.mul(m, s.beta1) if keep_moments else m.mul_(s.beta1)).add_(g, alpha=1 - s.beta1)
+    v = (torch.mul(v, s.beta2) if keep_moments else v.mul_(s.beta2)).addcmul_(
+        g, g, value=1 - s.beta2)
+    den = v.sqrt() if scratch is None else torch.sqrt(v, out=scratch)
     if s.variant != "hf":
         den.div_(s.bc2_sqrt)
     return m, v, torch.div(m, den.add_(s.eps), out=den)

@@ -514,8 +514,11 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
                 raise ValueError(f"{who}: one moment of a leaf is 8-bit and the other is not; "
                                  "the state was not built by this optimizer")
             elif eager:
-                m_st, v_st, direction = _adam_in_place(m, v, low, scalars,
-                                                       scratch=low if cfg is not None else None)
+                # In place inside inplace_updates (else into new moments); the direction
+                # into the projected gradient, which only the moments read.
+                m_st, v_st, direction = adam8bit_math(
+                    m, v, low, scalars, own=True, keep_moments=not inplace_allowed(),
+                    scratch=low if cfg is not None else None)
             else:
                 m_st, v_st, direction = adam8bit_math(m, v, low, scalars)
             if cfg is not None:
@@ -570,22 +573,6 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         return step(grads, state, params, layouts, "param")
 
     return GradientTransformation(init, update, apply)
-
-
-def _adam_in_place(m: Tensor, v: Tensor, g: Tensor, s: Adam8bitScalars,
-                   scratch: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`~funcpar.kernels.quant8.adam8bit_math`'s operations in its order, written into
-    buffers (the same bits): the moments in place inside inplace_updates (else into fresh
-    ones), the direction into ``scratch`` (the step's own projected gradient, read for the last
-    time by the moments; None: a fresh tensor)."""
-    donated = inplace_allowed()
-    m = (m.mul_(s.beta1) if donated else torch.mul(m, s.beta1)).add_(g, alpha=1 - s.beta1)
-    v = (v.mul_(s.beta2) if donated else torch.mul(v, s.beta2)).addcmul_(g, g,
-                                                                        value=1 - s.beta2)
-    den = torch.sqrt(v, out=scratch) if scratch is not None else torch.sqrt(v)
-    if s.variant != "hf":
-        den.div_(s.bc2_sqrt)
-    return m, v, torch.div(m, den.add_(s.eps), out=den)
 
 
 def _eager_ok(p: Tensor, direction: Tensor, *hyper: Any) -> bool:

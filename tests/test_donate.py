@@ -161,3 +161,32 @@ def test_donated_bit_identical_distributed(world, tp, dp, zero, pp, optim):
 ])
 def test_donated_bit_identical_distributed_matrix(world, tp, dp, zero, pp, optim):
     run_ranks(_dist_pair, world, tp, dp, zero, pp, optim)
+
+
+@pytest.mark.parametrize("optim", sorted(OPTIMIZERS))
+def test_donated_update_writes_params_and_state_in_place(optim):
+    """Inside inplace_updates (a donated step) every optimizer's update leaves its new params
+    and every state tensor of >= 1 dim in the storage it was given (the factored statistics,
+    the 8-bit codes and block maxima included), so the step's donation has nothing to copy
+    back; the values are the undonated update's, bit for bit."""
+    import funcpar.optim as fo
+    from funcpar.kernels.inplace import inplace_updates
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g),
+              "e": torch.randn(32, 16, generator=g)}
+    opt = OPTIMIZERS[optim](params)
+    state = opt.init(params)
+    for _ in range(STEPS):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        want = fo.update_params(opt, grads, state, params)
+        leaves = [t for t in tree_flatten((params, state))[0]
+                  if torch.is_tensor(t) and t.dim() > 0]
+        ptrs = [t.data_ptr() for t in leaves]
+        with inplace_updates():
+            params, state = fo.update_params(opt, grads, state, params)
+        got = [t for t in tree_flatten((params, state))[0] if torch.is_tensor(t) and t.dim() > 0]
+        assert [t.data_ptr() for t in got] == ptrs
+        for a, b in zip(tree_flatten(want)[0], tree_flatten((params, state))[0], strict=True):
+            if torch.is_tensor(a):
+                assert torch.equal(a, b)

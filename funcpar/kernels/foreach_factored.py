@@ -399,7 +399,8 @@ def factor_ema_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
     ``sum(R')``). The same elementwise operations as the reference's (an element's rounding
     does not depend on where it lies in a buffer), a handful of calls where one per factor
     and operation cost more than the arithmetic. The new factors of a group are views of
-    one fresh buffer (disjoint; the next step reads them, writes new ones)."""
+    one fresh buffer (disjoint; the next step reads them, writes new ones), or inside
+    :func:`~funcpar.kernels.inplace.inplace_updates` the state's own factors, written."""
     out: list[Any] = [None] * len(calls)
     groups: dict[tuple, list[int]] = {}
     for i, c in enumerate(calls):
@@ -418,6 +419,11 @@ def factor_ema_fast(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
         flat = _flatten_dense_tensors(stats).mul_(sc(decay, dtype))
         flat.addcmul_(means, sc.derived(decay, "one_minus", dtype))
         new = _unflatten_dense_tensors(flat, stats)
+        if inplace_allowed():
+            # Donated: the state's own factors take the new values (one multi-tensor copy)
+            # and are returned, rather than the step's donation copying them back leaf by leaf.
+            torch._foreach_copy_(stats, new)
+            new = stats
         for j, (i, c) in enumerate(zip(idx, cs)):
             row, col = new[j], new[len(cs) + j]
             nd = row.dim()

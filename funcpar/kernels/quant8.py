@@ -315,7 +315,16 @@ def adam8bit_reference(
     n = g.numel()
     rows = max(1, PIECE // block_size)
     if not own or _num_blocks(n, block_size) <= rows:
-        return _adam8bit_blocks(g, m, v, code_m, code_v, block_size, s, own)
+        direction, mq, vq = _adam8bit_blocks(g, m, v, code_m, code_v, block_size, s, own)
+        mine, new = (*m, *v), (*mq, *vq)
+        if own and inplace_allowed() and all(
+                a.is_contiguous() and a.shape == b.shape and a.dtype == b.dtype
+                for a, b in zip(mine, new)):
+            # Donated: the state's own codes and absmax take the new ones (one multi-tensor
+            # copy, the one the step's donation would make).
+            torch._foreach_copy_(list(mine), list(new))
+            return direction, m, v
+        return direction, mq, vq
     states = (m[0], m[1], v[0], v[1])
     if not (inplace_allowed() and all(t.is_contiguous() for t in states)):
         states = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)

@@ -94,9 +94,12 @@ def _moments_reference(row_sq: Tensor, col_sq: Tensor, row: Tensor, col: Tensor,
                       else row.mean(dim=d, keepdim=True))
 
 
-def _moments_many(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
+def _moments_many(calls: list[tuple], into_state: bool = False
+                  ) -> list[tuple[Tensor, Tensor, Tensor]]:
     # The divisions and the lerps of all leaves' factors as multi-tensor ops (per weight:
     # one per leaf dtype), then each leaf's mean of R': the reference's operations.
+    # into_state: the factors are lerped in place where that keeps their dtype (the same
+    # kernel, the same bits).
     out: list[Any] = [None] * len(calls)
     groups: dict[int, list[int]] = {}
     for i, c in enumerate(calls):
@@ -106,8 +109,14 @@ def _moments_many(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
         k = len(cs)
         means = torch._foreach_div([c[0] for c in cs] + [c[1] for c in cs],
                                    [c[6] for c in cs] + [c[5] for c in cs])
-        new = torch._foreach_lerp([c[2] for c in cs] + [c[3] for c in cs], means,
-                                  [cs[0][4]] * (2 * k))
+        factors = [c[2] for c in cs] + [c[3] for c in cs]
+        weights = [cs[0][4]] * (2 * k)
+        if into_state and all(f.dtype == x.dtype == cs[0][4].dtype
+                              for f, x in zip(factors, means)):
+            torch._foreach_lerp_(factors, means, weights)
+            new = factors
+        else:
+            new = torch._foreach_lerp(factors, means, weights)
         for j, (i, c) in enumerate(zip(idx, cs)):
             row = new[j]
             d = row.ndim - 2
@@ -116,10 +125,15 @@ def _moments_many(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
     return out
 
 
+def _moments_eager(calls: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    # Inside inplace_updates the factors are the donated state's own storage.
+    return _moments_many(calls, into_state=inplace_allowed())
+
+
 def _moments_batch(calls):
     """:func:`_moments_reference` for many leaves (a few multi-tensor ops for all)."""
     return kernels.execute_batched(calls, lambda *a: (a, a[:4]), _moments_reference,
-                                   _moments_many, _moments_many)
+                                   _moments_many, _moments_eager)
 
 
 def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_decay_mask):
@@ -195,7 +209,12 @@ def _adafactor_torch(lr, weight_decay, *, beta2_decay, eps, d, maximize, weight_
                 new = {_TORCH_NAMES.row: row, _TORCH_NAMES.col: col}
             else:
                 p_rms = yield from _rms_f64_phases(p, layout, "param rms", host)
-                var = torch.lerp(st[_TORCH_NAMES.full], g * g, w)
+                full = st[_TORCH_NAMES.full]
+                # In place on the donated state where that keeps its dtype (same bits).
+                var = (full.lerp_(g * g, w)
+                       if eager and inplace_allowed() and full.dtype == g.dtype == w.dtype
+                       and full.is_contiguous() and not full.requires_grad
+                       else torch.lerp(full, g * g, w))
                 new = {_TORCH_NAMES.full: var}
             alpha = _clamp_min(p_rms, eps2) * (rho_host if host else rho)
             if eager:  # var is a temporary here unless it is the (full) state

@@ -14,52 +14,28 @@ the backward is ordinary autograd of the summed ``(N,)`` losses *outside* the le
 functorch layer sees its ops: the same batched kernels, at about 60 % of the time on the small
 MLPs of ``benchmarks/bench_vmap.py`` (2.9 -> 1.7 ms for 8 members' forward and backward).
 
-The backward steps out of the vmap level and back in (functorch's levels are a stack: the
-level re-entered has the same number, and the batched tensors of the step keep working), so
-this is done only for a level whose owner allows it: :func:`owned_level`, entered by
-vmap_step's own vmap and nothing else. It is taken where it is the same computation: that
-level is the only torch.func level, every differentiated leaf is batched at it over a tensor
-that requires no grad (nothing outside differentiates through the step: hypergradients of a
-vmapped run keep ``torch.func.grad``, whose graph composes with theirs), and dynamo is not
-tracing.
+The backward steps out of the vmap level and back in
+(:func:`funcpar.kernels.members.stepped_out`), so this is done only for the level vmap_step
+declares its own (:func:`funcpar.kernels.members.owned_level`) and nothing else. It is taken
+where it is the same computation: that level is the only torch.func level, every
+differentiated leaf is batched at it over a tensor that requires no grad (nothing outside
+differentiates through the step: hypergradients of a vmapped run keep ``torch.func.grad``,
+whose graph composes with theirs), and dynamo is not tracing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch._C import _functorch as _F
 
+from funcpar.kernels.members import owned_top, stepped_out
 from funcpar.state.tree import tree_map
 
-__all__ = ["grads_at_vmap_level", "owned_level"]
-
-
-class _Level(NamedTuple):
-    level: int
-    size: int
-    randomness: str
-
-
-_OWNED: contextvars.ContextVar[_Level | None] = contextvars.ContextVar(
-    "funcpar_owned_vmap_level", default=None)
-
-
-@contextlib.contextmanager
-def owned_level(level: int, size: int, randomness: str) -> Iterator[None]:
-    """Declare the vmap level just entered (``_vmap_increment_nesting(size, randomness)``
-    returned ``level``) as the caller's own: :func:`grads_at_vmap_level` may step out of it
-    for a backward and re-enter it."""
-    token = _OWNED.set(_Level(level, size, randomness))
-    try:
-        yield
-    finally:
-        _OWNED.reset(token)
+__all__ = ["grads_at_vmap_level"]
 
 
 def grads_at_vmap_level(
@@ -69,9 +45,8 @@ def grads_at_vmap_level(
     it does not apply (the caller then takes ``torch.func.grad``). ``fn(xs) -> (loss, aux)``
     with a 0-d (per member) loss; tensors of ``aux`` come back detached, as torch.func.grad's
     auxiliary outputs do."""
-    own = _OWNED.get()
-    if (own is None or own.level != 1 or torch.compiler.is_compiling()
-            or _F.maybe_current_level() != own.level):
+    own = owned_top()
+    if own is None:
         return None
     inner, dims = [], []
     for x in xs:
@@ -93,13 +68,8 @@ def grads_at_vmap_level(
     with torch.enable_grad():
         loss, aux = fn([_F._add_batch_dim(t, d, own.level) for t, d in zip(live, dims)])
         losses = _F._remove_batch_dim(loss, own.level, own.size, 0)
-        _F._vmap_decrement_nesting()
-        try:
+        with stepped_out(own):
             grads = torch.autograd.grad(losses.sum(), live, allow_unused=True)
-        finally:
-            again = _F._vmap_increment_nesting(own.size, own.randomness)
-    if again != own.level:  # cannot happen while the level was the top one; never go on past it
-        raise RuntimeError(f"vmap level {own.level} re-entered as {again}")
     out = [torch.zeros_like(x) if g is None else _F._add_batch_dim(g, d, own.level)
            for x, g, d in zip(xs, grads, dims)]
     return out, tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, aux)

@@ -71,6 +71,7 @@ import torch
 from torch import Tensor
 from torch._C import _functorch as _C
 
+from funcpar.kernels.members import owned_level
 from funcpar.optim.hyperparams import get_hyperparams
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import (
@@ -79,7 +80,6 @@ from funcpar.state.tree import (
     tree_structure_check,
     tree_unflatten,
 )
-from funcpar.train.member_grads import owned_level
 from funcpar.train.step import TrainStep, _device_of, _get_rng, _set_rng
 
 __all__ = ["RANDOMNESS", "check_vmappable", "stack_states", "unstack_states", "vmap_step"]

@@ -341,15 +341,17 @@ def _count_route(monkeypatch):
 def test_member_gradients_by_autograd_on_the_stack(randomness, dropout, monkeypatch):
     """vmap_step's gradients come from ordinary autograd of the summed member losses on the
     stacked leaves (funcpar.train.member_grads), not torch.func.grad nested in the vmap, at
-    every step, and the backward and the members' fused update run outside the vmap level;
-    10 steps give the torch.func.grad route's state to rounding (float64, 1e-12:
+    every step, and the backward and the members' fused update run outside the vmap level; 10
+    steps (clipped) give separate runs' states and the torch.func.grad route's to rounding
+    (float64, 1e-12:
     with a grad level around them some batching rules sum in another order; dropout's
     per-member draws included)."""
     import funcpar.kernels.members as members
     import funcpar.train.member_grads as mg
     import funcpar.train.step as step_mod
 
-    step, states = _members(fo.adamw(lr=1e-2, weight_decay=0.1), dropout=dropout)
+    opt = fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(lr=1e-2, weight_decay=0.1))
+    step, states = _members(opt, dropout=dropout)
     taken = _count_route(monkeypatch)
     outside = []
     leave = members.stepped_out
@@ -364,6 +366,8 @@ def test_member_gradients_by_autograd_on_the_stack(randomness, dropout, monkeypa
     assert taken == [True] * STEPS
     # Out of vmap_step's level twice a step: the backward, then AdamW's fused member update.
     assert outside == [1, 1] * STEPS
+    if randomness == "error":  # each member's draws are its own with "different"
+        _assert_members_equal(step, states, _batches(), 1e-12, vmapped=got)
     monkeypatch.setattr(step_mod, "grads_at_vmap_level", lambda fn, xs: None)
     want = _vmapped(step, states, _batches(), randomness=randomness)
     for a, b in zip(tree_leaves(got), tree_leaves(want), strict=True):

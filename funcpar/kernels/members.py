@@ -105,11 +105,12 @@ def on_members(fn: Callable[..., Any], columns: Sequence[Sequence[Tensor | None]
         return None
     if not all(_functorch.maybe_get_level(t) == level for t in tensors):
         return None
-    args = ([None if t is None else _physical(t, level) for t in col] for col in columns)
-    plain = type(scalars)(*(_physical(v, level) if isinstance(v, Tensor) else v
-                            for v in scalars))
     own = owned_top()
     with contextlib.nullcontext() if own is None else stepped_out(own):
+        # Unwrapped out of the level too (movedim on the plain tensors, no functorch dispatch).
+        args = [[None if t is None else _physical(t, level) for t in col] for col in columns]
+        plain = type(scalars)(*(_physical(v, level) if isinstance(v, Tensor) else v
+                                for v in scalars))
         out = fn(*args, plain)
     if out is None:
         return None

@@ -12,7 +12,8 @@ is each member's gradient in its own slice, the backward multiplying each loss's
 exactly 1. So the forward runs at the vmap level on stacked tensors that require grad, and
 the backward is ordinary autograd of the summed ``(N,)`` losses *outside* the level, where no
 functorch layer sees its ops: the same batched kernels, at about 60 % of the time on the small
-MLPs of ``benchmarks/bench_vmap.py`` (2.9 -> 1.7 ms for 8 members' forward and backward).
+MLPs of ``benchmarks/bench_vmap.py`` (2.4-3.1 -> 1.3-1.7 ms for 8 members' forward and
+backward, 1 CPU thread).
 
 The backward steps out of the vmap level and back in
 (:func:`funcpar.kernels.members.stepped_out`), so this is done only for the level vmap_step

@@ -243,7 +243,8 @@ def _flat_vmap(fn: Callable[[list[Any]], list[Tensor]], n: int, args: list[Any],
     try:
         batched = [x if d is None else _C._add_batch_dim(x, d, level)
                    for x, d in zip(args, in_dims, strict=True)]
-        # The step's backward may run outside the level (funcpar.train.member_grads).
+        # Work on the members' plain tensors may step out of the level and back in: the
+        # backward (funcpar.train.member_grads), AdamW's member update (kernels.members).
         with owned_level(level, n, randomness):
             outs = fn(batched)
         return [_C._remove_batch_dim(out, level, n, 0) for out in outs]

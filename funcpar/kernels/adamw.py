@@ -45,13 +45,14 @@ class AdamWScalars(NamedTuple):
     """The step's scalars: 0-d float64 tensors (or floats) and the static betas; ``lr``,
     ``weight_decay`` and ``count`` (the step ``t``, from 1), when given, are the raw values
     torch's fused kernel derives the others from (:func:`adamw_fast` takes it only then).
-    ``step_size`` and ``bc2_sqrt`` may be ``None`` when ``lr`` and ``count`` are given: the
-    paths that read them derive them (:func:`with_bias_terms`); the fused kernel does not."""
+    ``step_size`` and ``bc2_sqrt`` may be ``None`` when ``lr`` and ``count`` are given, and
+    ``lr_wd`` when ``lr`` and ``weight_decay`` are: the paths that read them derive them
+    (:func:`with_bias_terms`); the fused kernel does not."""
 
     step_size: Tensor | float | None  # lr / (1 - b1^t)
     bc2_sqrt: Tensor | float | None  # sqrt(1 - b2^t)
     eps: Tensor | float
-    lr_wd: Tensor | float  # lr * weight_decay
+    lr_wd: Tensor | float | None  # lr * weight_decay
     beta1: float
     beta2: float
     lr: Tensor | float | None = None
@@ -60,12 +61,17 @@ class AdamWScalars(NamedTuple):
 
 
 def with_bias_terms(s: AdamWScalars) -> AdamWScalars:
-    """``s`` with ``step_size = lr / (1 - b1^t)`` and ``bc2_sqrt = sqrt(1 - b2^t)`` filled in
-    from ``lr`` and ``count`` where they are ``None`` (0-d float64 tensor operations, as
-    torch.optim.AdamW's capturable path forms them: differentiable in ``lr``, batched under
-    vmap, traced under compile). Computed only on the paths that read them: torch's fused CPU
-    kernel derives its own from ``lr`` and ``t``, and these 0-d operations were a fifth of a
-    small donated step's host time."""
+    """``s`` with ``step_size = lr / (1 - b1^t)``, ``bc2_sqrt = sqrt(1 - b2^t)`` and ``lr_wd =
+    lr * weight_decay`` filled in from ``lr``, ``count`` and ``weight_decay`` where they are
+    ``None`` (0-d float64 tensor operations, as torch.optim.AdamW's capturable path forms them:
+    differentiable in ``lr``, batched under vmap, traced under compile). Computed only on the
+    paths that read them: torch's fused CPU kernel derives its own from ``lr``, ``t`` and the
+    decay, and these 0-d operations were a fifth of a small donated step's host time."""
+    if s.lr_wd is None:
+        if s.lr is None or s.weight_decay is None:
+            raise ValueError("AdamWScalars: lr_wd is None, so lr and weight_decay are needed "
+                             "to derive it")
+        s = s._replace(lr_wd=s.lr * s.weight_decay)
     if s.step_size is not None and s.bc2_sqrt is not None:
         return s
     if s.lr is None or s.count is None:
@@ -238,7 +244,8 @@ def _adamw_fused(grads: Leaves, params: Leaves, exp_avg: Leaves, exp_avg_sq: Lea
     # parameters as Python floats: this path runs eagerly on CPU, never traced.
     rows = member_scalars(1 if members is None else members, s.count, s.lr, s.weight_decay,
                           s.eps)
-    steps = torch.tensor([r[0] for r in rows], dtype=torch.float32).unbind()
+    steps = ([torch.scalar_tensor(rows[0][0], dtype=torch.float32)] if members is None
+             else torch.tensor([r[0] for r in rows], dtype=torch.float32).unbind())
     if members is not None:  # each leaf's member slices, cut once (an index is ~2 us a slice)
         dp, dg, dm, dv, dx = ([x.unbind() for x in xs] for xs in (dp, dg, dm, dv, dx))
     for i, ((_, lr, wd, eps), step) in enumerate(zip(rows, steps, strict=True)):

@@ -44,10 +44,10 @@ def _adamw(lr, weight_decay, eps, *, betas, amsgrad, maximize, weight_decay_mask
             grads, params, state.exp_avg, state.exp_avg_sq, state.max_exp_avg_sq)
         dec = mask_flags(weight_decay_mask, params, spec)
         count = state.count + 1
-        # step_size = lr / (1 - b1^t) and bc2_sqrt = sqrt(1 - b2^t) are derived from lr and
-        # count by the paths that read them (kernels.adamw.with_bias_terms): torch's fused CPU
-        # kernel, which donated steps run, derives its own.
-        scalars = AdamWScalars(step_size=None, bc2_sqrt=None, eps=eps, lr_wd=lr * weight_decay,
+        # step_size = lr / (1 - b1^t), bc2_sqrt = sqrt(1 - b2^t) and lr_wd = lr * weight_decay
+        # are derived by the paths that read them (kernels.adamw.with_bias_terms): torch's
+        # fused CPU kernel, which donated steps run, derives its own.
+        scalars = AdamWScalars(step_size=None, bc2_sqrt=None, eps=eps, lr_wd=None,
                                beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay,
                                count=count)
         # The multi-tensor kernel on CUDA, torch's multi-tensor ops elsewhere, the per-leaf

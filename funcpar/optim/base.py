@@ -236,13 +236,15 @@ def check_state(params: Tree, state: Tree, init: Callable[[Tree], Tree], seen: s
     it when every leaf is whole (``layouts`` None): under sharded layouts an optimizer may
     shape its state for the whole leaves, which ``init`` on local shards cannot reproduce
     (GaLore fits and checks its own state for its layouts)."""
-    p_leaves, p_spec = tree_flatten(params)
-    s_leaves, s_spec = tree_flatten(state)
-    # torch.Size is a tuple (hashable); getattr's default covers None and number leaves.
-    key = (p_spec, s_spec, tuple(getattr(x, "shape", None) for x in p_leaves),
-           tuple(getattr(x, "shape", None) for x in s_leaves))
+    # The cache key, every update: one flatten of both trees with None as a node (half the
+    # time of flattening them apart with None leaves: an 8-bit or amsgrad-less state holds a
+    # None per leaf); torch.Size is a tuple (hashable), getattr's default covers numbers.
+    leaves, spec = optree.tree_flatten((params, state), none_is_leaf=False, namespace=NAMESPACE)
+    key = (spec, *[getattr(x, "shape", None) for x in leaves])
     if key in seen:
         return
+    p_leaves, p_spec = tree_flatten(params)
+    s_leaves, s_spec = tree_flatten(state)
     meta = tree_unflatten(p_spec, [torch.empty_like(x, device="meta") if torch.is_tensor(x)
                                    else x for x in p_leaves])
     with _untraced():

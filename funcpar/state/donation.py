@@ -39,11 +39,14 @@ def _mark(leaves: list[Any]) -> None:
             setattr(leaf, _MARK, True)
 
 
-def check_not_donated(state: Any, where: str) -> None:
+def check_not_donated(state: Any, where: str, leaves: list[Any] | None = None) -> None:
     """Raise :class:`DonatedError` naming the first donated leaf of ``state`` (a TrainState or
-    any tree). ``where`` names the caller ("TrainStep", "save")."""
+    any tree). ``where`` names the caller ("TrainStep", "save"); ``leaves``: every leaf of
+    ``state``, when the caller has flattened it already (a train step, every call)."""
     # The fast scan runs every step; the leaf names are built only for the error.
-    if not any(getattr(x, _MARK, False) for x in tree_flatten(tuple(state))[0]):
+    if leaves is None:
+        leaves = tree_flatten(tuple(state))[0]
+    if not any(getattr(x, _MARK, False) for x in leaves):
         return
     named = state._asdict() if hasattr(state, "_asdict") else state  # 'params.w', not '0.w'
     for name, leaf in named_leaves(named):
@@ -64,7 +67,7 @@ def _reusable(old: Any, new: Any) -> bool:
             and not old.requires_grad)
 
 
-def donate_into(old: Tree, new: Tree) -> Tree:
+def donate_into(old: Tree, new: Tree, *, old_flat: tuple[list[Any], Any] | None = None) -> Tree:
     """``new`` moved into ``old``'s storage where shapes, dtypes and devices match.
 
     Returns a tree of fresh tensor objects (``detach()`` aliases: same storage, new Python
@@ -73,9 +76,10 @@ def donate_into(old: Tree, new: Tree) -> Tree:
     are aliased as they are, so their values stay exactly as they were. When the two trees'
     structures differ, ``new`` is returned as computed (aliased), and ``old`` is still marked;
     for two tuples of as many trees (a step's params, buffers and optimizer state, donated in
-    one call: two flattens instead of six) that holds tree by tree.
+    one call: two flattens instead of six) that holds tree by tree. ``old_flat``: ``old``
+    flattened (``tree_flatten(old)``) by the caller already.
     """
-    old_leaves, old_spec = tree_flatten(old)
+    old_leaves, old_spec = tree_flatten(old) if old_flat is None else old_flat
     new_leaves, new_spec = tree_flatten(new)
     same = old_spec == new_spec and len(old_leaves) == len(new_leaves)
     if (not same and isinstance(old, tuple) and isinstance(new, tuple)

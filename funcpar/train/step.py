@@ -373,12 +373,17 @@ class TrainStep:
     def __call__(
         self, state: TrainState, batch: tuple[Any, Any]
     ) -> tuple[TrainState, dict[str, Tensor]]:
-        device = _device_of(state.params)
+        # One flatten of what the step consumes, for the device, the donation check and
+        # donate_into (the small step, rng and extras trees apart).
+        owned = (state.params, state.buffers, state.opt_state)
+        flat = tree_flatten(owned)
+        device = _leaf_device(flat[0])
         if device.type == "meta":
             from funcpar.init.lazy import check_materialized  # the lazy-init layer sits above
 
             check_materialized(state, "TrainStep")
-        check_not_donated(state, "TrainStep")
+        check_not_donated(state, "TrainStep",
+                          [*flat[0], *tree_flatten((state.step, state.rng, state.extras))[0]])
         devices = [device] if device.type == "cuda" else []
         extras = state.extras
         whole = self._whole
@@ -403,8 +408,8 @@ class TrainStep:
                     params, buffers, opt_state, loss, gnorm, finite = self._core(*args)
             rng = _get_rng(device)
         if self.donate:
-            params, buffers, opt_state = donate_into(
-                (state.params, state.buffers, state.opt_state), (params, buffers, opt_state))
+            params, buffers, opt_state = donate_into(owned, (params, buffers, opt_state),
+                                                     old_flat=flat)
         metrics = {"loss": loss, "grad_norm": gnorm}
         hp = get_hyperparams(opt_state)
         if "lr" in hp:
@@ -438,8 +443,13 @@ def make_train_step(
 
 
 def _device_of(tree: Tree) -> torch.device:
-    for leaf in tree_flatten(tree)[0]:
-        if torch.is_tensor(leaf):
+    return _leaf_device(tree_flatten(tree)[0])
+
+
+def _leaf_device(leaves: list[Any]) -> torch.device:
+    # The first tensor's device (the params' first, for a state's leaves), else the CPU.
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
             return leaf.device
     return torch.device("cpu")
 

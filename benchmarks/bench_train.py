@@ -28,6 +28,12 @@ implementations, all built from the same initial weights and fed the same batche
 * ``funcpar-compile-donate``: ``funcpar-compile`` with ``donate=True``: the compiled region
   writes the new state into the input's storage (an input mutation in the graph), so the
   update allocates no new leaf-sized buffers;
+* ``pure-lean`` (AdamW in fp32 only; asked for by name or ``all``): the floor of a pure step,
+  written by hand on flat leaf lists without funcpar's layers: the same functional forward
+  (funcpar's ``apply_fn``), ``torch.autograd.grad``, the gradient norm as a metric, then
+  ``torch._fused_adamw_`` in place on the consumed state, returned as fresh tensor objects. No
+  trees, checks, hyperparameter state, dispatch or donation marks: what purity itself costs,
+  against which ``funcpar-donate`` shows what funcpar's generality costs;
 * ``funcpar-compile-cg`` (CUDA only): as ``funcpar-compile`` with ``torch.compile``'s
   ``mode="reduce-overhead"`` (CUDA graphs for the forward and backward). funcpar has no public
   switch for the compile mode yet, so this variant subclasses :class:`TrainStep` and overrides
@@ -99,8 +105,9 @@ PRESETS: dict[str, dict[str, int]] = {
                  steps=3, reps=3, warmup=2, peak_size=256),
 }
 VARIANTS = ("torch-eager", "torch-compile", "funcpar-eager", "funcpar-donate", "funcpar-compile",
-            "funcpar-compile-donate", "funcpar-compile-cg")
+            "funcpar-compile-donate", "funcpar-compile-cg", "pure-lean")
 COMPILED = ("torch-compile", "funcpar-compile", "funcpar-compile-donate", "funcpar-compile-cg")
+OPT_IN = ("pure-lean",)  # a reference, not an implementation: run when named (or "all")
 OPTIMS = ("adamw", "adafactor")
 # AdamW: the usual LLM settings; Adafactor: torch.optim.Adafactor's defaults.
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -192,6 +199,35 @@ def funcpar_runner(model: Llama, optim: str, variant: str, precision: str) -> Ru
     return run
 
 
+def lean_runner(model: Llama) -> Runner:
+    """``pure-lean``: a pure AdamW step (fp32) on flat leaf lists, by hand (module docstring)."""
+    apply_fn, params, buffers = functionalize(model)
+    names = list(params)
+    p = [params[k].detach() for k in names]
+    m, v = [torch.zeros_like(x) for x in p], [torch.zeros_like(x) for x in p]
+    count = 0
+    lr, (beta1, beta2), wd = ADAMW["lr"], ADAMW["betas"], ADAMW["weight_decay"]
+
+    def run(batch: tuple) -> torch.Tensor:
+        nonlocal p, m, v, count
+        inputs, targets = batch
+        live = [x.detach().requires_grad_() for x in p]
+        out, _ = apply_fn(dict(zip(names, live)), buffers, inputs)
+        loss = lm_loss(out, targets)
+        grads = list(torch.autograd.grad(loss, live))
+        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # the metric
+        count += 1
+        step = torch.scalar_tensor(count, dtype=torch.float32, device=p[0].device)
+        torch._fused_adamw_(p, grads, m, v, [], [step] * len(p), lr=lr, beta1=beta1,
+                            beta2=beta2, weight_decay=wd, eps=1e-8, amsgrad=False,
+                            maximize=False)
+        # The consumed state's storage, handed back as new tensor objects (a pure step).
+        p, m, v = ([x.detach() for x in xs] for xs in (p, m, v))
+        return loss.detach()
+
+    return run
+
+
 def build(variant: str, base: Llama, optim: str, precision: str,
           device: torch.device) -> Runner:
     # Each implementation owns a copy of the same initial weights (functionalize's params are
@@ -199,6 +235,8 @@ def build(variant: str, base: Llama, optim: str, precision: str,
     model = copy.deepcopy(base).to(device)
     if variant.startswith("torch-"):
         return plain_runner(model, optim, variant == "torch-compile", precision, device)
+    if variant == "pure-lean":
+        return lean_runner(model)
     if variant == "funcpar-compile-cg" and device.type != "cuda":
         raise RuntimeError("CUDA graphs need a CUDA device")
     return funcpar_runner(model, optim, variant, precision)
@@ -249,6 +287,8 @@ def bench_optimizer(optim: str, variants: Sequence[str], base: Llama, args: argp
     runners: dict[str, Runner] = {}
     out: dict[str, dict[str, Any]] = {}
     for v in variants:
+        if v in OPT_IN and (optim != "adamw" or args.precision != "fp32"):
+            continue  # the lean reference exists for fp32 AdamW only
         gc.collect()
         m0 = _allocated(device)
         try:
@@ -347,8 +387,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if bad or not args.optims:
         p.error(f"--optims: unknown {bad or 'empty list'}; choose from {', '.join(OPTIMS)}")
     if args.variants in (None, "all"):
-        args.variants = list(VARIANTS) if (args.variants == "all" or device.type == "cuda") \
-            else [v for v in VARIANTS if v not in COMPILED]
+        args.variants = list(VARIANTS) if args.variants == "all" else [
+            v for v in VARIANTS
+            if v not in OPT_IN and (device.type == "cuda" or v not in COMPILED)]
         if device.type != "cuda":
             args.variants = [v for v in args.variants if v != "funcpar-compile-cg"]
     else:

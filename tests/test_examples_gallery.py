@@ -85,6 +85,15 @@ def test_bench_train_tiny(tmp_path):
     assert re.search(r"matmul peak: [0-9.]+ TFLOP/s", out), out
 
 
+def test_step_ladder_smoke(tmp_path):
+    # Every rung builds, computes torch-eager's losses (the script checks) and is timed.
+    out = _run([str(ROOT / "benchmarks" / "step_ladder.py"), "--dim", "32", "--layers", "1",
+                "--ffn", "64", "--vocab", "64", "--seq-len", "16", "--steps", "3",
+                "--warmup", "2"], tmp_path)
+    rows = [line.split()[0] for line in out.splitlines()[2:]]
+    assert rows == ["torch-eager", "lean", "+", "+", "+", "+", "funcpar-donate"], out
+
+
 def _bench_module():
     spec = importlib.util.spec_from_file_location(
         "bench_train", ROOT / "benchmarks" / "bench_train.py")

@@ -126,3 +126,42 @@ def test_the_hook_does_not_instrument_itself():
     import funcpar.typecheck_hook
 
     assert not hasattr(funcpar.typecheck_hook.install_import_hook, "__wrapped__")
+
+
+def test_funcpar_runs_without_beartype():
+    """beartype checks annotations only: without it (a GPU machine with its own environment,
+    say) funcpar and its training step still import and run, and only installing the hook
+    says what is missing."""
+    import subprocess
+
+    code = textwrap.dedent("""
+        import sys
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "beartype":
+                    raise ModuleNotFoundError(f"No module named {name!r}", name="beartype")
+
+        sys.meta_path.insert(0, Block())
+        import torch
+        import funcpar.optim as fo
+        from funcpar.train import make_train_step
+        from funcpar.state import init_state
+
+        params = {"w": torch.ones(3)}
+        step = make_train_step(lambda p, b, x: (x * p["w"], b),
+                               lambda out, y: ((out - y) ** 2).mean(), fo.sgd(lr=0.1))
+        state, metrics = step(init_state(params, {}, step.optimizer),
+                              (torch.zeros(3), torch.ones(3)))
+        assert "beartype" not in sys.modules and float(metrics["loss"]) == 1.0
+        try:
+            import funcpar.typecheck_hook
+        except ModuleNotFoundError as err:
+            assert err.name == "beartype"
+        else:
+            raise AssertionError("the hook imported without beartype")
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

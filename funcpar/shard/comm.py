@@ -226,6 +226,13 @@ def _funcol() -> Any:
     return funcol
 
 
+def _funcol_op(name: str, before_2_12: str) -> Callable[..., Tensor]:
+    # torch 2.12 renamed two functional collectives (same arguments, same op); the GPU
+    # machines' torch 2.11 has only the old names.
+    funcol = _funcol()
+    return getattr(funcol, name, None) or getattr(funcol, before_2_12)
+
+
 def _untraceable(what: str, purpose: str) -> None:
     if _traced():
         raise RuntimeError(f"{what} ({purpose}) has no functional collective and cannot be "
@@ -357,7 +364,7 @@ def all_gather(
     piece = _pad0(front, longest)
     comm_log.record("all_gather", mesh, axis, _nbytes(piece) * k, purpose, t.dtype)
     if _traced():
-        bufs = _funcol().all_gather_single(piece, 0, group).chunk(k)
+        bufs = _funcol_op("all_gather_single", "all_gather_tensor")(piece, 0, group).chunk(k)
         work = None
     else:
         bufs = [torch.empty_like(piece) for _ in range(k)]
@@ -438,7 +445,8 @@ def reduce_scatter(
     pieces = [_pad0(p, longest) for p in torch.split(front, sizes)]
     comm_log.record("reduce_scatter", mesh, axis, _nbytes(pieces[0]) * k, purpose, t.dtype)
     if _traced():
-        out = _funcol().reduce_scatter_single(torch.cat(pieces), op, 0, group)
+        scatter = _funcol_op("reduce_scatter_single", "reduce_scatter_tensor")
+        out = scatter(torch.cat(pieces), op, 0, group)
     else:
         out = torch.empty_like(pieces[0])
         dist.reduce_scatter(out, pieces, op=red, group=group)

@@ -51,7 +51,8 @@ backward only): ``pipeline`` (point-to-point transfers have no functional collec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,6 +68,23 @@ __all__ = ["NotTraceable", "WholeStep", "applies", "peak_live_bytes", "select"]
 #: The ``torch.compile`` backend of the region (tests use ``"aot_eager"``: same capture,
 #: no code generation).
 BACKEND = "inductor"
+
+
+@contextlib.contextmanager
+def _compile_session() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is True inside: torch's own context where it has one
+    (2.12 on), else the module flag that context sets (2.11, the GPU machines' torch)."""
+    session = getattr(torch.compiler, "_compile_session_context", None)
+    if session is not None:
+        with session():
+            yield
+        return
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 def applies(step: Any) -> str | None:
@@ -215,7 +233,7 @@ class WholeStep:
         # multi-tensor kernel) takes its traceable path, as it would under dynamo.
         # Collectives become functional ones in the graph; their records are kept to replay.
         tensors = [x for x in leaves if torch.is_tensor(x)]
-        with torch.compiler._compile_session_context(), comm.traced_collectives() as records:
+        with _compile_session(), comm.traced_collectives() as records:
             # make_fx runs what it traces: a donating region writes into copies, not the state.
             graph = make_fx(region)([_copy(x) for x in tensors] if self._donate else tensors)
         if self._remat and (drawn := _random_ops(graph)):

@@ -199,6 +199,22 @@ def funcpar_runner(model: Llama, optim: str, variant: str, precision: str) -> Ru
     return run
 
 
+def lean_grads(apply_fn: Callable[..., Any], names: Sequence[str], leaves: Sequence[torch.Tensor],
+               buffers: Any, batch: tuple) -> tuple[torch.Tensor, list[torch.Tensor], Any]:
+    """``pure-lean``'s forward and backward: ``(loss, grads, new_buffers)`` of the flat
+    ``leaves`` (named ``names`` in ``apply_fn``'s params), by ``torch.autograd.grad``."""
+    inputs, targets = batch
+    live = [x.detach().requires_grad_() for x in leaves]
+    out, new_buffers = apply_fn(dict(zip(names, live)), buffers, inputs)
+    loss = lm_loss(out, targets)
+    return loss, list(torch.autograd.grad(loss, live)), new_buffers
+
+
+def lean_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``pure-lean``'s gradient-norm metric: one multi-tensor norm, stacked, one norm."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads))))
+
+
 def lean_runner(model: Llama) -> Runner:
     """``pure-lean``: a pure AdamW step (fp32) on flat leaf lists, by hand (module docstring)."""
     apply_fn, params, buffers = functionalize(model)
@@ -210,12 +226,8 @@ def lean_runner(model: Llama) -> Runner:
 
     def run(batch: tuple) -> torch.Tensor:
         nonlocal p, m, v, count
-        inputs, targets = batch
-        live = [x.detach().requires_grad_() for x in p]
-        out, _ = apply_fn(dict(zip(names, live)), buffers, inputs)
-        loss = lm_loss(out, targets)
-        grads = list(torch.autograd.grad(loss, live))
-        torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))  # the metric
+        loss, grads, _ = lean_grads(apply_fn, names, p, buffers, batch)  # Llama: no updates
+        lean_grad_norm(grads)  # the metric
         count += 1
         step = torch.scalar_tensor(count, dtype=torch.float32, device=p[0].device)
         torch._fused_adamw_(p, grads, m, v, [], [step] * len(p), lr=lr, beta1=beta1,

@@ -60,15 +60,13 @@ def rung(base: Llama, level: int) -> Callable[[tuple], torch.Tensor]:
         if level >= 2:
             loss, grads, nb = loss_and_grads(apply_fn, lm_loss, p, b, batch)
         else:
-            live = [p[k].detach().requires_grad_() for k in names]
-            out, nb = apply_fn(dict(zip(names, live)), b, batch[0])
-            loss = lm_loss(out, batch[1])
-            grads = dict(zip(names, torch.autograd.grad(loss, live)))
+            loss, flat, nb = bt.lean_grads(apply_fn, names, [p[k] for k in names], b, batch)
+            grads = dict(zip(names, flat))
         with reuse_global_norm():
             if level >= 3:
                 global_norm(grads)
             else:
-                torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(grads.values()))))
+                bt.lean_grad_norm(grads.values())
             with inplace_updates():
                 new_p, new_o = update_params(opt, grads, o, p)
         if level >= 4:

@@ -14,6 +14,11 @@ implementations, all built from the same initial weights and fed the same batche
   ``torch.optim.AdamW(fused=True)`` (``torch.optim.Adafactor`` for Adafactor: torch has no fused
   Adafactor; its default foreach path) and ``zero_grad(set_to_none=True)``;
 * ``torch-compile``: the same with ``torch.compile(model)``;
+* ``torch-eager-norm`` (asked for by name or ``all``): ``torch-eager`` that also computes the
+  global gradient norm every step, as a loop that logs it would (one multi-tensor norm over the
+  ``.grad`` tensors, stacked, one norm: what ``torch.nn.utils.get_total_norm`` runs). funcpar's
+  step returns that metric every step (``grad_norm``); this is the plain loop doing the same
+  work;
 * ``funcpar-eager``: ``functionalize`` + ``make_train_step(apply_fn, lm_loss, opt)`` +
   ``amp_cast("bf16")`` (float32 master parameters, bf16 compute), with ``funcpar.optim.adamw``
   / ``adafactor_torch`` (the latter computes exactly torch.optim.Adafactor's update); the
@@ -104,10 +109,11 @@ PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(vocab=512, dim=64, layers=2, heads=4, ffn=176, batch_size=4, seq_len=64,
                  steps=3, reps=3, warmup=2, peak_size=256),
 }
-VARIANTS = ("torch-eager", "torch-compile", "funcpar-eager", "funcpar-donate", "funcpar-compile",
-            "funcpar-compile-donate", "funcpar-compile-cg", "pure-lean")
+VARIANTS = ("torch-eager", "torch-eager-norm", "torch-compile", "funcpar-eager", "funcpar-donate",
+            "funcpar-compile", "funcpar-compile-donate", "funcpar-compile-cg", "pure-lean")
 COMPILED = ("torch-compile", "funcpar-compile", "funcpar-compile-donate", "funcpar-compile-cg")
-OPT_IN = ("pure-lean",)  # a reference, not an implementation: run when named (or "all")
+# References, not implementations: run when named (or "all").
+OPT_IN = ("torch-eager-norm", "pure-lean")
 OPTIMS = ("adamw", "adafactor")
 # AdamW: the usual LLM settings; Adafactor: torch.optim.Adafactor's defaults.
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -128,14 +134,16 @@ def _allocated(device: torch.device) -> int:
 
 # --------------------------------------------------------------------------- implementations
 def plain_runner(model: Llama, optim: str, compile: bool, precision: str,
-                 device: torch.device) -> Runner:
-    """The plain PyTorch loop: nn.Module, autocast, loss.backward(), a torch.optim step."""
+                 device: torch.device, norm: bool = False) -> Runner:
+    """The plain PyTorch loop: nn.Module, autocast, loss.backward(), a torch.optim step;
+    ``norm``: also the global gradient norm, as a metric (``torch-eager-norm``)."""
     if optim == "adamw":
         # fused=True: torch's fastest AdamW (one multi-tensor kernel), the peer to beat.
         opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     else:
         opt = torch.optim.Adafactor(model.parameters(), **ADAFACTOR)
     forward = torch.compile(model) if compile else model
+    params = list(model.parameters())
     dtype = PRECISIONS[precision]
     autocast = (functools.partial(torch.autocast, device.type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext)
@@ -145,6 +153,8 @@ def plain_runner(model: Llama, optim: str, compile: bool, precision: str,
         with autocast():
             loss = lm_loss(forward(inputs), targets)
         loss.backward()
+        if norm:
+            lean_grad_norm([q.grad for q in params if q.grad is not None])
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -246,7 +256,8 @@ def build(variant: str, base: Llama, optim: str, precision: str,
     # views of the module's, and torch.optim steps the module's in place).
     model = copy.deepcopy(base).to(device)
     if variant.startswith("torch-"):
-        return plain_runner(model, optim, variant == "torch-compile", precision, device)
+        return plain_runner(model, optim, variant == "torch-compile", precision, device,
+                            norm=variant == "torch-eager-norm")
     if variant == "pure-lean":
         return lean_runner(model)
     if variant == "funcpar-compile-cg" and device.type != "cuda":
@@ -299,7 +310,7 @@ def bench_optimizer(optim: str, variants: Sequence[str], base: Llama, args: argp
     runners: dict[str, Runner] = {}
     out: dict[str, dict[str, Any]] = {}
     for v in variants:
-        if v in OPT_IN and (optim != "adamw" or args.precision != "fp32"):
+        if v == "pure-lean" and (optim != "adamw" or args.precision != "fp32"):
             continue  # the lean reference exists for fp32 AdamW only
         gc.collect()
         m0 = _allocated(device)
@@ -498,6 +509,14 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             print(line)
             if not r["loss_gap"] <= args.loss_rtol:
                 mismatch.append(f"{optim} {v} (gap {r['loss_gap']:.2e})")
+    for optim, res in results.items():
+        # The like-for-like ratio: the plain loop computing the metric funcpar's step returns.
+        base_ms = res.get("torch-eager-norm", {}).get("median")
+        ours = [(v, r["median"]) for v, r in res.items()
+                if base_ms and v.startswith(("funcpar-", "pure-")) and "median" in r]
+        if ours:
+            print(f"{optim}: vs torch-eager-norm (the plain loop with the grad-norm metric): "
+                  + ", ".join(f"{v} {base_ms / ms:.3f}" for v, ms in ours))
     print("ratios: tokens/s over the plain model's (> 1: funcpar faster). Targets (issue 16): "
           "funcpar-eager >= 1.0x torch-eager; funcpar-compile >= 1.15x torch-compile on the "
           "tiny preset, >= 1.0x on the 7.3 M model.")

@@ -2,6 +2,7 @@
 
     python benchmarks/step_ladder.py                 # tiny preset, fp32 AdamW, CPU, 1 thread
     python benchmarks/step_ladder.py --steps 500 --dim 128 --layers 4
+    python benchmarks/step_ladder.py --phases         # the parts of the plain and funcpar steps
 
 A ladder of steps on the same model and batches, from bench_train's ``pure-lean`` (a pure AdamW
 step by hand on flat leaf lists) to funcpar's ``make_train_step(..., donate=True)``, each rung
@@ -22,6 +23,13 @@ All run interleaved, one step each in a rotated order, so machine noise hits the
 table shows medians and first quartiles per step, the time each rung adds, and torch-eager's
 time over each rung's (> 1: faster than the plain loop). Every rung computes the same maths
 (their losses are checked against torch-eager's over the warm-up steps).
+
+``--phases`` times the parts inside the steps instead, interleaved the same way: torch-eager's
+forward, backward and optimizer step (``step()`` + ``zero_grad()``) against the parts of
+funcpar's donated step (``loss_and_grads``, the ``global_norm`` metric, ``update_params``
+inside ``inplace_updates``, ``donate_into``), each timed where it runs in a real step (after
+the backward, with the caches the backward left), so the table says which of funcpar's parts
+the plain loop also pays and which it does not.
 """
 
 from __future__ import annotations
@@ -80,6 +88,71 @@ def rung(base: Llama, level: int) -> Callable[[tuple], torch.Tensor]:
     return run
 
 
+def phase_runners(base: Llama) -> tuple[Callable[[tuple, dict], None],
+                                        Callable[[tuple, dict], None]]:
+    """torch-eager's step and funcpar's donated step as parts, each adding its parts' seconds
+    to the dict it is given (the same maths as the ladder's end rungs)."""
+    model = copy.deepcopy(base)
+    torch_opt = torch.optim.AdamW(model.parameters(), fused=True, **bt.ADAMW)
+
+    def plain(batch: tuple, t: dict) -> None:
+        inputs, targets = batch
+        t0 = time.perf_counter()
+        loss = lm_loss(model(inputs), targets)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        torch_opt.step()
+        torch_opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        t.update({"forward + loss": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2})
+
+    apply_fn, params, buffers = functionalize(copy.deepcopy(base))
+    opt = adamw(**bt.ADAMW)
+    state = {"p": {k: v.detach() for k, v in params.items()}, "b": buffers}
+    state["o"] = opt.init(state["p"])
+
+    def ours(batch: tuple, t: dict) -> None:
+        p, b, o = state["p"], state["b"], state["o"]
+        t0 = time.perf_counter()
+        _, grads, nb = loss_and_grads(apply_fn, lm_loss, p, b, batch)
+        t1 = time.perf_counter()
+        with reuse_global_norm():
+            global_norm(grads)
+            t2 = time.perf_counter()
+            with inplace_updates():
+                new_p, new_o = update_params(opt, grads, o, p)
+        t3 = time.perf_counter()
+        new_p, nb, new_o = donate_into((p, b, o), (new_p, nb, new_o))
+        t4 = time.perf_counter()
+        state.update(p=new_p, b=nb, o=new_o)
+        t.update({"forward + loss + backward": t1 - t0, "grad-norm metric": t2 - t1,
+                  "optimizer": t3 - t2, "donation": t4 - t3})
+
+    return plain, ours
+
+
+def phases(base: Llama, batches: Sequence[tuple], steps: int, warmup: int) -> None:
+    """The ``--phases`` table: median milliseconds of each part (module docstring)."""
+    runs = dict(zip(("torch-eager", "funcpar-donate"), phase_runners(base)))
+    for batch in batches[:warmup]:
+        for run in runs.values():
+            run(batch, {})
+    times: dict[str, dict[str, list[float]]] = {n: {} for n in runs}
+    for i in range(steps):
+        batch = batches[(warmup + i) % len(batches)]
+        for n in (list(runs) if i % 2 else list(runs)[::-1]):
+            parts: dict[str, float] = {}
+            runs[n](batch, parts)
+            parts["sum of the parts"] = sum(parts.values())
+            for k, v in parts.items():
+                times[n].setdefault(k, []).append(v)
+    print(f"parts of the step, median ms over {steps} interleaved steps each")
+    for n, parts in times.items():
+        for k, v in parts.items():
+            print(f"{n:<16}{k:<28}{1e3 * statistics.median(v):>9.3f}")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(prog="step_ladder.py", description=__doc__.split("\n\n")[0])
     tiny = bt.PRESETS["tiny"]
@@ -88,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     p.add_argument("--steps", type=int, default=300, help="timed steps of every rung")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--phases", action="store_true",
+                   help="time the parts of torch-eager's and funcpar's steps instead")
     args = p.parse_args(argv)
     if min(args.steps, args.warmup) <= 0 or args.dim % args.heads:
         p.error("--steps and --warmup must be positive and --dim divisible by --heads")
@@ -98,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (40, args.batch_size, args.seq_len + 1), generator=gen)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    if args.phases:
+        phases(base, batches, args.steps, args.warmup)
+        return {}
     cpu = torch.device("cpu")
     ways = {"torch-eager": bt.build("torch-eager", base, "adamw", "fp32", cpu),
             "lean": bt.lean_runner(copy.deepcopy(base))}

@@ -92,6 +92,13 @@ def test_step_ladder_smoke(tmp_path):
                 "--warmup", "2"], tmp_path)
     rows = [line.split()[0] for line in out.splitlines()[2:]]
     assert rows == ["torch-eager", "lean", "+", "+", "+", "+", "funcpar-donate"], out
+    out = _run([str(ROOT / "benchmarks" / "step_ladder.py"), "--phases", "--dim", "32",
+                "--layers", "1", "--ffn", "64", "--vocab", "64", "--seq-len", "16", "--steps",
+                "2", "--warmup", "1"], tmp_path)
+    parts = {tuple(line.split()[:2]): float(line.split()[-1]) for line in out.splitlines()[1:]}
+    assert {("torch-eager", "optimizer"), ("funcpar-donate", "grad-norm"),
+            ("funcpar-donate", "donation")} <= set(parts), out
+    assert all(ms > 0 for ms in parts.values()), out
 
 
 def _bench_module():

@@ -88,14 +88,15 @@ def rung(base: Llama, level: int) -> Callable[[tuple], torch.Tensor]:
     return run
 
 
-def phase_runners(base: Llama) -> tuple[Callable[[tuple, dict], None],
-                                        Callable[[tuple, dict], None]]:
-    """torch-eager's step and funcpar's donated step as parts, each adding its parts' seconds
-    to the dict it is given (the same maths as the ladder's end rungs)."""
+def phase_runners(base: Llama) -> tuple[Callable[[tuple, dict], torch.Tensor],
+                                        Callable[[tuple, dict], torch.Tensor]]:
+    """torch-eager's step and funcpar's donated step as parts, each writing its parts' seconds
+    into the dict it is given and returning the loss (the same maths as the ladder's end
+    rungs)."""
     model = copy.deepcopy(base)
     torch_opt = torch.optim.AdamW(model.parameters(), fused=True, **bt.ADAMW)
 
-    def plain(batch: tuple, t: dict) -> None:
+    def plain(batch: tuple, t: dict) -> torch.Tensor:
         inputs, targets = batch
         t0 = time.perf_counter()
         loss = lm_loss(model(inputs), targets)
@@ -106,16 +107,17 @@ def phase_runners(base: Llama) -> tuple[Callable[[tuple, dict], None],
         torch_opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         t.update({"forward + loss": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2})
+        return loss.detach()
 
     apply_fn, params, buffers = functionalize(copy.deepcopy(base))
     opt = adamw(**bt.ADAMW)
     state = {"p": {k: v.detach() for k, v in params.items()}, "b": buffers}
     state["o"] = opt.init(state["p"])
 
-    def ours(batch: tuple, t: dict) -> None:
+    def ours(batch: tuple, t: dict) -> torch.Tensor:
         p, b, o = state["p"], state["b"], state["o"]
         t0 = time.perf_counter()
-        _, grads, nb = loss_and_grads(apply_fn, lm_loss, p, b, batch)
+        loss, grads, nb = loss_and_grads(apply_fn, lm_loss, p, b, batch)
         t1 = time.perf_counter()
         with reuse_global_norm():
             global_norm(grads)
@@ -128,6 +130,7 @@ def phase_runners(base: Llama) -> tuple[Callable[[tuple, dict], None],
         state.update(p=new_p, b=nb, o=new_o)
         t.update({"forward + loss + backward": t1 - t0, "grad-norm metric": t2 - t1,
                   "optimizer": t3 - t2, "donation": t4 - t3})
+        return loss
 
     return plain, ours
 
@@ -136,8 +139,9 @@ def phases(base: Llama, batches: Sequence[tuple], steps: int, warmup: int) -> No
     """The ``--phases`` table: median milliseconds of each part (module docstring)."""
     runs = dict(zip(("torch-eager", "funcpar-donate"), phase_runners(base)))
     for batch in batches[:warmup]:
-        for run in runs.values():
-            run(batch, {})
+        a, b = (float(run(batch, {})) for run in runs.values())
+        if abs(a - b) > 1e-5 * abs(a):
+            raise SystemExit(f"error: funcpar's warm-up loss {b} differs from torch-eager's {a}")
     times: dict[str, dict[str, list[float]]] = {n: {} for n in runs}
     for i in range(steps):
         batch = batches[(warmup + i) % len(batches)]

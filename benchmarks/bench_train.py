@@ -136,7 +136,8 @@ def _allocated(device: torch.device) -> int:
 def plain_runner(model: Llama, optim: str, compile: bool, precision: str,
                  device: torch.device, norm: bool = False) -> Runner:
     """The plain PyTorch loop: nn.Module, autocast, loss.backward(), a torch.optim step;
-    ``norm``: also the global gradient norm, as a metric (``torch-eager-norm``)."""
+    ``norm``: also the global gradient norm, as a metric (``torch-eager-norm``). The runner
+    takes an optional dict, where it writes the seconds of its parts (step_ladder --phases)."""
     if optim == "adamw":
         # fused=True: torch's fastest AdamW (one multi-tensor kernel), the peer to beat.
         opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
@@ -148,15 +149,21 @@ def plain_runner(model: Llama, optim: str, compile: bool, precision: str,
     autocast = (functools.partial(torch.autocast, device.type, dtype=dtype) if dtype is not None
                 else contextlib.nullcontext)
 
-    def run(batch: tuple) -> torch.Tensor:
+    def run(batch: tuple, parts: dict[str, float] | None = None) -> torch.Tensor:
         inputs, targets = batch
+        t0 = time.perf_counter()
         with autocast():
             loss = lm_loss(forward(inputs), targets)
+        t1 = time.perf_counter()
         loss.backward()
         if norm:
             lean_grad_norm([q.grad for q in params if q.grad is not None])
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if parts is not None:
+            parts.update({"forward + loss": t1 - t0, "backward": t2 - t1,
+                          "optimizer": time.perf_counter() - t2})
         return loss.detach()
 
     return run

@@ -55,89 +55,53 @@ from funcpar.train.step import loss_and_grads
 RUNGS = ("+ update_params", "+ loss_and_grads", "+ global_norm", "+ donate_into")
 
 
-def rung(base: Llama, level: int) -> Callable[[tuple], torch.Tensor]:
-    """The lean step with funcpar's first ``level`` parts of :data:`RUNGS` (1-4) swapped in."""
+def rung(base: Llama, level: int) -> Callable[..., torch.Tensor]:
+    """The lean step with funcpar's first ``level`` parts of :data:`RUNGS` (1-4) swapped in;
+    the step takes an optional dict, where it writes the seconds of its parts (``--phases``)."""
     apply_fn, params, buffers = functionalize(copy.deepcopy(base))
     opt = adamw(**bt.ADAMW)
     names = list(params)
     state = {"params": {k: v.detach() for k, v in params.items()}, "buffers": buffers}
     state["opt"] = opt.init(state["params"])
 
-    def run(batch: tuple) -> torch.Tensor:
+    def run(batch: tuple, parts: dict[str, float] | None = None) -> torch.Tensor:
         p, b, o = state["params"], state["buffers"], state["opt"]
+        t0 = time.perf_counter()
         if level >= 2:
             loss, grads, nb = loss_and_grads(apply_fn, lm_loss, p, b, batch)
         else:
             loss, flat, nb = bt.lean_grads(apply_fn, names, [p[k] for k in names], b, batch)
             grads = dict(zip(names, flat))
+        t1 = time.perf_counter()
         with reuse_global_norm():
             if level >= 3:
                 global_norm(grads)
             else:
                 bt.lean_grad_norm(grads.values())
+            t2 = time.perf_counter()
             with inplace_updates():
                 new_p, new_o = update_params(opt, grads, o, p)
+        t3 = time.perf_counter()
         if level >= 4:
             new_p, nb, new_o = donate_into((p, b, o), (new_p, nb, new_o))
         else:  # fresh objects on the same storage, as the lean step returns
             new_p, nb, new_o = tree_map(lambda x: x.detach() if torch.is_tensor(x) else x,
                                         (new_p, nb, new_o))
+        if parts is not None:
+            parts.update({"forward + loss + backward": t1 - t0, "grad-norm metric": t2 - t1,
+                          "optimizer": t3 - t2, "donation": time.perf_counter() - t3})
         state.update(params=new_p, buffers=nb, opt=new_o)
         return loss.detach()
 
     return run
 
 
-def phase_runners(base: Llama) -> tuple[Callable[[tuple, dict], torch.Tensor],
-                                        Callable[[tuple, dict], torch.Tensor]]:
-    """torch-eager's step and funcpar's donated step as parts, each writing its parts' seconds
-    into the dict it is given and returning the loss (the same maths as the ladder's end
-    rungs)."""
-    model = copy.deepcopy(base)
-    torch_opt = torch.optim.AdamW(model.parameters(), fused=True, **bt.ADAMW)
-
-    def plain(batch: tuple, t: dict) -> torch.Tensor:
-        inputs, targets = batch
-        t0 = time.perf_counter()
-        loss = lm_loss(model(inputs), targets)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        torch_opt.step()
-        torch_opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        t.update({"forward + loss": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2})
-        return loss.detach()
-
-    apply_fn, params, buffers = functionalize(copy.deepcopy(base))
-    opt = adamw(**bt.ADAMW)
-    state = {"p": {k: v.detach() for k, v in params.items()}, "b": buffers}
-    state["o"] = opt.init(state["p"])
-
-    def ours(batch: tuple, t: dict) -> torch.Tensor:
-        p, b, o = state["p"], state["b"], state["o"]
-        t0 = time.perf_counter()
-        loss, grads, nb = loss_and_grads(apply_fn, lm_loss, p, b, batch)
-        t1 = time.perf_counter()
-        with reuse_global_norm():
-            global_norm(grads)
-            t2 = time.perf_counter()
-            with inplace_updates():
-                new_p, new_o = update_params(opt, grads, o, p)
-        t3 = time.perf_counter()
-        new_p, nb, new_o = donate_into((p, b, o), (new_p, nb, new_o))
-        t4 = time.perf_counter()
-        state.update(p=new_p, b=nb, o=new_o)
-        t.update({"forward + loss + backward": t1 - t0, "grad-norm metric": t2 - t1,
-                  "optimizer": t3 - t2, "donation": t4 - t3})
-        return loss
-
-    return plain, ours
-
-
 def phases(base: Llama, batches: Sequence[tuple], steps: int, warmup: int) -> None:
     """The ``--phases`` table: median milliseconds of each part (module docstring)."""
-    runs = dict(zip(("torch-eager", "funcpar-donate"), phase_runners(base)))
+    # torch-eager's loop and the ladder's top rung (all of funcpar's parts), split in parts.
+    runs = {"torch-eager": bt.plain_runner(copy.deepcopy(base), "adamw", False, "fp32",
+                                           torch.device("cpu")),
+            "funcpar-donate": rung(base, len(RUNGS))}
     for batch in batches[:warmup]:
         a, b = (float(run(batch, {})) for run in runs.values())
         if abs(a - b) > 1e-5 * abs(a):

@@ -114,7 +114,7 @@ from funcpar.state.tree import (
     tree_map,
     tree_unflatten,
 )
-from funcpar.train.step import TrainStep
+from funcpar.train.step import TrainStep, _device_of
 from funcpar.transforms.zero_partition import _partitioned
 
 __all__ = ["OffloadedState", "offload", "offloaded", "read_masters", "read_state"]
@@ -929,13 +929,6 @@ def _upcast_then(sync: Callable[[Tree], Tree] | None, flags: list[bool],
                                    for g, f in zip(leaves, flags)])
         return up if sync is None else sync(up)
     return sync_grads
-
-
-def _device_of(tree: Tree) -> torch.device:
-    for x in tree_flatten(tree)[0]:
-        if torch.is_tensor(x):
-            return x.device
-    return torch.device("cpu")
 
 
 def _to(tree: Tree, device: Any) -> Tree:

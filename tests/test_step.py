@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcpar.optim as fo
-from funcpar.state import functionalize, init_state
+from funcpar.state import functionalize, generator_state, init_state
 from funcpar.train import make_train_step
 
 
@@ -76,6 +76,35 @@ def test_step_is_pure_and_rng_is_state():
     assert not torch.equal(s1.rng, state.rng)  # dropout drew from the state's generator
     _s3, m3 = step(s1, batch)
     assert not torch.equal(m3["loss"], m1["loss"])  # a new mask on the next step
+
+
+def test_rng_of_another_device_kind_is_refused_naming_the_fix():
+    # A CUDA generator's 16-byte state on CPU parameters (and the CPU's 5056 bytes on CUDA
+    # ones, which torch refuses as "RNG state is wrong size") is one clear error.
+    net, batch = _setup()
+    apply_fn, params, buffers = functionalize(net)
+    opt = fo.sgd(lr=0.1)
+    step = make_train_step(apply_fn, F.cross_entropy, opt)
+    state = init_state(params, buffers, opt)
+    assert torch.equal(state.rng, generator_state("cpu", 0))
+    cuda_kind = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"state.rng \(16 bytes\).*generator_state"):
+        step(state._replace(rng=cuda_kind), batch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_init_state_on_cuda_trains_with_the_cuda_generator():
+    net, batch = _setup()
+    net = net.cuda()
+    batch = tuple(b.cuda() for b in batch)
+    apply_fn, params, buffers = functionalize(net)
+    opt = fo.adamw(lr=0.01)
+    step = make_train_step(apply_fn, F.cross_entropy, opt)
+    state = init_state(params, buffers, opt, seed=3)
+    assert torch.equal(state.rng, generator_state("cuda", 3))
+    s1, m1 = step(state, batch)
+    s2, m2 = step(state, batch)
+    assert torch.equal(m1["loss"], m2["loss"]) and not torch.equal(s1.rng, state.rng)
 
 
 def test_compiled_step_matches_eager():

@@ -76,8 +76,15 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from funcpar.shard.layout import Layout
-from funcpar.state.train_state import TrainState
-from funcpar.state.tree import Tree, leaves_like, named_leaves, tree_flatten, tree_unflatten
+from funcpar.state.train_state import TrainState, generator_state
+from funcpar.state.tree import (
+    Tree,
+    device_of,
+    leaves_like,
+    named_leaves,
+    tree_flatten,
+    tree_unflatten,
+)
 from funcpar.train.step import TrainStep
 
 __all__ = [
@@ -442,7 +449,12 @@ def materialize(*, seed: int = 0, inits: Mapping[str, Init] | None = None,
         opt_state = state.opt_state
         if any(torch.is_tensor(x) and x.is_meta for x in tree_flatten(opt_state)[0]):
             opt_state = step.optimizer.init(params)
-        new = state._replace(params=params, buffers=buffers, opt_state=opt_state)
+        # A lazily built state holds a CPU generator's state; parameters materialized on CUDA
+        # draw from a CUDA generator, whose state is of another kind (seeded from ``seed``).
+        rng = state.rng
+        if rng.numel() != generator_state(device_of(params), 0).numel():
+            rng = generator_state(device_of(params), seed)
+        new = state._replace(params=params, buffers=buffers, opt_state=opt_state, rng=rng)
         check_materialized(new, "materialize")
         return step, new
 

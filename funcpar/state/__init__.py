@@ -10,7 +10,7 @@ from funcpar.state.checkpoint import (
     save,
 )
 from funcpar.state.functional import ApplyFn, functionalize
-from funcpar.state.train_state import TrainState, init_state
+from funcpar.state.train_state import TrainState, generator_state, init_state
 from funcpar.state.tree import (
     LeafSpec,
     Tree,
@@ -31,6 +31,7 @@ __all__ = [
     "Tree",
     "export_params",
     "functionalize",
+    "generator_state",
     "init_state",
     "latest_checkpoint",
     "leaf_layouts",

@@ -18,6 +18,8 @@ import torch
 __all__ = [
     "LeafSpec",
     "Tree",
+    "device_of",
+    "leaves_device",
     "leaves_like",
     "leaves_up_to",
     "named_leaves",
@@ -48,6 +50,20 @@ def tree_unflatten(spec: optree.PyTreeSpec, leaves: list[Any]) -> Tree:
 
 def tree_leaves(tree: Tree) -> list[Any]:
     return optree.tree_leaves(tree, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def device_of(tree: Tree) -> torch.device:
+    """The device of ``tree``'s first tensor leaf (a state's: its params' first), else the
+    CPU."""
+    return leaves_device(tree_leaves(tree))
+
+
+def leaves_device(leaves: list[Any]) -> torch.device:
+    """:func:`device_of` on leaves already flattened."""
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cpu")
 
 
 def tree_map(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:

@@ -19,7 +19,7 @@ from funcpar.optim.hyperparams import get_hyperparams
 from funcpar.state.donation import check_not_donated, donate_into
 from funcpar.state.functional import ApplyFn
 from funcpar.state.train_state import TrainState
-from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
+from funcpar.state.tree import Tree, leaves_device, tree_flatten, tree_unflatten
 from funcpar.train.in_backward import check_in_backward, loss_and_update
 from funcpar.train.member_grads import grads_at_vmap_level
 from funcpar.train.whole_step import NotTraceable, WholeStep, applies, select
@@ -377,7 +377,7 @@ class TrainStep:
         # donate_into (the small step, rng and extras trees apart).
         owned = (state.params, state.buffers, state.opt_state)
         flat = tree_flatten(owned)
-        device = _leaf_device(flat[0])
+        device = leaves_device(flat[0])
         if device.type == "meta":
             from funcpar.init.lazy import check_materialized  # the lazy-init layer sits above
 
@@ -442,23 +442,21 @@ def make_train_step(
                      donate=donate, update_in_backward=update_in_backward)
 
 
-def _device_of(tree: Tree) -> torch.device:
-    return _leaf_device(tree_flatten(tree)[0])
-
-
-def _leaf_device(leaves: list[Any]) -> torch.device:
-    # The first tensor's device (the params' first, for a state's leaves), else the CPU.
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            return leaf.device
-    return torch.device("cpu")
-
-
 def _set_rng(device: torch.device, state: Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+    except RuntimeError as e:
+        if "size" not in str(e):  # CUDA: "wrong size"; CPU: "Expected ... of size"
+            raise
+        kind = "a CUDA" if device.type == "cuda" else "the CPU"
+        raise ValueError(
+            f"state.rng ({state.numel()} bytes) is not a state of {kind} generator, which the "
+            f"parameters on {device} draw from ({_get_rng(device).numel()} bytes): build the "
+            "state after moving the parameters (init_state), or give it "
+            "funcpar.state.generator_state(device, seed)") from None
 
 
 def _get_rng(device: torch.device) -> Tensor:

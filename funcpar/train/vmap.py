@@ -75,12 +75,13 @@ from funcpar.kernels.members import owned_level
 from funcpar.optim.hyperparams import get_hyperparams
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import (
+    device_of,
     named_leaves,
     tree_flatten,
     tree_structure_check,
     tree_unflatten,
 )
-from funcpar.train.step import TrainStep, _device_of, _get_rng, _set_rng
+from funcpar.train.step import TrainStep, _get_rng, _set_rng
 
 __all__ = ["RANDOMNESS", "check_vmappable", "stack_states", "unstack_states", "vmap_step"]
 
@@ -203,7 +204,7 @@ def vmap_step(
             return [out[i] for i in batched] + list(metrics.values())
 
         b_dims = [0 if (batch_axis == 0 and torch.is_tensor(x)) else None for x in b_leaves]
-        device = _device_of(leaves)
+        device = device_of(leaves)
         # Under "error" no draw can happen: the global generator is left alone (saving and
         # restoring it costs a 5 kB copy each way per step).
         scope = (contextlib.nullcontext() if randomness == "error" else

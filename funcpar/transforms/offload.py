@@ -108,13 +108,14 @@ from funcpar.state.train_state import TrainState
 from funcpar.state.tree import (
     NAMESPACE,
     Tree,
+    device_of,
     named_leaves,
     tree_flatten,
     tree_leaves,
     tree_map,
     tree_unflatten,
 )
-from funcpar.train.step import TrainStep, _device_of
+from funcpar.train.step import TrainStep
 from funcpar.transforms.zero_partition import _partitioned
 
 __all__ = ["OffloadedState", "offload", "offloaded", "read_masters", "read_state"]
@@ -242,7 +243,7 @@ def offloaded(inner: GradientTransformation, store: TensorStore, *, prefix: str 
         if masters is not None:
             raise TypeError("an offloaded optimizer with fp32 master params updates the "
                             "params itself: call update_params / .apply, not .update")
-        device = _device_of(grads)
+        device = device_of(grads)
         if chunk_bytes is None:
             tree = load(state, store, prefix=prefix, rank=rank)
             if device.type != "cpu":  # the update runs on the host, next to the state
@@ -263,7 +264,7 @@ def offloaded(inner: GradientTransformation, store: TensorStore, *, prefix: str 
         kernel does), ``inner.update`` + ``apply_updates`` otherwise."""
         check(state)
         v = int(state.version)
-        device = _device_of(grads)
+        device = device_of(grads)
         if masters is None:
             if chunk_bytes is not None:
                 _, new_tree, new_p = chunked(grads, state, params, layouts, None, True)
@@ -325,7 +326,7 @@ def offloaded(inner: GradientTransformation, store: TensorStore, *, prefix: str 
         # chain has one when its last part does: the earlier parts' updates, then that apply),
         # else update + apply_updates. Both round differently, so the choice must match.
         fused = inner.apply is not None and rest.apply is not None
-        dev = _device_of(grads) if update_on == "device" else torch.device("cpu")
+        dev = device_of(grads) if update_on == "device" else torch.device("cpu")
         host = torch.device("cpu")
         m_handles = tree_leaves(state.masters) if half is not None else [None] * len(p_named)
         grads = _to(grads, dev)

@@ -48,9 +48,9 @@ from torch import Tensor
 
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state.train_state import TrainState
-from funcpar.state.tree import Tree, tree_flatten
+from funcpar.state.tree import Tree, device_of, tree_flatten
 from funcpar.train.finite import all_finite, check_agreement_mesh
-from funcpar.train.step import LossScaler, TrainStep, _device_of
+from funcpar.train.step import LossScaler, TrainStep
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "skip_nonfinite"]
 
@@ -133,7 +133,7 @@ def skip_nonfinite(
         if taken:
             raise ValueError(f"skip_nonfinite: state.extras already holds {taken}")
         check_agreement_mesh(mesh, "skip_nonfinite")
-        device = _device_of(state.params)
+        device = device_of(state.params)
         for k in _EXTRAS:
             extras[k] = torch.zeros((), dtype=torch.int64, device=device)
         guard = NonFiniteGuard(policy, max_consecutive, mesh, step.loss_scaler)

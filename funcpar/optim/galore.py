@@ -451,6 +451,7 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
     who = "galore_adamw"
     beta1, beta2 = betas
     code_m, code_v = dynamic_map(signed=True), dynamic_map(signed=False)
+    maps_on = {code_m.device: (code_m, code_v)}  # the maps copied once to each states' device
     build_key = (who, eight_bit, block_size, min_8bit_size)
 
     def moment_zeros(lf, p, code, device):
@@ -491,7 +492,9 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         scalars = Adam8bitScalars(beta1=beta1, beta2=beta2, eps=eps, bc2_sqrt=bc2_sqrt,
                                   variant=adam_variant)
         decays = not host_equals(weight_decay, 0.0)
-        lr_wd = torch.as_tensor(lr * weight_decay, dtype=torch.float64)  # addcmul takes tensors
+        # addcmul takes tensors; a 0-d CPU one only as its second factor on CUDA (the products
+        # commute, so the order changes no bit).
+        lr_wd = torch.as_tensor(lr * weight_decay, dtype=torch.float64)
 
         def leaf(g, p, proj, m, v, cfg, use_decay, layout, low_layout):
             # Phases: the refresh's gather, the projection's partial sum, the 8-bit absmax of a
@@ -508,8 +511,10 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
             if all(quantized):
                 # Whole 8-bit states: one fused pass (a Triton kernel on CUDA); sharded ones
                 # in the whole state's blocks: two passes around the absmax all-reduce.
+                if low.device not in maps_on:
+                    maps_on[low.device] = code_m.to(low.device), code_v.to(low.device)
                 direction, m_st, v_st = yield from adam8bit_phases(
-                    low, m, v, code_m, code_v, block_size, scalars, layout=low_layout)
+                    low, m, v, *maps_on[low.device], block_size, scalars, layout=low_layout)
             elif any(quantized):
                 raise ValueError(f"{who}: one moment of a leaf is 8-bit and the other is not; "
                                  "the state was not built by this optimizer")
@@ -530,14 +535,14 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
             # w - s N rounded once, as galore-torch's p.add_(N, alpha=-s) (one fused pass).
             if use_decay and adam_variant == "bnb" and cfg is None:
                 # bitsandbytes' own AdamW shrinks the weight before its step ...
-                new_p = torch.addcmul(p * (1 - lr * weight_decay), step_size, direction,
+                new_p = torch.addcmul(p * (1 - lr * weight_decay), direction, step_size,
                                       value=-1)
             else:
-                new_p = torch.addcmul(p, step_size, direction, value=-1)
+                new_p = torch.addcmul(p, direction, step_size, value=-1)
             if use_decay and not (adam_variant == "bnb" and cfg is None):
                 # ... galore-torch shrinks the already updated weight (both AdamWs), also
                 # rounded once: p.add_(p, alpha=-lr wd).
-                new_p = torch.addcmul(new_p, lr_wd, new_p, value=-1)
+                new_p = torch.addcmul(new_p, new_p, lr_wd, value=-1)
             # new - old is exact while the step is under half the weight, so apply_updates
             # rebuilds new_p with the rounding computed here (apply: new_p itself).
             return (new_p - p if out == "update" else new_p.to(p.dtype)), proj, m_st, v_st
@@ -557,13 +562,13 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
         if decays and adam_variant == "bnb" and unprojected:
             shrunk = p.mul_(1 - lr * weight_decay) if donated else torch.mul(
                 p, 1 - lr * weight_decay)
-            return shrunk.addcmul_(step_size, direction, value=-1)
+            return shrunk.addcmul_(direction, step_size, value=-1)
         if donated:
-            new_p = p.addcmul_(step_size, direction, value=-1)
+            new_p = p.addcmul_(direction, step_size, value=-1)
         else:
-            new_p = torch.addcmul(p, step_size, direction, value=-1, out=direction)
+            new_p = torch.addcmul(p, direction, step_size, value=-1, out=direction)
         if decays:
-            new_p.addcmul_(lr_wd, new_p, value=-1)
+            new_p.addcmul_(new_p, lr_wd, value=-1)
         return new_p
 
     def update(grads, state: GaLoreAdamWState, params=None, *, layouts=None):

@@ -359,6 +359,9 @@ def adam8bit_phases(
     as :func:`dequantize` / :func:`quantize` with ``layout`` (bit-identical to them).
     """
     _refuse_differentiation(g, *scalars)
+    if code_m.device != g.device:  # as quantize and dequantize: the maps follow the state
+        code_m = code_m.to(g.device, non_blocking=True)
+        code_v = code_v.to(g.device, non_blocking=True)
     if global_shape(g, layout) == tuple(g.shape):
         direction, mq, vq = adam8bit_step(g, m, v, code_m, code_v, block_size, scalars)
         return direction, Quantized(*mq), Quantized(*vq)

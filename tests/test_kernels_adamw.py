@@ -184,3 +184,46 @@ def test_dispatch(monkeypatch):
         else:
             with pytest.raises(RuntimeError, match="Triton is not installed"):
                 _train(opt, 1)
+
+
+@needs_triton
+def test_donated_kernels_write_into_their_inputs(interpret):
+    # Inside inplace_updates (a donated step) the AdamW and SGD kernels write the new
+    # parameters and moments into the inputs' own storage (no second copy of the state on a
+    # GPU), with the bits of the fresh-output launch.
+    from funcpar.kernels.inplace import inplace_updates
+    from funcpar.kernels.sgd import SGDScalars, sgd_triton
+
+    decay = [True] * len(SHAPES)
+    g, p, m, v = (_leaves(torch.float32, positive=i == 3, seed=i) for i in range(4))
+    fresh = adamw_triton(g, p, m, v, [None] * len(g), decay, _scalars(), block=64,
+                         write_params=True)
+    mine = [[t.clone() for t in ts] for ts in (p, m, v)]
+    ptrs = [[t.data_ptr() for t in ts] for ts in mine]
+    with inplace_updates():
+        out = adamw_triton(g, *mine, [None] * len(g), decay, _scalars(), block=64,
+                           write_params=True)
+    for got, want, own in zip(out[:3], fresh[:3], ptrs, strict=True):
+        assert [t.data_ptr() for t in got] == own
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    s = SGDScalars(torch.tensor(0.1, dtype=torch.float64), 0.01, False, momentum=0.9,
+                   dampening=0.0)
+    fresh = sgd_triton(g, p, m, decay, s, write_params=True, block=64)
+    mine = [[t.clone() for t in ts] for ts in (p, m)]
+    ptrs = [[t.data_ptr() for t in ts] for ts in mine]
+    with inplace_updates():
+        out = sgd_triton(g, *mine, decay, s, write_params=True, block=64)
+    for got, want, own in zip(out, fresh, ptrs, strict=True):
+        assert [t.data_ptr() for t in got] == own
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_kernels_step_aside_under_compile_tracing(monkeypatch):
+    # Traced by torch.compile (or the whole-step region) every mode takes the reference: the
+    # launchers read numbers out of 0-d tensors, which a trace cannot.
+    from funcpar.kernels import use_kernels
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with kernel_mode("triton"):
+        assert not use_kernels(torch.zeros(3))

@@ -38,7 +38,7 @@ from typing import Any, no_type_check
 import torch
 from torch import Tensor
 
-from funcpar.kernels.dispatch import current_mode, use_kernels
+from funcpar.kernels.dispatch import current_mode, inplace_allowed, use_kernels
 
 __all__ = [
     "BLOCK",
@@ -58,6 +58,7 @@ __all__ = [
     "leaf_tile",
     "new_output",
     "note_launch",
+    "output_into",
     "poisoned_outputs",
     "segment_sums",
     "tile_table",
@@ -171,6 +172,17 @@ def new_output(shape: Sequence[int] | torch.Size, dtype: torch.dtype,
         fill = 255 if dtype == torch.uint8 else float("nan")
         return torch.full(tuple(shape), fill, dtype=dtype, device=device)
     return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def output_into(src: Tensor, dtype: torch.dtype) -> Tensor:
+    """The output of an elementwise kernel that reads ``src`` (a contiguous input) at the
+    offsets it writes: ``src`` itself inside :func:`~funcpar.kernels.inplace.inplace_updates`
+    when the dtypes agree (a donated step then needs no second copy of the state; every
+    element is loaded before its new value, which depends on it, is stored), else a fresh
+    tensor (:func:`new_output`)."""
+    if inplace_allowed() and src.dtype == dtype and src.is_contiguous():
+        return src
+    return new_output(src.shape, dtype, src.device)
 
 
 def to_device(t: Tensor, device: torch.device) -> Tensor:

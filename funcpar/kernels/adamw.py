@@ -459,12 +459,13 @@ def adamw_triton(
             m, v = exp_avg[i].contiguous(), exp_avg_sq[i].contiguous()
             vm = max_exp_avg_sq[i].contiguous() if amsgrad else None
             shape = p.shape
-            outs[i] = _launch.new_output(shape, pd if write_params else ud, device)
-            ms[i] = _launch.new_output(shape, mo, device)
-            vs[i] = _launch.new_output(shape, vo, device)
+            # Donated (inplace_updates): into p, m, v themselves where the dtypes allow.
+            outs[i] = (_launch.output_into(p, pd) if write_params
+                       else _launch.new_output(shape, ud, device))
+            ms[i] = _launch.output_into(m, mo)
+            vs[i] = _launch.output_into(v, vo)
             # Without amsgrad the (unused) state passes through, as in the reference.
-            vmaxs[i] = (_launch.new_output(shape, vmo, device) if amsgrad
-                        else max_exp_avg_sq[i])
+            vmaxs[i] = _launch.output_into(vm, vmo) if amsgrad else max_exp_avg_sq[i]
             # Leaf row: numel, decay flag, p, g, m, v, vmax, out, m', v', vmax'.
             group.add(i, decay[i], p, g, m, v, vm, outs[i], ms[i], vs[i],
                       vmaxs[i] if amsgrad else None)

@@ -7,7 +7,8 @@ tests and benchmarks) or else the ``FUNCPAR_KERNELS`` environment variable:
 
 * ``auto`` (default): the kernel when every tensor is on a CUDA device and Triton imports;
 * ``reference``: always the plain-torch reference;
-* ``triton``: always the kernel. On CPU tensors this needs ``TRITON_INTERPRET=1`` set before
+* ``triton``: always the kernel (but where a step is differentiated, vmapped or traced by
+  ``torch.compile``, below). On CPU tensors this needs ``TRITON_INTERPRET=1`` set before
   Triton is first imported (Triton's interpreter runs the kernel in numpy); CI tests the
   kernels on tiny shapes this way.
 """
@@ -84,6 +85,11 @@ def use_kernels(*tensors: torch.Tensor | None, hyper: Sequence[object] = ()) -> 
     """
     mode = current_mode()
     if mode == "reference":
+        return False
+    if torch.compiler.is_compiling():
+        # Traced by torch.compile or the whole-step region: inductor fuses the reference's
+        # operations itself, and the launchers read numbers out of 0-d tensors, which a trace
+        # cannot; every mode takes the reference, as the eager fast paths do.
         return False
     if differentiable(*tensors, *hyper):
         if mode == "triton":

@@ -85,16 +85,18 @@ def copies(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
 FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def fused_leaves_ok(*columns: Sequence[Tensor | None]) -> bool:
+def fused_leaves_ok(*columns: Sequence[Tensor | None],
+                    dtypes: Sequence[torch.dtype] = FUSED_DTYPES) -> bool:
     """Whether torch's CPU fused optimizer kernels can run over these lists of leaves
     (``columns[k][i]``: tensor ``k`` of leaf ``i``, ``None`` skipped): every tensor on the CPU
-    and the tensors of each leaf of one dtype among :data:`FUSED_DTYPES` (they do not
-    promote). Strided leaves are accepted: the caller runs the kernel on :func:`dense` copies
-    of them (the kernels walk raw storage and would accept a strided view silently)."""
+    and the tensors of each leaf of one dtype among ``dtypes`` (they do not promote; a kernel
+    may trust fewer than :data:`FUSED_DTYPES`). Strided leaves are accepted: the caller runs
+    the kernel on :func:`dense` copies of them (the kernels walk raw storage and would accept
+    a strided view silently)."""
     for row in zip(*columns, strict=True):
         first = row[0] if row[0] is not None else next(t for t in row if t is not None)
         dtype = first.dtype
-        if dtype not in FUSED_DTYPES:
+        if dtype not in dtypes:
             return False
         for t in row:
             if t is not None and (t.dtype != dtype or not t.is_cpu):

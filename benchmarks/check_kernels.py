@@ -189,6 +189,16 @@ def check(name: str, make, tree: str, shapes, dtype, device, steps: int) -> list
 BF16 = ("sgd_momentum", "adamw", "adafactor", "came")
 
 
+def _worst_per_path(rows: list[Row]) -> list[Row]:
+    """The worst step of each path (``apply``, ``update``) among one group's rows."""
+    worst: dict[str, Row] = {}
+    for r in rows:
+        if r.path not in worst or (r.err, r.codes_off, r.nan) > (
+                worst[r.path].err, worst[r.path].codes_off, worst[r.path].nan):
+            worst[r.path] = r
+    return list(worst.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -212,25 +222,21 @@ def main(argv: list[str] | None = None) -> int:
         chosen = {k: v for k, v in chosen.items() if k in args.only.split(",")}
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else "Triton interpreter"
     print(f"device {device} ({what}), torch {torch.__version__}")
+    print(f"{'optimizer':16} {'tree':10} {'dtype':9} {'path':7} {'worst err':>10} "
+          f"{'bound':>8} {'codes off':>9} {'NaN':>4}  ok")
     rows: list[Row] = []
     for name, make in chosen.items():
         for tree, shapes in trees(args.quick).items():
             for dtype in (torch.float32, torch.bfloat16):
                 if dtype == torch.bfloat16 and name not in BF16:
                     continue
-                rows += check(name, make, tree, shapes, dtype, device, args.steps)
-    print(f"{'optimizer':16} {'tree':10} {'dtype':9} {'path':7} {'worst err':>10} "
-          f"{'bound':>8} {'codes off':>9} {'NaN':>4}  ok")
-    worst: dict[tuple, Row] = {}
-    for r in rows:  # the worst step per (optimizer, tree, dtype, path)
-        key = (r.optim, r.tree, r.dtype, r.path)
-        if key not in worst or (r.err, r.codes_off, r.nan) > (worst[key].err,
-                                                                worst[key].codes_off,
-                                                                worst[key].nan):
-            worst[key] = r
-    for r in worst.values():
-        print(f"{r.optim:16} {r.tree:10} {r.dtype:9} {r.path:7} {r.err:10.2e} {r.bound:8.1e} "
-              f"{r.codes_off:9.2%} {'yes' if r.nan else 'no':>4}  {'ok' if r.ok else 'FAIL'}")
+                # Printed as measured (flushed): a run stopped at a time limit keeps its rows.
+                group = check(name, make, tree, shapes, dtype, device, args.steps)
+                rows += group
+                for r in _worst_per_path(group):
+                    print(f"{r.optim:16} {r.tree:10} {r.dtype:9} {r.path:7} {r.err:10.2e} "
+                          f"{r.bound:8.1e} {r.codes_off:9.2%} {'yes' if r.nan else 'no':>4}  "
+                          f"{'ok' if r.ok else 'FAIL'}", flush=True)
     bad = [r for r in rows if not r.ok]
     print(f"{len(rows)} comparisons ({args.steps} steps each), {len(bad)} out of bounds")
     return 1 if bad else 0

@@ -6,9 +6,13 @@
 #
 #     bash benchmarks/gpu_issue16.sh                 # memory,train (~7 min on an H100)
 #     bash benchmarks/gpu_issue16.sh optim           # the optimizer steps (~2 min), a 2nd call
-#     SMOKE=1 bash benchmarks/gpu_issue16.sh memory,train,optim   # CPU, tiny sizes: the flags
+#     bash benchmarks/gpu_issue16.sh kernels,optim,memory,train,compile   # all in one call (~9.5 min)
+#     SMOKE=1 bash benchmarks/gpu_issue16.sh kernels,memory,train,compile,optim   # CPU, tiny sizes
 #
-# Each part runs under its own time limit and writes its whole output to $OUT/<part>.txt
+# Parts: kernels (check_kernels.py: every Triton kernel against its reference, compiled for the
+# GPU), memory, train (the eager steps), compile (the compiled steps, a separate run so that a
+# slow compile cannot cost the eager rows), optim. Each part runs under its own time limit
+# (LIMIT_<part> seconds overrides it) and writes its whole output to $OUT/<part>.txt
 # (default ./gpu_out); the console gets each part's exit code and last lines. A part that
 # fails or runs out of time does not stop the next. Needs torch (CUDA), optree, jaxtyping and
 # tensorboard: the device machine's own Python has them, beartype and datasets are not needed.
@@ -23,17 +27,24 @@ if [[ -n "${SMOKE:-}" ]]; then
     memory=(--small --optims adamw --variants plain,donate_on)
     train=(--preset tiny --precision fp32 --optims adamw --variants torch-eager,funcpar-donate
            --steps 1 --reps 1 --warmup 1)
+    compile=(--preset tiny --precision fp32 --optims adamw
+             --variants torch-compile,funcpar-compile-donate --steps 1 --reps 1 --warmup 1)
+    kernels=(--quick)
     optim=(--preset tiny --only adamw --donate --steps 1 --reps 1)
 else
     dev=(--device cuda)
     memory=(--optims adamw,adafactor)
     train=(--preset h100 --optims adamw --steps 5 --reps 3 --nominal-tflops 989
-           --variants torch-eager,torch-compile,funcpar-donate,funcpar-compile-donate)
+           --variants torch-eager,funcpar-donate)
+    compile=(--preset h100 --optims adamw --steps 5 --reps 3 --nominal-tflops 989
+             --variants torch-compile,funcpar-compile-donate)
+    kernels=()
     optim=(--preset h100 --only adamw,adafactor,came,lamb --donate --reps 3)
 fi
 
 run() {  # run NAME LIMIT_S COMMAND...
-    local name=$1 limit=$2
+    local name=$1 var="LIMIT_$1"
+    local limit=${!var:-$2}
     shift 2
     echo "== $name ($(date +%T), limit ${limit} s): $*"
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
@@ -50,10 +61,15 @@ run() {  # run NAME LIMIT_S COMMAND...
 } >"$out/device.txt" 2>&1
 cat "$out/device.txt"
 
-[[ ,$parts, == *,memory,* ]] && run memory 150 python benchmarks/bench_memory.py "${dev[@]}" \
-    "${memory[@]}"
+export PYTHONUNBUFFERED=1  # a part stopped at its limit still leaves what it printed
+[[ ,$parts, == *,kernels,* ]] && run kernels 110 python benchmarks/check_kernels.py "${dev[@]}" \
+    "${kernels[@]}"
 [[ ,$parts, == *,train,* ]] && run train 330 python benchmarks/bench_train.py "${dev[@]}" \
     "${train[@]}"
+[[ ,$parts, == *,compile,* ]] && run compile 150 python benchmarks/bench_train.py "${dev[@]}" \
+    "${compile[@]}"
+[[ ,$parts, == *,memory,* ]] && run memory 150 python benchmarks/bench_memory.py "${dev[@]}" \
+    "${memory[@]}"
 [[ ,$parts, == *,optim,* ]] && run optim 150 python benchmarks/bench_optim.py "${dev[@]}" \
     "${optim[@]}"
 exit 0

@@ -4,9 +4,9 @@
 # tokens/s of the 271 M Llama (preset h100: torch eager and compiled against funcpar's donated
 # eager and whole-step compiled steps) and the optimizer steps of the 888 M parameter set.
 #
-#     bash benchmarks/gpu_issue16.sh                 # memory,train (~7 min on an H100)
+#     bash benchmarks/gpu_issue16.sh                 # memory,train (~2 min on an H200)
 #     bash benchmarks/gpu_issue16.sh optim           # the optimizer steps (~2 min), a 2nd call
-#     bash benchmarks/gpu_issue16.sh kernels,optim,memory,train,compile   # all in one call (~9.5 min)
+#     LIMIT_kernels=150 bash benchmarks/gpu_issue16.sh kernels,compile   # 2026-11-28: each >60/110 s
 #     SMOKE=1 bash benchmarks/gpu_issue16.sh kernels,memory,train,compile,optim   # CPU, tiny sizes
 #
 # Parts: kernels (check_kernels.py: every Triton kernel against its reference, compiled for the

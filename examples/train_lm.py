@@ -65,10 +65,21 @@ from funcpar.shard.comm import comm_log, comm_report
 from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import llama_rules_for
-from funcpar.state import Tree, functionalize, init_state, latest_checkpoint, load, read_index
+from funcpar.state import (
+    Tree,
+    check_one_run,
+    claim_checkpoint_dir,
+    functionalize,
+    init_state,
+    latest_checkpoint,
+    load,
+    new_run_id,
+    read_index,
+)
 from funcpar.state import save as save_checkpoint
 from funcpar.train.cli import add_debug_flag, run_cli
 from funcpar.train.logger import Logger
+from funcpar.train.outputs import check_writable
 from funcpar.train.resume_args import ArgChange, compare_run_args
 from funcpar.train.step import make_train_step
 from funcpar.transforms import (
@@ -185,6 +196,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                           "The saved arguments are compared: model flags must match, changed "
                           "hyperparameters apply (and are reported), data-order flags (--seed, "
                           "--batch-size, --corpus...) must match unless --allow-data-change")
+    run.add_argument("--allow-other-run", action="store_true",
+                     help="write into a --ckpt-dir whose checkpoints belong to another run "
+                          "(replacing them), or --resume from a directory that holds "
+                          "checkpoints of several runs; refused without it")
     run.add_argument("--allow-data-change", action="store_true",
                      help="with --resume: continue although --seed, --batch-size, --seq-len or "
                           "the corpus flags differ from the checkpoint's (a new data order)")
@@ -214,6 +229,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                           "such steps in a row, or apply it (off: one nan ruins every weight)")
     par.add_argument("--max-nonfinite", type=int, default=3, metavar="K",
                      help="with --nonfinite stop: the K-th non-finite step in a row stops the run")
+    par.add_argument("--give-up-after", type=int, default=100, metavar="K",
+                     help="with --nonfinite skip: the K-th non-finite step in a row ends the run "
+                          "with exit 2 (it is not training); 0: never")
     par.add_argument("--remat", type=int, default=0, metavar="K",
                      help="activation checkpointing of every K-th transformer block (1: all "
                           "blocks; 0: off): less activation memory for one more forward")
@@ -294,6 +312,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--remat must be >= 0, got {args.remat}")
     if args.max_nonfinite < 1:
         p.error(f"--max-nonfinite must be >= 1, got {args.max_nonfinite}")
+    if args.give_up_after < 0:
+        p.error(f"--give-up-after must be >= 0 (0: never), got {args.give_up_after}")
     if args.plan and args.preset is None:
         p.error("--plan prints a preset's plan: it needs --preset")
     if args.preset is not None and args.remat:
@@ -413,6 +433,7 @@ def nonfinite_guard(args: argparse.Namespace, mesh: DeviceMesh) -> list:
         return []
     policy = "raise" if args.nonfinite == "stop" else "skip"
     return [skip_nonfinite(policy, max_consecutive=args.max_nonfinite,
+                           give_up_after=args.give_up_after or None,
                            mesh=mesh if mesh.world_size > 1 else None)]
 
 
@@ -481,6 +502,16 @@ def apply_changes(changes: list[ArgChange], args: argparse.Namespace, state: Any
     return state
 
 
+@contextlib.contextmanager
+def _released(lock: Any):
+    """Hold ``lock`` (None: nothing) until the block ends, however it ends."""
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run training; returns ``{"first_loss", "last_loss", "history", "state", "params"}``.
 
@@ -506,6 +537,9 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     check_ranks_agree(mesh, vars(args))
     rank0 = mesh.rank() == 0
     say = print if rank0 else (lambda *a, **k: None)
+    # Outputs first: a path found unwritable only after training would throw the training away.
+    check_writable([("--save", args.save, False), ("--logdir", args.logdir, True),
+                    ("--metrics-jsonl", args.metrics_jsonl, False)])
     # Under torchrun each rank's device comes from the mesh (cuda:LOCAL_RANK with NCCL).
     device = torch.device(args.device) if mesh.world_size == 1 else mesh.device
     loader = load_batches(args, mesh, device)
@@ -533,8 +567,9 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     # Resuming: the state is loaded into this run's layout (resharded from the saved global
     # slices); the loader is deterministic from the seed, so the data position (batches
     # consumed, kept in the checkpoint's metadata) restores the data order.
-    start_step, data_pos = 0, 0
+    start_step, data_pos, run_id = 0, 0, None
     if args.resume is not None:
+        check_one_run(args.resume, allow_other_run=args.allow_other_run)
         found = latest_checkpoint(args.resume)
         if found is None:
             raise SystemExit(f"error: no complete checkpoint at or under {args.resume}")
@@ -546,6 +581,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         state = apply_changes(changes, args, load(found, state, step=step), say)
         start_step = int(state.step)
         data_pos = int(meta.get("data_pos", start_step))
+        run_id = meta.get("run_id")  # a resumed run keeps its identity
         say(f"resumed from {found} at step {start_step}", flush=True)
         if start_step >= args.steps:
             say(f"nothing to do: checkpoint is at step {start_step} (--steps {args.steps})",
@@ -568,11 +604,16 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         total_steps=args.steps, progress=None if rank0 else False,
         print_every=args.print_every if rank0 else None, device=device,
     )
+    # This run owns --ckpt-dir while it trains (every rank agrees before the first step).
+    run_id = run_id or new_run_id()
+    ckpt_lock = (claim_checkpoint_dir(args.ckpt_dir, run_id, resumed=args.resume is not None,
+                                      allow_other_run=args.allow_other_run)
+                 if args.save_every else None)
     comm_log.clear()
     # Collectives are recorded only when a report is asked for (a long run would pile them up).
     capture = comm_log.capture() if args.comm_report else contextlib.nullcontext([])
     start = time.perf_counter()
-    with logger as log, capture as comm_records:
+    with logger as log, capture as comm_records, _released(ckpt_lock):
         log.reset_timer()
         for i, batch in zip(range(start_step, args.steps), loader.batches(start=data_pos)):
             comm_log.begin_step(i + 1)
@@ -581,7 +622,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
             if args.save_every and ((i + 1) % args.save_every == 0 or i + 1 == args.steps):
                 save_checkpoint(state, os.path.join(args.ckpt_dir, f"step_{i + 1:08d}"),
                                 step=step, extra_meta={"data_pos": data_pos + i + 1 - start_step,
-                                                       "args": vars(args)})
+                                                       "args": vars(args), "run_id": run_id})
     elapsed = time.perf_counter() - start
     comm_log.clear()
     history = log.history

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import socket
 import subprocess
 
 import pytest
@@ -127,7 +128,7 @@ def test_a_live_holder_is_refused_a_dead_one_taken_over(tmp_path):
     holder = subprocess.Popen(["sleep", "60"])
     try:
         lock = tmp_path / ".funcpar-store-rank00000.lock"
-        lock.write_text(f"{holder.pid} {store_mod.socket.gethostname()}\n")
+        lock.write_text(f"{holder.pid} {socket.gethostname()}\n")
         with pytest.raises(StoreError, match=rf"in use by process {holder.pid} on "):
             NvmeStore(tmp_path)
         assert lock.read_text().split()[0] == str(holder.pid)  # left to its holder

@@ -49,7 +49,6 @@ import json
 import mmap
 import os
 import re
-import socket
 import threading
 import warnings
 import zlib
@@ -58,6 +57,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from funcpar.state.dir_lock import DirLock, LockHeld
 
 __all__ = ["BLOCK", "CHECKSUMS", "CpuStore", "NvmeStore", "StoreError", "TensorStore",
            "aligned_empty"]
@@ -69,9 +70,6 @@ _OLD_MAGIC = b"FUNCPAR-TENSOR-1\n"
 #: The header fields the checksum covers (after the data): all that decide what a read returns.
 _COVERED = ("key", "dtype", "shape", "nbytes", "tag", "checksum")
 _LOCK = ".funcpar-store-{owner}.lock"
-#: Lock path -> number of this process's open stores sharing it (see NvmeStore._take_lock).
-_HELD: dict[str, int] = {}
-_HELD_LOCK = threading.Lock()
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 
 # Checksum name -> f(data, running value) -> value. CRC32C from the optional ``crc32c`` package
@@ -105,16 +103,6 @@ def _covered(header: dict) -> bytes:
     """The header's fields as the checksum covers them (canonical JSON), so that an edited
     shape, dtype, tag or key fails the check as a flipped data byte does."""
     return json.dumps([header[k] for k in _COVERED], separators=(",", ":")).encode()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 def _owner() -> str:
@@ -377,74 +365,26 @@ class NvmeStore(TensorStore):
     # -- the directory lock ---------------------------------------------------------------
 
     def _take_lock(self) -> None:
-        """Own the directory (per rank): a lock file holding this process's pid and host.
-
-        Refused (StoreError naming the pid) while another live process holds it: two runs in
-        one directory would read each other's state. A lock whose pid is gone (a killed run)
-        is taken over. Stores of this process share its lock (counted in ``_HELD``; they
-        tell their keys apart by ``prefix``, as offload applied twice in one test does).
-        Creating the lock file is also the check that the directory is writable, so a
-        read-only directory fails here, not at the first write-behind.
-        """
-        me = f"{os.getpid()} {socket.gethostname()}\n"
-        for _ in range(3):
-            try:
-                fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                holder = self._lock_holder()
-                if holder is None:  # stale (or unreadable): take it over
-                    _unlink(self.lock_path)
-                    continue
-                pid, host = holder
-                if (pid, host) == (os.getpid(), socket.gethostname()):
-                    with _HELD_LOCK:
-                        _HELD[self.lock_path] = _HELD.get(self.lock_path, 0) + 1
-                    return
-                raise StoreError(
-                    f"NvmeStore: {self.directory} is in use by process {pid} on {host} (lock "
-                    f"{self.lock_path}); one store directory per run. If that process is not "
-                    "a funcpar run, delete the lock file", "", self.lock_path) from None
-            except OSError as err:
-                raise StoreError(f"NvmeStore: cannot write in {self.directory} (creating "
-                                 f"{self.lock_path}: {err}); the store needs a writable "
-                                 "directory", "", self.directory) from err
-            try:
-                os.write(fd, me.encode())
-            finally:
-                os.close(fd)
-            with _HELD_LOCK:
-                _HELD[self.lock_path] = 1
-            return
-        raise StoreError(f"NvmeStore: could not take the lock {self.lock_path} (another "
-                         "process keeps re-creating it)", "", self.lock_path)
-
-    def _lock_holder(self) -> tuple[int, str] | None:
-        """``(pid, host)`` of a live holder of the lock, None when it is stale. A holder on
-        another host cannot be checked and counts as live."""
+        """Own the directory (per rank; funcpar.state.dir_lock): two runs in one directory
+        would read each other's state. Stores of this process share its lock (they tell
+        their keys apart by ``prefix``, as offload applied twice in one test does). Creating
+        the lock file is also the check that the directory is writable, so a read-only
+        directory fails here, not at the first write-behind."""
+        self._dir_lock = DirLock(self.lock_path)
         try:
-            with open(self.lock_path) as f:
-                pid_s, host = f.read().split()
-            pid = int(pid_s)
-        except (OSError, ValueError):
-            return None
-        if host == socket.gethostname() and not _pid_alive(pid):
-            return None
-        return pid, host
+            self._dir_lock.acquire()
+        except LockHeld as held:
+            raise StoreError(
+                f"NvmeStore: {self.directory} is in use by process {held.pid} on {held.host} "
+                f"(lock {self.lock_path}); one store directory per run. If that process is "
+                "not a funcpar run, delete the lock file", "", self.lock_path) from None
+        except OSError as err:
+            raise StoreError(f"NvmeStore: cannot write in {self.directory} (creating "
+                             f"{self.lock_path}: {err}); the store needs a writable "
+                             "directory", "", self.directory) from err
 
     def _release_lock(self) -> None:
-        with _HELD_LOCK:
-            left = _HELD.get(self.lock_path, 1) - 1
-            if left > 0:
-                _HELD[self.lock_path] = left
-                return
-            _HELD.pop(self.lock_path, None)
-        try:
-            with open(self.lock_path) as f:
-                mine = f.read().split()[:1] == [str(os.getpid())]
-        except OSError:
-            return
-        if mine:
-            _unlink(self.lock_path)
+        self._dir_lock.release()
 
     # -- buffers --------------------------------------------------------------------------
 

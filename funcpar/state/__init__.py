@@ -9,6 +9,7 @@ from funcpar.state.checkpoint import (
     read_index,
     save,
 )
+from funcpar.state.ckpt_owner import check_one_run, claim_checkpoint_dir, new_run_id
 from funcpar.state.functional import ApplyFn, functionalize
 from funcpar.state.train_state import TrainState, generator_state, init_state
 from funcpar.state.tree import (
@@ -29,6 +30,8 @@ __all__ = [
     "LeafSpec",
     "TrainState",
     "Tree",
+    "check_one_run",
+    "claim_checkpoint_dir",
     "export_params",
     "functionalize",
     "generator_state",
@@ -37,6 +40,7 @@ __all__ = [
     "leaf_layouts",
     "load",
     "named_leaves",
+    "new_run_id",
     "read_index",
     "save",
     "tree_flatten",

@@ -62,6 +62,7 @@ and cuts this rank's shard under the new layout.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -450,6 +451,7 @@ def save(
     midway). An existing checkpoint at ``path`` is replaced only once the new one is complete.
     Returns the absolute path.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     if not isinstance(state, TrainState):
@@ -490,8 +492,14 @@ def save(
                         f"{foreign[:3]}, which a save never writes); refusing to replace it")
         else:
             shutil.rmtree(tmp, ignore_errors=True)  # a killed save's leftovers
-            os.makedirs(tmp)
+            try:
+                os.makedirs(tmp)
+            except OSError as err:
+                meta_err = CheckpointError(f"cannot write checkpoint {final} (creating {tmp}: "
+                                           f"{_cause(err)})")
     meta_err = _broadcast(meta_err)
+    if isinstance(meta_err, CheckpointError):
+        raise meta_err
     if meta_err is not None:
         raise ValueError(meta_err)
 
@@ -504,42 +512,80 @@ def save(
         tensors[name] = _owned(by_name[name], seen)
     fname = _rank_file(rank)
     fpath = os.path.join(tmp, fname)
-    save_file(tensors, fpath, metadata={"format": FORMAT, "rank": str(rank)})
-    file_info = {"size": os.path.getsize(fpath), "sha256": _sha256_file(fpath, fsync=True)}
-    if on_file is not None:
-        on_file(fpath)
+    file_info, failed = None, None
+    try:
+        save_file(tensors, fpath, metadata={"format": FORMAT, "rank": str(rank)})
+        file_info = {"size": os.path.getsize(fpath), "sha256": _sha256_file(fpath, fsync=True)}
+    except (OSError, RuntimeError, SafetensorError) as err:  # safetensors' own for I/O
+        failed = f"rank {rank}: writing {fpath}: {_cause(err)}" if world > 1 else (
+            f"writing {fpath}: {_cause(err)}")
     tensors.clear()
+    if file_info is not None and on_file is not None:
+        on_file(fpath)
 
-    files = _gather(file_info)
-    if rank == 0:
-        pipeline = getattr(step, "pipeline", None)
-        index: dict[str, Any] = {
-            "format": FORMAT,
-            "world_size": world,
-            "mesh": _mesh_sizes(_mesh_of(step, lays)),
-            "step": int(state.step) if torch.is_tensor(state.step) else None,
-            "leaves": plan.records,
-            "files": {_rank_file(r): fi for r, fi in enumerate(files)},
-            "extra_meta": dict(extra_meta or {}),
-        }
-        if pipeline is not None:  # for the reader: which blocks each stage ran
-            index["pipeline"] = {"axis": pipeline.axis, "stages": pipeline.plan.n_stages,
-                                 "blocks": [list(r) for r in pipeline.plan.ranges]}
-        text = json.dumps(index, indent=1)
-        _write_text(os.path.join(tmp, INDEX), text)
-        if on_file is not None:
-            on_file(os.path.join(tmp, INDEX))
-        _write_text(os.path.join(tmp, COMPLETE),
-                    hashlib.sha256(text.encode()).hexdigest() + "\n")
-        _fsync_dir(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        _fsync_dir(os.path.dirname(final))
-        shutil.rmtree(old, ignore_errors=True)
+    # Every rank learns whether any rank failed, so that all raise together (no rank left
+    # waiting in the next collective) and rank 0 removes the partial directory.
+    gathered = _gather((file_info, failed))
+    failed = next((f for _, f in gathered if f is not None), None)
+    if failed is None and rank == 0:
+        try:
+            _commit(state, step, lays, plan, [fi for fi, _ in gathered], extra_meta, world,
+                    final, tmp, old, on_file)
+        except OSError as err:
+            failed = f"{_cause(err)}"
+    failed = _broadcast(failed)
+    if failed is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint {final} ({failed}); the partial "
+                              "checkpoint was removed, earlier checkpoints are untouched")
     _barrier()
     return final
+
+
+def _cause(err: BaseException) -> str:
+    """An I/O failure in words: the errno's name and text where there is one (ENOSPC, EDQUOT,
+    EFBIG, EROFS, EACCES, EIO ...), else the message."""
+    if isinstance(err, OSError) and err.errno:
+        return f"{errno.errorcode.get(err.errno, err.errno)}: {os.strerror(err.errno)}"
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    # safetensors says "I/O error: File too large (os error 27)": name the errno too.
+    code = re.search(r"os error (\d+)\)", text)
+    if code and int(code.group(1)) in errno.errorcode:
+        return f"{errno.errorcode[int(code.group(1))]}: {text}"
+    return text
+
+
+def _commit(state: TrainState, step: Any, lays: Mapping[str, Any], plan: _SavePlan,
+            files: list[dict[str, Any]], extra_meta: Mapping[str, Any] | None, world: int,
+            final: str, tmp: str, old: str, on_file: Callable[[str], None] | None) -> None:
+    """Rank 0: the index and the marker into ``tmp``, then ``tmp`` renamed to ``final``."""
+    pipeline = getattr(step, "pipeline", None)
+    index: dict[str, Any] = {
+        "format": FORMAT,
+        "world_size": world,
+        "mesh": _mesh_sizes(_mesh_of(step, lays)),
+        "step": int(state.step) if torch.is_tensor(state.step) else None,
+        "leaves": plan.records,
+        "files": {_rank_file(r): fi for r, fi in enumerate(files)},
+        "extra_meta": dict(extra_meta or {}),
+    }
+    if pipeline is not None:  # for the reader: which blocks each stage ran
+        index["pipeline"] = {"axis": pipeline.axis, "stages": pipeline.plan.n_stages,
+                             "blocks": [list(r) for r in pipeline.plan.ranges]}
+    text = json.dumps(index, indent=1)
+    _write_text(os.path.join(tmp, INDEX), text)
+    if on_file is not None:
+        on_file(os.path.join(tmp, INDEX))
+    _write_text(os.path.join(tmp, COMPLETE),
+                hashlib.sha256(text.encode()).hexdigest() + "\n")
+    _fsync_dir(tmp)
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------- load

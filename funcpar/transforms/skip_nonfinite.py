@@ -24,9 +24,12 @@ optimizer it did not run). One 0-d bool is read on the host per step.
 ``state.extras`` gains ``skipped_steps`` (int64: the steps skipped so far) and
 ``nonfinite_run`` (int64: the current run of consecutive non-finite steps), checkpointed with
 the state; the metrics gain ``skipped`` (0-d bool) and ``skipped_steps``. ``policy="skip"``
-skips and counts forever; ``policy="raise"`` skips and counts too, and the ``max_consecutive``-th
-non-finite step in a row raises :class:`NonFiniteError` (the state the caller holds is the one
-before that step, its parameters untouched by any non-finite gradient).
+skips and counts, and with ``give_up_after=k`` gives up at the ``k``-th non-finite step in a
+row (:class:`NonFiniteError`: a run whose every step is skipped trains nothing, and should
+say so rather than end as if it had trained); ``policy="raise"`` skips and counts too, and
+the ``max_consecutive``-th non-finite step in a row raises :class:`NonFiniteError` (the state
+the caller holds is the one before that step, its parameters untouched by any non-finite
+gradient).
 
 Composition. After ``amp_cast("fp16")`` (the order that always works puts this last) the guard
 wraps fp16's loss scaler: the scaling, the skip and the scale's backoff stay fp16's, and the
@@ -71,6 +74,7 @@ class NonFiniteGuard:
     max_consecutive: int = 1
     mesh: DeviceMesh | None = None
     inner: LossScaler | None = None
+    give_up_after: int | None = None
 
     def scale(self, extras: dict[str, Tensor]) -> Tensor:
         if self.inner is not None:
@@ -91,6 +95,14 @@ class NonFiniteGuard:
             run = torch.zeros_like(run)
         else:
             skipped, run = skipped + 1, run + 1
+            if (self.policy == "skip" and self.give_up_after is not None
+                    and int(run) >= self.give_up_after):
+                raise NonFiniteError(
+                    f"skip_nonfinite: {int(run)} consecutive steps had non-finite (inf/nan) "
+                    f"gradients ({int(skipped)} skipped in all); giving up, as "
+                    f"give_up_after={self.give_up_after} asks: the run is not training. The "
+                    "state before this step is intact: lower the learning rate, check the data "
+                    "or the loss")
             if self.policy == "raise" and int(run) >= self.max_consecutive:
                 raise NonFiniteError(
                     f"skip_nonfinite: {int(run)} consecutive steps had non-finite (inf/nan) "
@@ -113,17 +125,24 @@ def skip_nonfinite(
     *,
     max_consecutive: int = 3,
     mesh: DeviceMesh | None = None,
+    give_up_after: int | None = None,
 ) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
     """The transform (module docstring). ``policy``: ``"skip"`` (skip and count every
     non-finite step) or ``"raise"`` (skip and count, and raise :class:`NonFiniteError` at the
-    ``max_consecutive``-th non-finite step in a row). ``mesh``: the mesh of the parallel
-    transforms, so that every rank agrees (required under more than one process)."""
+    ``max_consecutive``-th non-finite step in a row). ``give_up_after`` (``"skip"``): raise
+    :class:`NonFiniteError` at that many non-finite steps in a row (None: never). ``mesh``:
+    the mesh of the parallel transforms, so that every rank agrees (required under more than
+    one process)."""
     if policy not in POLICIES:
         raise ValueError(f"skip_nonfinite: policy must be one of {POLICIES}, got {policy!r}")
     if isinstance(max_consecutive, bool) or not (isinstance(max_consecutive, int)
                                                  and max_consecutive >= 1):
         raise ValueError(f"skip_nonfinite: max_consecutive must be an int >= 1, got "
                          f"{max_consecutive!r}")
+    if give_up_after is not None and (isinstance(give_up_after, bool) or not (
+            isinstance(give_up_after, int) and give_up_after >= 1)):
+        raise ValueError(f"skip_nonfinite: give_up_after must be None or an int >= 1, got "
+                         f"{give_up_after!r}")
 
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
         if isinstance(step.loss_scaler, NonFiniteGuard):
@@ -136,7 +155,7 @@ def skip_nonfinite(
         device = device_of(state.params)
         for k in _EXTRAS:
             extras[k] = torch.zeros((), dtype=torch.int64, device=device)
-        guard = NonFiniteGuard(policy, max_consecutive, mesh, step.loss_scaler)
+        guard = NonFiniteGuard(policy, max_consecutive, mesh, step.loss_scaler, give_up_after)
         return dataclasses.replace(step, loss_scaler=guard), state._replace(extras=extras)
 
     return transform

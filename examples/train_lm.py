@@ -563,10 +563,11 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         + (f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""), flush=True)
 
     # Only rank 0 writes TensorBoard, JSONL and the terminal; the others keep the history only.
+    # start_step: a resumed run continues the metrics of the steps up to its checkpoint.
     logger = Logger(
         args.logdir if rank0 else None, jsonl=args.metrics_jsonl if rank0 else None,
         total_steps=args.steps, progress=None if rank0 else False,
-        print_every=args.print_every if rank0 else None, device=device,
+        print_every=args.print_every if rank0 else None, device=device, start_step=start_step,
     )
     comm_log.clear()
     # Collectives are recorded only when a report is asked for (a long run would pile them up).

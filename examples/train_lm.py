@@ -261,6 +261,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="size of the standard-library corpus")
     data.add_argument("--data-cache", default=None,
                       help="datasets cache directory (default: datasets' own)")
+    data.add_argument("--binary-files", default="skip", choices=("skip", "error"),
+                      help="a corpus file that is not UTF-8 text (binary: NUL bytes, or bytes "
+                           "that do not decode): skip it, with a warning naming it (a source "
+                           "tree routinely holds a stray binary; skipping it loses nothing "
+                           "meant as text), or stop with an error naming it")
     log = p.add_argument_group("logging")
     log.add_argument("--logdir", default="runs/train_lm", help="TensorBoard directory")
     log.add_argument("--metrics-jsonl", default=None, help="also write metrics as JSON lines")
@@ -446,7 +451,7 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
         return text_batches(
             args.corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
             cache_dir=args.data_cache, pattern=args.corpus_glob, max_bytes=args.corpus_bytes,
-            device=device,
+            device=device, on_binary=args.binary_files,
         )
 
     if mesh.world_size == 1:

@@ -273,16 +273,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      help="a plain log line every N steps when stdout is not a terminal")
     add_debug_flag(log)
     args = p.parse_args(argv)
+    # Every count flag (--seed is not a count): a negative one is a typo, never silently used.
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
-                 "pp"):
+                 "pp", "ep", "top_k", "moe_every", "galore_rank", "galore_gap", "corpus_bytes",
+                 "max_nonfinite"):
         if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
-    if args.threads is not None and args.threads <= 0:
-        p.error(f"--threads must be positive, got {args.threads}")
-    if args.dp is not None and args.dp <= 0:
-        p.error(f"--dp must be positive, got {args.dp}")
-    if args.comm_report < 0:
-        p.error(f"--comm-report must be >= 0, got {args.comm_report}")
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("threads", "dp", "kv_heads", "microbatches", "virtual_stages"):  # None: derived
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in ("save_every", "experts", "remat", "comm_report"):  # 0: off
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0 (0: off), got "
+                    f"{getattr(args, name)}")
     if args.warmup is None:
         args.warmup = default_warmup(args.steps)
     elif not 0 <= args.warmup < args.steps:
@@ -295,10 +299,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "tensor parallelism gives every rank whole heads")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel splits activations over tp: it needs --tp > 1")
-    if args.remat < 0:
-        p.error(f"--remat must be >= 0, got {args.remat}")
-    if args.max_nonfinite < 1:
-        p.error(f"--max-nonfinite must be >= 1, got {args.max_nonfinite}")
     if args.plan and args.preset is None:
         p.error("--plan prints a preset's plan: it needs --preset")
     if args.preset is not None and args.remat:
@@ -332,8 +332,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.virtual_stages = 2 if args.schedule == "interleaved" else 1
     if args.microbatches is None:
         args.microbatches = 2 * args.pp
-    if args.microbatches <= 0 or args.virtual_stages <= 0:
-        p.error("--microbatches and --virtual-stages must be positive")
     if args.virtual_stages > 1 and args.schedule != "interleaved":
         p.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved")
     if args.pp > 1:

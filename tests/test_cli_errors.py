@@ -81,6 +81,19 @@ def test_user_errors_are_one_line_with_exit_2(ckpts, capsys):
         assert phrase in line, (name, line)
 
 
+@pytest.mark.parametrize("flag, value", [("--save-every", "-1"), ("--galore-gap", "-5"),
+                                         ("--experts", "-2"), ("--kv-heads", "0"),
+                                         ("--corpus-bytes", "-1"), ("--top-k", "0")])
+def test_a_negative_count_flag_is_refused_by_the_parser(flag, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cli(train_lm.parse_args, [flag, value])  # the parser alone: nothing trains
+    assert exc.value.code == EXIT_CODE
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"{flag} must be" in errors[0] and value in errors[0], errors
+    # 0 where 0 means off.
+    assert train_lm.parse_args(["--save-every", "0", "--experts", "0"]).save_every == 0
+
+
 def test_binary_corpus_files_are_skipped_by_default(ckpts):
     tmp, _, _ = ckpts
     args = train_lm.parse_args(_tiny(tmp, "--corpus", str(tmp / "corpus_with_binary")))

@@ -279,6 +279,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="size of the standard-library corpus")
     data.add_argument("--data-cache", default=None,
                       help="datasets cache directory (default: datasets' own)")
+    data.add_argument("--binary-files", default="skip", choices=("skip", "error"),
+                      help="a corpus file that is not UTF-8 text (binary: NUL bytes, or bytes "
+                           "that do not decode): skip it, with a warning naming it (a source "
+                           "tree routinely holds a stray binary; skipping it loses nothing "
+                           "meant as text), or stop with an error naming it")
     log = p.add_argument_group("logging")
     log.add_argument("--logdir", default="runs/train_lm", help="TensorBoard directory")
     log.add_argument("--metrics-jsonl", default=None, help="also write metrics as JSON lines")
@@ -286,16 +291,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      help="a plain log line every N steps when stdout is not a terminal")
     add_debug_flag(log)
     args = p.parse_args(argv)
+    # Every count flag (--seed is not a count): a negative one is a typo, never silently used.
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
-                 "pp"):
+                 "pp", "ep", "top_k", "moe_every", "galore_rank", "galore_gap", "corpus_bytes",
+                 "max_nonfinite"):
         if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
-    if args.threads is not None and args.threads <= 0:
-        p.error(f"--threads must be positive, got {args.threads}")
-    if args.dp is not None and args.dp <= 0:
-        p.error(f"--dp must be positive, got {args.dp}")
-    if args.comm_report < 0:
-        p.error(f"--comm-report must be >= 0, got {args.comm_report}")
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("threads", "dp", "kv_heads", "microbatches", "virtual_stages"):  # None: derived
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in ("save_every", "experts", "remat", "comm_report", "give_up_after"):  # 0: off
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0 (0: off), got "
+                    f"{getattr(args, name)}")
     if args.warmup is None:
         args.warmup = default_warmup(args.steps)
     elif not 0 <= args.warmup < args.steps:
@@ -308,12 +317,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "tensor parallelism gives every rank whole heads")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel splits activations over tp: it needs --tp > 1")
-    if args.remat < 0:
-        p.error(f"--remat must be >= 0, got {args.remat}")
-    if args.max_nonfinite < 1:
-        p.error(f"--max-nonfinite must be >= 1, got {args.max_nonfinite}")
-    if args.give_up_after < 0:
-        p.error(f"--give-up-after must be >= 0 (0: never), got {args.give_up_after}")
     if args.plan and args.preset is None:
         p.error("--plan prints a preset's plan: it needs --preset")
     if args.preset is not None and args.remat:
@@ -347,8 +350,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.virtual_stages = 2 if args.schedule == "interleaved" else 1
     if args.microbatches is None:
         args.microbatches = 2 * args.pp
-    if args.microbatches <= 0 or args.virtual_stages <= 0:
-        p.error("--microbatches and --virtual-stages must be positive")
     if args.virtual_stages > 1 and args.schedule != "interleaved":
         p.error(f"--virtual-stages {args.virtual_stages} needs --schedule interleaved")
     if args.pp > 1:
@@ -467,7 +468,7 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
         return text_batches(
             args.corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
             cache_dir=args.data_cache, pattern=args.corpus_glob, max_bytes=args.corpus_bytes,
-            device=device,
+            device=device, on_binary=args.binary_files,
         )
 
     if mesh.world_size == 1:
@@ -599,10 +600,11 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         + (f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""), flush=True)
 
     # Only rank 0 writes TensorBoard, JSONL and the terminal; the others keep the history only.
+    # start_step: a resumed run continues the metrics of the steps up to its checkpoint.
     logger = Logger(
         args.logdir if rank0 else None, jsonl=args.metrics_jsonl if rank0 else None,
         total_steps=args.steps, progress=None if rank0 else False,
-        print_every=args.print_every if rank0 else None, device=device,
+        print_every=args.print_every if rank0 else None, device=device, start_step=start_step,
     )
     # This run owns --ckpt-dir while it trains (every rank agrees before the first step).
     run_id = run_id or new_run_id()

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _examples import load_example
 
 from funcpar.testing import run_ranks
@@ -42,6 +43,10 @@ def ckpts(tmp_path_factory):
         if f.suffix == ".safetensors":
             data[-100] ^= 0xFF  # one flipped byte in a tensor: the checksum must catch it
         (bad / f.name).write_bytes(bytes(data))
+    corpus = tmp / "corpus_with_binary"
+    corpus.mkdir()
+    (corpus / "notes.txt").write_text("some text\n" * 200, encoding="utf-8")
+    (corpus / "image.txt").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
     return tmp, good, bad
 
 
@@ -53,6 +58,8 @@ def _cases(tmp: Path, good: Path, bad: Path) -> dict[str, tuple[list[str], str]]
                              "--dim 32"),
         "world size": (_tiny(tmp, "--tp", "2"), "torchrun --nproc_per_node 2"),
         "missing corpus": (_tiny(tmp, "--corpus", str(tmp / "nope")), "does not exist"),
+        "binary corpus file": (_tiny(tmp, "--corpus", str(tmp / "corpus_with_binary"),
+                                     "--binary-files", "error"), "image.txt' is not text"),
     }
 
 
@@ -72,6 +79,27 @@ def test_user_errors_are_one_line_with_exit_2(ckpts, capsys):
         assert exc.value.code == EXIT_CODE, name
         line = _one_line(capsys.readouterr().err)
         assert phrase in line, (name, line)
+
+
+@pytest.mark.parametrize("flag, value", [("--save-every", "-1"), ("--galore-gap", "-5"),
+                                         ("--experts", "-2"), ("--kv-heads", "0"),
+                                         ("--corpus-bytes", "-1"), ("--top-k", "0")])
+def test_a_negative_count_flag_is_refused_by_the_parser(flag, value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cli(train_lm.parse_args, [flag, value])  # the parser alone: nothing trains
+    assert exc.value.code == EXIT_CODE
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"{flag} must be" in errors[0] and value in errors[0], errors
+    # 0 where 0 means off.
+    assert train_lm.parse_args(["--save-every", "0", "--experts", "0"]).save_every == 0
+
+
+def test_binary_corpus_files_are_skipped_by_default(ckpts):
+    tmp, _, _ = ckpts
+    args = train_lm.parse_args(_tiny(tmp, "--corpus", str(tmp / "corpus_with_binary")))
+    with pytest.warns(UserWarning, match=r"skipped 1 corpus file\(s\).*image\.txt"):
+        loader = train_lm.load_batches(args, train_lm.build_mesh(args), torch.device("cpu"))
+    assert bytes(loader.tokens.tolist()) == b"some text\n" * 200
 
 
 def test_debug_shows_the_traceback(ckpts):

@@ -18,6 +18,7 @@ from funcpar.data import (
     load_tokens,
     stdlib_files,
     text_batches,
+    text_only,
 )
 
 
@@ -110,6 +111,40 @@ def test_corpus_directory_glob(tmp_path):
         "b.txt", "sub/a.txt"]
     assert [p.name for p in corpus_files(tmp_path, "**/*.py")] == ["skip.py"]
     assert corpus_files(tmp_path / "b.txt") == [tmp_path / "b.txt"]
+
+
+def test_binary_corpus_files_are_skipped_with_a_warning_or_refused(tmp_path, no_network):
+    texts = {"a.txt": "first text file\n" * 4, "c.txt": "second, with é\n" * 4}
+    _write(tmp_path / "corpus", texts)
+    (tmp_path / "corpus" / "b.txt").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")  # NUL bytes
+    (tmp_path / "corpus" / "d.txt").write_bytes("latin-1 é\n".encode("latin-1"))  # not UTF-8
+    with pytest.warns(UserWarning, match=r"skipped 2 corpus file\(s\).*b\.txt.*NUL.*d\.txt.*"
+                                         r"not utf-8"):
+        loader = text_batches(tmp_path / "corpus", batch_size=2, seq_len=8,
+                              cache_dir=tmp_path / "cache")
+    assert bytes(loader.tokens.tolist()) == "".join(texts.values()).encode("utf-8")
+    with pytest.raises(ValueError, match=r"corpus file '.*b\.txt' is not text: binary \(a NUL "
+                                         r"byte at offset 8\)"):
+        text_batches(tmp_path / "corpus", batch_size=2, seq_len=8, on_binary="error",
+                     cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"no text file remains.*all 1 file\(s\).*d\.txt"):
+        load_tokens([tmp_path / "corpus" / "d.txt"], cache_dir=tmp_path / "cache")
+
+
+def test_text_check_reads_in_chunks(tmp_path, monkeypatch):
+    """A character cut by a chunk boundary is text; a bad byte is placed exactly."""
+    import funcpar.data.corpus as corpus
+
+    monkeypatch.setattr(corpus, "_CHUNK", 3)
+    good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
+    good.write_text("abé€x", encoding="utf-8")  # é (2 bytes) and € (3 bytes) across chunks
+    bad.write_bytes("abé€".encode() + b"\xff!")
+    assert text_only([good]) == [good]
+    with pytest.raises(ValueError, match=r"not utf-8 text \(byte offset 7\)"):
+        text_only([good, bad], on_binary="error")
+    # TypeError: under the tests' type-checking import hook the Literal refuses it first.
+    with pytest.raises((ValueError, TypeError), match="on_binary"):
+        text_only([good], on_binary="keep")
 
 
 def test_stdlib_corpus_is_deterministic_and_bounded():

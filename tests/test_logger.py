@@ -85,3 +85,63 @@ def test_host_scalars_and_history():
         log.log(8, {"loss": torch.tensor(1.0)})
     with pytest.raises(ValueError, match="print_every"):
         Logger(print_every=0)
+
+
+def _steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_jsonl_survives_a_kill_and_a_resume_logs_every_step_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    killed = Logger(jsonl=path, stream=io.StringIO())
+    for i in range(1, 7):
+        killed.log(i, _metrics(i))
+    # Not closed (a killed run): every record is already in the file.
+    assert _steps(path) == [1, 2, 3, 4, 5, 6]
+    # Resumed from the step-4 checkpoint: steps 5 and 6 are run (and logged) again.
+    with Logger(jsonl=path, stream=io.StringIO(), start_step=4) as log:
+        assert _steps(path) == [1, 2, 3, 4]
+        for i in range(5, 9):
+            log.log(i, _metrics(i))
+    killed.close()  # had anything been left buffered, it would land in the new file now
+    assert _steps(path) == list(range(1, 9))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[5]["loss"] == pytest.approx(3.0 - 0.6, rel=1e-6)
+    # A new run (start_step 0) starts the file afresh.
+    with Logger(jsonl=path, stream=io.StringIO()) as log:
+        log.log(1, _metrics(1))
+    assert _steps(path) == [1]
+
+
+def test_resume_drops_a_torn_last_line_and_refuses_a_foreign_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.9}\n{"step": 3, "lo')
+    with Logger(jsonl=path, stream=io.StringIO(), start_step=2) as log:
+        log.log(3, _metrics(3))
+    assert _steps(path) == [1, 2, 3]
+    assert not list(tmp_path.glob("*.tmp"))
+    # A bad line before the last is not a kill's doing: refused, and the file left alone.
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2 is not a JSON record"):
+        Logger(jsonl=path, stream=io.StringIO(), start_step=2)
+    assert path.read_text() == '{"step": 1}\nnot json\n{"step": 2}\n'  # left as it was
+    with pytest.raises(ValueError, match="start_step"):
+        Logger(start_step=-1)
+
+
+def test_tensorboard_resume_purges_the_steps_after_the_checkpoint(tmp_path):
+    import time
+
+    with Logger(tmp_path / "tb", stream=io.StringIO()) as log:
+        for i in range(1, 7):
+            log.log(i, _metrics(i))
+    # TensorBoard reads a directory's event files in name order, which starts with the second
+    # and then a per-process counter: the resumed run's file must sort after the first.
+    time.sleep(1.01 - time.time() % 1)
+    with Logger(tmp_path / "tb", stream=io.StringIO(), start_step=4) as log:
+        for i in range(5, 9):
+            log.log(i, _metrics(i + 10))  # other values: the resumed run's must win
+    loss = _read_scalars(tmp_path / "tb")["train/loss"]
+    assert [s for s, _ in loss] == list(range(1, 9))
+    assert loss[3][1] == pytest.approx(3.0 - 0.4, rel=1e-6)
+    assert loss[4][1] == pytest.approx(3.0 - 1.5, rel=1e-6)

@@ -65,6 +65,22 @@ def test_a_hyperparameter_change_applies_and_is_reported(ckpt, capsys):
     assert len(out["history"]) == 1
 
 
+def test_resume_continues_the_metrics_file(ckpt):
+    """A run killed after step 4 with its checkpoint at 3: the resumed run logs step 4 again,
+    and the metrics file holds steps 1 to 4 once each, step 4 from the resumed run."""
+    import json
+
+    tmp, ck = ckpt
+    path = tmp / "killed" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps({"step": i, "loss": 99.0}) + "\n" for i in range(1, 5)))
+    out = train_lm.main(_tiny(tmp, 4, "--warmup", "1", "--resume", str(ck),
+                              "--metrics-jsonl", str(path)))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[3]["loss"] == out["history"][0]["loss"] != 99.0
+
+
 def test_a_data_order_flag_is_refused_unless_allowed(ckpt, capsys):
     tmp, ck = ckpt
     argv = _tiny(tmp, 4, "--warmup", "1", "--seed", "7", "--resume", str(ck))

@@ -5,7 +5,7 @@ deterministic, resumable language-model batches.
 packing and corpus discovery work without it.
 """
 
-from funcpar.data.corpus import DEFAULT_STDLIB_BYTES, corpus_files, stdlib_files
+from funcpar.data.corpus import DEFAULT_STDLIB_BYTES, corpus_files, stdlib_files, text_only
 from funcpar.data.packing import DataPosition, PackedBatches
 from funcpar.data.text import BYTE_VOCAB_SIZE, Tokenizer, byte_tokenize, load_tokens, text_batches
 
@@ -20,4 +20,5 @@ __all__ = [
     "load_tokens",
     "stdlib_files",
     "text_batches",
+    "text_only",
 ]

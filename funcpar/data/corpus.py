@@ -3,18 +3,22 @@
 The default corpus needs no download: the Python standard library's own source files, found
 through ``sysconfig``. A user corpus is a file, a directory (its files matching a glob) or a list
 of files. Every path is checked here, so a typo fails before any tokenizing with a message that
-names it.
+names it, and so is every file's content (:func:`text_only`): a binary file among the text is
+skipped with a warning naming it, or refused.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import sysconfig
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
-__all__ = ["DEFAULT_STDLIB_BYTES", "corpus_files", "stdlib_files"]
+__all__ = ["DEFAULT_STDLIB_BYTES", "corpus_files", "stdlib_files", "text_only"]
 
 #: Enough text for thousands of small-model steps, small enough to tokenize in seconds.
 DEFAULT_STDLIB_BYTES = 4 << 20
@@ -86,3 +90,63 @@ def corpus_files(
         if not p.is_file():
             raise FileNotFoundError(f"corpus file {str(p)!r} does not exist or is not a file")
     return files
+
+
+OnBinary = Literal["skip", "error"]
+_CHUNK = 1 << 20
+
+
+def _not_text(path: Path, encoding: str) -> str | None:
+    """Why ``path`` is not text in ``encoding`` (a NUL byte, an undecodable byte), or None.
+
+    Read in chunks through an incremental decoder: one pass over the bytes, no decoded copy
+    of a large file kept.
+    """
+    decoder = codecs.getincrementaldecoder(encoding)()
+    offset = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            # NUL is valid UTF-8, but no text file holds one: it marks a binary file.
+            if (nul := chunk.find(b"\0")) >= 0:
+                return f"binary (a NUL byte at offset {offset + nul})"
+            pending = len(decoder.getstate()[0])  # bytes of a character cut by the last chunk
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:
+                return f"not {encoding} text (byte offset {offset - pending + err.start})"
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return f"not {encoding} text (it ends inside a character)"
+    return None
+
+
+def text_only(
+    files: Sequence[str | Path], *, encoding: str = "utf-8", on_binary: OnBinary = "skip"
+) -> list[Path]:
+    """``files`` without those that are not text: holding a NUL byte or not ``encoding``.
+
+    ``on_binary="skip"`` (the default: a source tree routinely holds a stray binary, and
+    leaving it out loses nothing meant as text) drops them with one warning naming them;
+    ``"error"`` raises ValueError naming the first. Raises ValueError too when no file is left.
+    """
+    if on_binary not in ("skip", "error"):
+        raise ValueError(f"on_binary must be 'skip' or 'error', got {on_binary!r}")
+    kept, skipped = [], []
+    for f in map(Path, files):
+        why = _not_text(f, encoding)
+        if why is None:
+            kept.append(f)
+        elif on_binary == "error":
+            raise ValueError(f"corpus file {str(f)!r} is not text: {why}")
+        else:
+            skipped.append(f"{str(f)!r} ({why})")
+    if skipped and not kept:
+        raise ValueError(f"no text file remains in the corpus: all {len(skipped)} file(s) are "
+                         f"binary or not {encoding}: " + ", ".join(skipped[:5])
+                         + (", ..." if len(skipped) > 5 else ""))
+    if skipped:
+        warnings.warn(f"skipped {len(skipped)} corpus file(s) that are not text: "
+                      + ", ".join(skipped), stacklevel=3)
+    return kept

@@ -21,7 +21,13 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from funcpar.data.corpus import DEFAULT_STDLIB_BYTES, corpus_files, stdlib_files
+from funcpar.data.corpus import (
+    DEFAULT_STDLIB_BYTES,
+    OnBinary,
+    corpus_files,
+    stdlib_files,
+    text_only,
+)
 from funcpar.data.packing import PackedBatches
 
 __all__ = ["BYTE_VOCAB_SIZE", "Tokenizer", "byte_tokenize", "load_tokens", "text_batches"]
@@ -79,13 +85,16 @@ def load_tokens(
     eos_id: int | None = None,
     cache_dir: str | Path | None = None,
     encoding: str = "utf-8",
+    on_binary: OnBinary = "skip",
 ) -> Int[Tensor, " n"]:
     """All ``files`` tokenized and concatenated in order, as a 1-D int32 (or int64) tensor.
 
     ``eos_id``, when given, is appended after every document. ``cache_dir`` is where
     ``datasets`` keeps its Arrow files (its own default, ``~/.cache/huggingface/datasets``, when
     None); a second load of unchanged files with the same tokenizer reads them from there.
-    Raises ValueError when the files hold no text at all.
+    A file that is not text (a NUL byte, not ``encoding``) is skipped with a warning naming it,
+    or refused with ``on_binary="error"`` (:func:`~funcpar.data.corpus.text_only`). Raises
+    ValueError when the files hold no text at all.
     """
     if not files:
         raise ValueError("no corpus files given")
@@ -93,6 +102,9 @@ def load_tokens(
     for f in files:
         if not Path(f).is_file():
             raise FileNotFoundError(f"corpus file {f!r} does not exist or is not a file")
+    # Checked here, where the encoding is known: datasets' text builder would otherwise stop
+    # on the first undecodable file with a traceback, and take a NUL-filled binary as text.
+    files = [str(f) for f in text_only(files, encoding=encoding, on_binary=on_binary)]
     datasets = _import_datasets()
     with _offline(datasets):
         docs = datasets.load_dataset(
@@ -142,15 +154,18 @@ def text_batches(
     rank: int = 0,
     world_size: int = 1,
     device: torch.device | str | None = None,
+    on_binary: OnBinary = "skip",
 ) -> PackedBatches:
     """Corpus to batches in one call.
 
     ``corpus=None`` is the standard-library corpus (:func:`~funcpar.data.corpus.stdlib_files`,
     at most ``max_bytes``); otherwise a file, a directory (files matching ``pattern``) or a list
-    of files. The remaining arguments are those of :func:`load_tokens` and
+    of files. The remaining arguments are those of :func:`load_tokens` (``on_binary``: skip a
+    file that is not text, with a warning, or refuse it) and
     :class:`~funcpar.data.packing.PackedBatches`.
     """
     files = stdlib_files(max_bytes) if corpus is None else corpus_files(corpus, pattern)
-    tokens = load_tokens(files, tokenizer=tokenizer, eos_id=eos_id, cache_dir=cache_dir)
+    tokens = load_tokens(files, tokenizer=tokenizer, eos_id=eos_id, cache_dir=cache_dir,
+                         on_binary=on_binary)
     return PackedBatches(tokens, batch_size=batch_size, seq_len=seq_len, seed=seed, rank=rank,
                          world_size=world_size, device=device)

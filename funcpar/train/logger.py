@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -61,6 +62,13 @@ class Logger:
     ``progress=True``. When the bar is hidden and ``print_every`` is set, a plain line is
     printed every ``print_every`` steps instead. ``device`` decides whether CUDA memory is
     logged (``None``: when CUDA is initialised).
+
+    ``start_step``: the step a resumed run continues from (0: a new run). A new run truncates
+    the JSONL file. A resumed one keeps the file's records with ``step <= start_step`` (the
+    steps after it are run again), drops a torn last line left by a kill, and appends, so the
+    file reads as one run with every step once; TensorBoard hides the events after
+    ``start_step`` (``SummaryWriter``'s ``purge_step``). Every record is flushed as it is
+    written: a killed run loses none of the steps it logged.
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class Logger:
         print_every: int | None = None,
         stream: TextStream | None = None,
         device: torch.device | str | None = None,
+        start_step: int = 0,
     ) -> None:
         self.stream = sys.stdout if stream is None else stream
         self.total_steps = total_steps
@@ -82,6 +91,8 @@ class Logger:
         if print_every is not None and print_every <= 0:
             raise ValueError(f"print_every must be positive, got {print_every}")
         self.print_every = print_every
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
         dev = torch.device(device) if device is not None else None
         self._cuda = (dev.type == "cuda") if dev is not None else torch.cuda.is_initialized()
         self._cuda_device = dev if self._cuda else None
@@ -89,12 +100,19 @@ class Logger:
         if logdir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(logdir))
+            # purge_step: TensorBoard hides this directory's events from that step on, which a
+            # resumed run logs again (otherwise each such step shows twice).
+            self._writer = SummaryWriter(log_dir=str(logdir),
+                                         purge_step=start_step + 1 if start_step else None)
         self._jsonl = None
         if jsonl is not None:
             path = Path(jsonl)
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._jsonl = path.open("w", encoding="utf-8")
+            if start_step and path.exists():
+                _keep_steps_up_to(path, start_step)
+                self._jsonl = path.open("a", encoding="utf-8")
+            else:
+                self._jsonl = path.open("w", encoding="utf-8")
         self._last_time = time.perf_counter()
         self._bar_width = 0
         self.history: list[dict[str, float]] = []
@@ -129,6 +147,8 @@ class Logger:
                 self._writer.add_scalar(_tag(name), value, step)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
+            # To the OS at once: a killed run (the usual end of a long one) keeps every step.
+            self._jsonl.flush()
         if self.progress:
             self._draw_bar(step, values)
         elif self.print_every and step % self.print_every == 0:
@@ -163,6 +183,32 @@ class Logger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _keep_steps_up_to(path: Path, last_step: int) -> None:
+    """Rewrite the JSONL file ``path`` with its records of ``step <= last_step`` only.
+
+    A last line without its newline that does not parse is what a kill mid-write leaves: it is
+    dropped. Any other line that is not a record with a step is refused (ValueError), not
+    rewritten away: the file is then not this logger's. The rewrite goes through a temporary
+    file and ``os.replace``, so a kill during it leaves the old file whole.
+    """
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            keep = json.loads(line)["step"] <= last_step
+        except (ValueError, TypeError, KeyError) as err:
+            if number == len(lines) and not line.endswith("\n"):
+                break  # torn by a kill
+            raise ValueError(f"metrics file {str(path)!r} line {number} is not a JSON record "
+                             f"with a step ({type(err).__name__}): not written by a Logger?"
+                             ) from None
+        if keep:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _tag(name: str) -> str:

@@ -169,3 +169,27 @@ def test_a_run_that_only_skips_gives_up():
         step(state, (x, y))
     with pytest.raises(ValueError, match="give_up_after"):
         skip_nonfinite("skip", give_up_after=0)
+
+
+def _claim_on_ranks(directory: str, holder: str) -> str:
+    # Rank 0 finds the directory held by another live process; every rank must raise alike
+    # (none left waiting in a later collective).
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        Path(directory, LOCK_NAME).write_text(holder)
+    dist.barrier()
+    try:
+        claim_checkpoint_dir(directory, "run-b")
+    except CheckpointError as err:
+        return str(err)
+    return "claimed"
+
+
+@pytest.mark.slow
+def test_every_rank_refuses_a_held_directory(tmp_path, live_pid):
+    from funcpar.testing import run_ranks
+
+    out = run_ranks(_claim_on_ranks, 2, str(tmp_path), f"{live_pid} {socket.gethostname()}\n",
+                    timeout=60)
+    assert out[0] == out[1] and f"in use by process {live_pid}" in out[0]

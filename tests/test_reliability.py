@@ -193,3 +193,29 @@ def test_every_rank_refuses_a_held_directory(tmp_path, live_pid):
     out = run_ranks(_claim_on_ranks, 2, str(tmp_path), f"{live_pid} {socket.gethostname()}\n",
                     timeout=60)
     assert out[0] == out[1] and f"in use by process {live_pid}" in out[0]
+
+
+def test_a_read_only_store_directory_is_a_store_error(tmp_path, monkeypatch):
+    # A read-only filesystem (EROFS; chmod does not stop root): at open, at a write-behind and
+    # at close, a StoreError naming the path, never a raw OSError.
+    import funcpar.offload.store as store_mod
+
+    real = os.open
+
+    def read_only(path, flags, *a, **k):
+        if str(path).startswith(str(tmp_path)) and flags & (os.O_WRONLY | os.O_RDWR):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+        return real(path, flags, *a, **k)
+
+    monkeypatch.setattr(store_mod.os, "open", read_only)
+    with pytest.raises(store_mod.StoreError, match="cannot write in"):
+        store_mod.NvmeStore(tmp_path)
+    monkeypatch.setattr(store_mod.os, "open", real)
+    store = store_mod.NvmeStore(tmp_path)
+    monkeypatch.setattr(store_mod.os, "open", read_only)
+    with pytest.raises(store_mod.StoreError, match="a.fpt failed: .*Read-only"):
+        store.put("a", torch.ones(100))
+        store.flush()
+    store.put("b", torch.ones(100))
+    with pytest.raises(store_mod.StoreError, match="b.fpt failed"):
+        store.close()

@@ -451,9 +451,9 @@ def materialize(*, seed: int = 0, inits: Mapping[str, Init] | None = None,
             opt_state = step.optimizer.init(params)
         # A lazily built state holds a CPU generator's state; parameters materialized on CUDA
         # draw from a CUDA generator, whose state is of another kind (seeded from ``seed``).
-        rng = state.rng
-        if rng.numel() != generator_state(device_of(params), 0).numel():
-            rng = generator_state(device_of(params), seed)
+        rng, where = state.rng, device_of(params)
+        if rng.numel() != generator_state(where, 0).numel():
+            rng = generator_state(where, seed)
         new = state._replace(params=params, buffers=buffers, opt_state=opt_state, rng=rng)
         check_materialized(new, "materialize")
         return step, new

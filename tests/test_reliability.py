@@ -219,3 +219,37 @@ def test_a_read_only_store_directory_is_a_store_error(tmp_path, monkeypatch):
     store.put("b", torch.ones(100))
     with pytest.raises(store_mod.StoreError, match="b.fpt failed"):
         store.close()
+
+
+_PEER = """
+import os, sys, time, torch, torch.distributed as dist
+from funcpar.train.cli import run_cli
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+if rank == 0:
+    os._exit(1)  # dies without a word, as a killed rank does
+def main(argv):
+    time.sleep(0.3)
+    dist.all_reduce(torch.ones(3))
+run_cli(main, [])
+"""
+
+
+@pytest.mark.slow
+def test_a_dead_peer_without_torchrun_is_one_line_naming_the_rank_and_collective(tmp_path):
+    script = tmp_path / "peer.py"
+    script.write_text(_PEER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    init = str(tmp_path / "init")
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), init], env=env,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        err = procs[1].communicate(timeout=120)[1]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[1].returncode == EXIT_CODE, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: rank 1: another rank died during all_reduce ("), lines

@@ -11,7 +11,8 @@ failing rank posts its message in the group's key-value store; rank 0 prints its
 rank ``r > 0`` prints (prefixed ``rank r:``) only when no lower rank posted the same message
 within :data:`AGREE_WAIT_S` seconds, so an error all ranks share is printed once and a
 rank-specific one names its rank. Before the group exists (argument and mesh-size checks, the
-same on every rank) only rank 0 prints.
+same on every rank) only rank 0 prints. A collective that fails because another rank died
+(:func:`peer_lost`) is one line naming this rank and the collective, exit 2, on the survivors.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from typing import Any
 from funcpar.offload.store import StoreError
 from funcpar.transforms.skip_nonfinite import NonFiniteError
 
-__all__ = ["AGREE_WAIT_S", "EXIT_CODE", "USER_ERRORS", "add_debug_flag", "positive_int",
-           "report_error", "run_cli"]
+__all__ = ["AGREE_WAIT_S", "EXIT_CODE", "USER_ERRORS", "add_debug_flag", "peer_lost",
+           "positive_int", "report_error", "run_cli"]
 
 EXIT_CODE = 2
 #: How long a failing rank > 0 looks for the same message from a lower rank before printing.
@@ -133,8 +134,46 @@ def run_cli(main: Callable[[Sequence[str] | None], Any], argv: Sequence[str] | N
             raise
         report_error(_first_line(SystemExit(err.code)))
         raise SystemExit(EXIT_CODE) from None
+    except RuntimeError as err:
+        lost = peer_lost(err)
+        if lost is None or "--debug" in args:
+            raise
+        # Not one the ranks share: the dead rank's own output says why it died.
+        print(f"error: {lost}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CODE) from None
     finally:
         _leave_group()
+
+
+#: What torch.distributed's backends say when the process at the other end is gone.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "NCCL communicator was aborted", "remote process exited")
+
+
+def peer_lost(err: BaseException) -> str | None:
+    """The one line for a collective that failed because another rank died (a gloo or NCCL
+    connection error), naming this rank and the collective (the innermost
+    ``torch.distributed`` call in the traceback); None for any other error. Without
+    torchrun nothing else stops the survivor, whose traceback would otherwise bury the
+    cause."""
+    text = str(err)
+    if not any(p in text for p in _PEER_GONE):
+        return None
+    op, tb = "a collective", err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if "torch/distributed/distributed_c10d.py" in code.co_filename.replace("\\", "/"):
+            op = code.co_name
+            break
+        tb = tb.tb_next
+    rank = os.environ.get("RANK")
+    group = _store_and_rank()
+    if group is not None:
+        rank = str(group[1])
+    who = f"rank {rank}: " if rank is not None else ""
+    cause = text.split("] ", 1)[-1].split(". ", 1)[0]
+    return (f"{who}another rank died during {op} ({cause}); its own output says why, this "
+            "rank stops")
 
 
 def add_debug_flag(parser: Any) -> None:

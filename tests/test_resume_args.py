@@ -53,7 +53,7 @@ def test_a_hyperparameter_change_applies_and_is_reported(ckpt, capsys):
                               "--resume", str(ck)))
     printed = capsys.readouterr().out
     assert "--weight-decay changed from 0.1 (checkpoint) to 0.5" in printed
-    assert "--lr changed from None (checkpoint) to 0.01" in printed
+    assert "--lr changed from unset (its default) (checkpoint) to 0.01" in printed
     assert "--steps changed from 3 (checkpoint) to 4" in printed
     hp = get_hyperparams(out["state"].opt_state)
     # The weight decay lives in the optimizer state: the new value is the one used.
@@ -103,3 +103,13 @@ def test_compare_run_args_classes():
     assert compare_run_args(saved, {**saved, "seed": 1}, allow_data_change=True, **kinds) == []
     # A flag the checkpoint predates is not compared.
     assert compare_run_args({}, {"dim": 9}, **kinds) == []
+
+
+def test_an_unset_flag_is_named_as_such_not_none():
+    # Issue 29: "--kv-heads 2 does not match the checkpoint's --kv-heads None" read as a bug.
+    with pytest.raises(ValueError, match=r"--kv-heads 2 does not match the checkpoint's "
+                                         r"--kv-heads unset \(its default\)"):
+        compare_run_args({"kv_heads": None}, {"kv_heads": 2}, model=["kv_heads"], hyper=[],
+                         data=[])
+    (change,) = compare_run_args({"lr": None}, {"lr": 0.01}, model=[], hyper=["lr"], data=[])
+    assert str(change) == "--lr changed from unset (its default) (checkpoint) to 0.01"

@@ -32,11 +32,17 @@ class ArgChange(NamedTuple):
     current: Any
 
     def __str__(self) -> str:
-        return f"{_flag(self.name)} changed from {self.saved!r} (checkpoint) to {self.current!r}"
+        return (f"{_flag(self.name)} changed from {_shown(self.saved)} (checkpoint) to "
+                f"{_shown(self.current)}")
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _shown(value: Any) -> str:
+    # An unset flag is None in the saved arguments: say what it means, not "None".
+    return "unset (its default)" if value is None else repr(value)
 
 
 def compare_run_args(
@@ -60,15 +66,16 @@ def compare_run_args(
 
     for name, old, new in differ(model):
         raise ValueError(
-            f"{_flag(name)} {new!r} does not match the checkpoint's {_flag(name)} {old!r}: it "
-            "defines the model (or its optimizer state); resume with the checkpoint's value"
+            f"{_flag(name)} {_shown(new)} does not match the checkpoint's {_flag(name)} "
+            f"{_shown(old)}: it defines the model (or its optimizer state); resume with the "
+            "checkpoint's value"
         )
     changed_data = differ(data)
     if changed_data and not allow_data_change:
         name, old, new = changed_data[0]
         raise ValueError(
-            f"{_flag(name)} {new!r} does not match the checkpoint's {_flag(name)} {old!r}: it "
-            f"changes the data order; resume with the checkpoint's value, or pass "
-            f"{override_flag} to continue with the new data order"
+            f"{_flag(name)} {_shown(new)} does not match the checkpoint's {_flag(name)} "
+            f"{_shown(old)}: it changes the data order; resume with the checkpoint's value, or "
+            f"pass {override_flag} to continue with the new data order"
         )
     return [ArgChange(n, old, new) for n, old, new in differ(hyper)]

@@ -88,6 +88,7 @@ from torch import nn
 
 from funcpar.models.moe import expert_capacity
 from funcpar.optim.memory import state_bytes
+from funcpar.shard.buckets import bucket_indices
 from funcpar.shard.comm import chunk_sizes
 from funcpar.shard.layout import Layout
 from funcpar.shard.mesh import DeviceMesh
@@ -699,20 +700,10 @@ def _layout_table(rows: list[LayoutRow]) -> list[str]:
 
 
 def _buckets(leaves: list[Any], bucket_bytes: int) -> list[int]:
-    """The bytes of each gradient bucket, as BucketedMean cuts them: leaves in reverse order,
-    a new bucket when the next leaf would overflow it or changes dtype."""
-    sizes: list[int] = []
-    last_dtype = None
-    size = 0
-    for g in reversed(leaves):
-        nbytes = g.numel() * g.element_size()
-        if not sizes or size + nbytes > bucket_bytes or last_dtype != g.dtype:
-            sizes.append(0)
-            size = 0
-            last_dtype = g.dtype
-        sizes[-1] += nbytes
-        size += nbytes
-    return sizes
+    """The bytes of each gradient bucket, as BucketedMean cuts them (bucket_indices)."""
+    nbytes = [g.numel() * g.element_size() for g in leaves]
+    return [sum(nbytes[i] for i in b)
+            for b in bucket_indices(nbytes, [g.dtype for g in leaves], bucket_bytes)]
 
 
 def _blocks(module: nn.Module) -> list[str]:

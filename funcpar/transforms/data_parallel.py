@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from funcpar.shard import comm
+from funcpar.shard.buckets import bucket_indices
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
@@ -61,17 +62,8 @@ class BucketedMean:
 
     def __init__(self, leaves: list[Tensor], mesh: DeviceMesh, axis: str, bucket_bytes: int):
         self.mesh, self.axis = mesh, axis
-        self.buckets: list[list[int]] = []
-        size = 0
-        for i in reversed(range(len(leaves))):
-            g = leaves[i]
-            nbytes = g.numel() * g.element_size()
-            last = self.buckets[-1] if self.buckets else None
-            if not last or size + nbytes > bucket_bytes or leaves[last[0]].dtype != g.dtype:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(i)
-            size += nbytes
+        self.buckets = bucket_indices([g.numel() * g.element_size() for g in leaves],
+                                      [g.dtype for g in leaves], bucket_bytes)
         self.bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self.got: dict[int, Tensor] = {}
         self.pending: dict[int, comm.Pending] = {}

@@ -183,7 +183,7 @@ def test_plan_text_and_errors(default):
                  "expert_parallel(mesh, bucket_mb=25.0)", "dim 0 over ep",
                  "ep: token counts", "[balanced routing; at most",
                  "ep: grads of leaves not split over ep (mean)",
-                 "zero: expert grads reduce-scattered (their dp group)",
+                 "zero: grads reduce-scattered (bucket of",
                  "under any routing"]:
         assert want in text, want
     assert default[0]["zero2+clip"]["printed"] == text + "\n"

@@ -564,28 +564,29 @@ class Plan:
         comp = _size(self.compute_dtype)
         module = getattr(step.apply_fn, "module", None)
         saved = _saved_leaves(module, zero.names)
-        experts = {f"{b.name}.experts.{leaf}" for b in self.moe_blocks
-                   for leaf in ("gate_proj", "up_proj", "down_proj")}
         stacked = set(expert_leaves(module)) if module is not None else set()
+        # Buckets (ZeroPlan.scatter_bucket / gather_bucket): one collective each, every rank's
+        # segment padded to the longest. An expert shard's gradient is reduced over the zero
+        # axis like any other (its own expert-data-parallel group when ep splits the mesh).
+        for b in zero.buckets:
+            elem = leaves[b[0]].element_size()
+            cut = [i for i in b if zero.dims[i] is not None]
+            if zero.stage < 3 and cut:
+                rows.add("all_gather", zero.axis, max(zero.segment_sizes(cut)) * n * elem,
+                         f"zero: updates gathered (bucket of {len(cut)} leaves)")
+            scattered = b if zero.stage == 2 else [i for i in b if zero.dims[i] is None]
+            if zero.stage >= 2 and scattered:
+                uncut = any(zero.dims[i] is None for i in scattered)
+                rows.add("reduce_scatter", zero.axis,
+                         max(zero.segment_sizes(scattered)) * n * elem,
+                         f"zero: grads reduce-scattered (bucket of {len(scattered)} leaves"
+                         + (", uncut ones whole in every segment)" if uncut else ")"))
         for i in range(len(zero.names)):
-            elem = leaves[i].element_size()
             whole = self._whole_local(i)
-            if zero.dims[i] is None:
-                if zero.stage >= 2:
-                    rows.add("all_reduce", zero.axis, math.prod(whole) * elem,
-                             "zero: grads of leaves too small to cut")
+            if zero.dims[i] is None or zero.stage < 3:
                 continue
             # The pieces travel padded to the longest, ceil(length / n).
             moved = math.prod(whole) // whole[zero.dims[i]] * chunk_sizes(zero.lengths[i], n)[0] * n
-            if zero.stage < 3:
-                rows.add("all_gather", zero.axis, moved * elem, "zero: updates gathered")
-                if zero.stage == 2:
-                    # An expert shard's gradient is reduced over dp only: its own
-                    # (expert-)data-parallel group.
-                    rows.add("reduce_scatter", zero.axis, moved * elem,
-                             "zero: expert grads reduce-scattered (their dp group)"
-                             if zero.names[i] in experts else "zero: grads reduce-scattered")
-                continue
             rows.add("all_gather", zero.axis, moved * comp, "zero-3: params gathered (forward)")
             if saved[i]:
                 # Each saved use is gathered again when the backward unpacks it: a stacked

@@ -417,14 +417,16 @@ def reduce_scatter(
     op: str = "sum",
     sizes: Sequence[int] | None = None,
     purpose: str = "",
-) -> Tensor:
+    async_op: bool = False,
+) -> Tensor | Pending:
     """``op`` of ``t`` over the ranks of ``axis``, of which this rank keeps its piece along
     ``dim``: pieces of :func:`chunk_sizes` (torch.chunk's cut) unless ``sizes`` says otherwise.
+    With ``async_op``, a :class:`Pending`.
     """
     red = _reduce_op(op)
     k = mesh.size(axis)
     if k == 1:
-        return t
+        return Pending(None, t) if async_op else t
     if t.dim() == 0:
         raise ValueError(f"reduce_scatter of a 0-d tensor ({purpose})")
     d = dim % t.dim()
@@ -438,19 +440,24 @@ def reduce_scatter(
     longest = max(sizes)
     front = t.movedim(d, 0)
     if longest == 0:
-        return t.clone()
+        return Pending(None, t.clone()) if async_op else t.clone()
     group = mesh.group(axis)
     import torch.distributed as dist
 
     pieces = [_pad0(p, longest) for p in torch.split(front, sizes)]
     comm_log.record("reduce_scatter", mesh, axis, _nbytes(pieces[0]) * k, purpose, t.dtype)
+    work = None
     if _traced():
         scatter = _funcol_op("reduce_scatter_single", "reduce_scatter_tensor")
         out = scatter(torch.cat(pieces), op, 0, group)
     else:
         out = torch.empty_like(pieces[0])
-        dist.reduce_scatter(out, pieces, op=red, group=group)
-    return out[:mine].movedim(0, d).contiguous()
+        work = dist.reduce_scatter(out, pieces, op=red, group=group, async_op=async_op)
+
+    def finish() -> Tensor:
+        return out[:mine].movedim(0, d).contiguous()
+
+    return Pending(work, None, finish) if async_op else finish()
 
 
 def broadcast(

@@ -4,9 +4,11 @@
 
 * stage 1: the optimizer state. After the data-parallel gradient mean each rank updates only
   its part of every leaf and the updated parts are all-gathered;
-* stage 2: also the gradients: the backward's gradients are reduce-scattered (one collective
-  per leaf, started from the backward's hooks as each gradient completes) instead of
-  all-reduced, so each rank keeps only its part;
+* stage 2: also the gradients: the backward's gradients are reduce-scattered instead of
+  all-reduced, so each rank keeps only its part: one collective per bucket of leaves
+  (``bucket_mb``, :mod:`funcpar.shard.buckets`), started from the backward's hooks as soon as
+  the bucket's last gradient completes (stages 1-2 gather the updated parts in the same
+  buckets);
 * stage 3: also the parameters: ``state.params`` holds each rank's part. A block's leaves
   (the elements of the model's outermost ``nn.ModuleList``, as FSDP wraps transformer blocks)
   are all-gathered when the block's forward starts and released when it ends; the backward
@@ -22,11 +24,13 @@
 into ``torch.chunk`` pieces: its :class:`~funcpar.shard.layout.Layout` gains ``dp`` as the
 innermost axis of that dim (``layout.split(dim, "dp")``). A leaf that cannot be cut (a scalar, a
 dim shorter than ``dp``) stays whole on every rank. Keeping leaves as tensors rather than flat
-buffers costs one collective per leaf instead of one per bucket, and buys exactness for free:
-the optimizer runs on the parts with their layouts, so every row/column statistic, RMS or norm
-it takes through :mod:`funcpar.shard.reduce` is all-reduced over exactly the axes that cut it
-(DESIGN principle 2); a factored optimizer keeps its rows and columns. Per rank, a partitioned
-leaf holds ``ceil(n / dp)`` of its ``n`` entries along the cut dim at most: the padding bound.
+buffers buys exactness for free (the collectives still travel in flat buckets: each rank's
+pieces of a bucket's leaves, rank-major, one buffer; an uncut leaf whole in every rank's
+segment): the optimizer runs on the parts with their layouts, so every row/column statistic,
+RMS or norm it takes through :mod:`funcpar.shard.reduce` is all-reduced over exactly the axes
+that cut it (DESIGN principle 2); a factored optimizer keeps its rows and columns. Per rank, a
+partitioned leaf holds ``ceil(n / dp)`` of its ``n`` entries along the cut dim at most: the
+padding bound.
 
 Composition: apply after :func:`~funcpar.transforms.shard_params` (the partition cuts the
 tensor-parallel shards); with :func:`~funcpar.transforms.data_parallel` over the same axis in
@@ -38,7 +42,8 @@ at stage 3) and ``step.grad_layouts`` the gradients the optimizer sees.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -46,6 +51,7 @@ from torch import Tensor, nn
 
 from funcpar.optim.base import GradientTransformation
 from funcpar.shard import comm
+from funcpar.shard.buckets import bucket_indices
 from funcpar.shard.layout import Layout
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state.train_state import TrainState
@@ -54,6 +60,12 @@ from funcpar.train.step import TrainStep
 from funcpar.transforms.compose import require_fresh
 
 __all__ = ["ZeroPlan", "plan_partition", "zero_partition"]
+
+
+class _Leaves(NamedTuple):
+    """A bucket's collective in flight: ``wait()`` gives ``{flat index: tensor}``."""
+
+    wait: Callable[[], dict[int, Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +79,79 @@ class ZeroPlan:
     dims: tuple[int | None, ...]
     lengths: tuple[int, ...]  # the local (tensor-parallel) length of the cut dim, or 0
     layouts: tuple[Layout, ...]  # of the parts (the base layout where the leaf is whole)
+    shapes: tuple[tuple[int, ...], ...] = ()  # the local (tensor-parallel) whole shapes
+    buckets: tuple[tuple[int, ...], ...] = ()  # flat leaf indices per bucket (shard/buckets)
 
     def _pieces(self, i: int) -> list[int]:
         return comm.chunk_sizes(self.lengths[i], self.mesh.size(self.axis))
+
+    def _piece_shape(self, i: int, r: int) -> list[int]:
+        shape = list(self.shapes[i])
+        if self.dims[i] is not None:
+            shape[self.dims[i]] = self._pieces(i)[r]
+        return shape
+
+    def segment_sizes(self, idx: Sequence[int]) -> list[int]:
+        """Entries per rank of a bucket's flat buffer: each leaf's piece of that rank (a whole
+        uncut leaf in every rank's segment)."""
+        return [sum(math.prod(self._piece_shape(i, r)) for i in idx)
+                for r in range(self.mesh.size(self.axis))]
+
+    def _flat_piece(self, i: int, x: Tensor, r: int) -> Tensor:
+        # Rank r's piece of the whole leaf x, flat; an uncut leaf is every rank's piece.
+        d = self.dims[i]
+        if d is None:
+            return x.reshape(-1)
+        pieces = self._pieces(i)
+        return x.narrow(d, sum(pieces[:r]), pieces[r]).reshape(-1)
+
+    def scatter_bucket(self, idx: Sequence[int], grads: Any) -> _Leaves:
+        """The mean over ``axis`` of the gradients ``grads[i]`` (``i`` in ``idx``, one dtype),
+        of which this rank keeps its parts: one reduce-scatter of the rank-major
+        concatenation of every leaf's pieces (an uncut leaf is in every rank's segment, so
+        every rank gets its whole mean); ``wait()`` gives ``{i: part}``. Elementwise
+        the sums and the division are the per-leaf collectives' (:meth:`scatter_mean`)."""
+        n, me = self.mesh.size(self.axis), self.mesh.rank(self.axis)
+        flat = torch.cat([self._flat_piece(i, grads[i], r) for r in range(n) for i in idx])
+        sizes = self.segment_sizes(idx)
+        pending = comm.reduce_scatter(flat, self.mesh, self.axis, sizes=sizes, async_op=True,
+                                      purpose=f"{len(idx)} leaves: zero grads")
+
+        def parts() -> dict[int, Tensor]:
+            mine, out, offset = pending.wait() / n, {}, 0
+            for i in idx:
+                shape = self._piece_shape(i, me)
+                k = math.prod(shape)
+                out[i] = mine[offset:offset + k].view(shape)
+                offset += k
+            return out
+
+        return _Leaves(parts)
+
+    def gather_bucket(self, idx: Sequence[int], parts: Any, purpose: str) -> _Leaves:
+        """The whole leaves of the parts ``parts[i]`` (``i`` in ``idx``: cut leaves of one
+        dtype): one all-gather of this rank's parts concatenated. ``wait()``: ``{i: whole}``."""
+        n = self.mesh.size(self.axis)
+        sizes = self.segment_sizes(idx)
+        pending = comm.all_gather(torch.cat([parts[i].reshape(-1) for i in idx]), self.mesh,
+                                  self.axis, sizes=sizes, async_op=True,
+                                  purpose=f"{len(idx)} leaves: {purpose}")
+
+        def wholes() -> dict[int, Tensor]:
+            flat = pending.wait()
+            starts = [sum(sizes[:r]) for r in range(n)]
+            out = {}
+            for i in idx:
+                pieces = []
+                for r in range(n):
+                    shape = self._piece_shape(i, r)
+                    k = math.prod(shape)
+                    pieces.append(flat[starts[r]:starts[r] + k].view(shape))
+                    starts[r] += k
+                out[i] = torch.cat(pieces, dim=self.dims[i])
+            return out
+
+        return _Leaves(wholes)
 
     def part(self, i: int, x: Tensor) -> Tensor:
         """This rank's part of leaf ``i`` (``x`` its local tensor-parallel shard)."""
@@ -106,15 +188,33 @@ class ZeroPlan:
         return self.map(self.part, tree)
 
     def gather_tree(self, tree: Tree, purpose: str) -> Tree:
-        return self.map(lambda i, x: self.gather(i, x, purpose), tree)
+        """Every cut leaf of ``tree`` (parts) whole again, bucket by bucket: every bucket's
+        all-gather is started before the first is waited for."""
+        leaves, spec = tree_flatten(tree)
+        if len(leaves) != len(self.dims):
+            raise ValueError(f"zero_partition: a tree of {len(leaves)} leaves against a plan "
+                             f"of {len(self.dims)}")
+        pending = []
+        for b in self.buckets:
+            idx = [i for i in b if self.dims[i] is not None and leaves[i] is not None]
+            if len({leaves[i].dtype for i in idx}) > 1:  # a flat buffer has one dtype
+                pending += [self.gather_bucket([i], leaves, purpose) for i in idx]
+            elif idx:
+                pending.append(self.gather_bucket(idx, leaves, purpose))
+        out = list(leaves)
+        for p in pending:
+            for i, whole in p.wait().items():
+                out[i] = whole
+        return tree_unflatten(spec, out)
 
     def part_layouts(self, like: Tree) -> Tree:
         return tree_unflatten(tree_flatten(like)[1], list(self.layouts))
 
 
 def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: int,
-                   axis: str = "dp") -> ZeroPlan:
-    """Choose each leaf's cut dim (see the module docstring)."""
+                   axis: str = "dp", bucket_bytes: int = 25 << 20) -> ZeroPlan:
+    """Choose each leaf's cut dim (see the module docstring) and the buckets its collectives
+    travel in (:func:`~funcpar.shard.buckets.bucket_indices`, ``bucket_bytes`` each)."""
     n = mesh.size(axis)
     names, dims, lengths, parts = [], [], [], []
     lays = leaves_like(params, layouts, what="layouts", against="params")
@@ -131,7 +231,11 @@ def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: 
         dims.append(d)
         lengths.append(local[d] if d is not None else 0)
         parts.append(base.named(name) if d is None else base.split(d, axis).named(name))
-    return ZeroPlan(stage, mesh, axis, tuple(names), tuple(dims), tuple(lengths), tuple(parts))
+    leaves = [x for _, x in named_leaves(params)]
+    buckets = bucket_indices([x.numel() * x.element_size() for x in leaves],
+                             [x.dtype for x in leaves], bucket_bytes)
+    return ZeroPlan(stage, mesh, axis, tuple(names), tuple(dims), tuple(lengths), tuple(parts),
+                    tuple(tuple(x.shape) for x in leaves), tuple(tuple(b) for b in buckets))
 
 
 class _GatherPart(torch.autograd.Function):
@@ -150,22 +254,47 @@ class _GatherPart(torch.autograd.Function):
 
 
 class _ScatterGrads:
-    """Stage 2/3's gradient reduction, as a :class:`~funcpar.train.step.GradSync`."""
+    """Stage 2/3's gradient reduction, as a :class:`~funcpar.train.step.GradSync`: bucket by
+    bucket (:meth:`ZeroPlan.scatter_bucket`), each bucket's reduce-scatter started from the
+    backward's hooks as soon as its last gradient is in, so it travels while the backward
+    goes on. At stage 3 a cut leaf's gradient comes reduce-scattered already (by
+    :class:`_GatherPart`'s backward) and only the uncut leaves are left to reduce here."""
 
     def __init__(self, plan: ZeroPlan):
-        self.plan, self.done = plan, {}
+        self.plan, self.got, self.pending = plan, {}, {}
+        keep = [[i for i in b if plan.stage < 3 or plan.dims[i] is None] for b in plan.buckets]
+        self.buckets = [b for b in keep if b]
+        self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
 
-    def _reduce(self, i: int, g: Tensor) -> Tensor:
-        if self.plan.stage == 3 and self.plan.dims[i] is not None:
-            return g  # _GatherPart's backward has reduce-scattered it already
-        return self.plan.scatter_mean(i, g)
+    def _launch(self, k: int, grads: Any) -> None:
+        idx = self.buckets[k]
+        if len({grads[i].dtype for i in idx}) > 1:  # a flat buffer has one dtype
+            self.pending[k] = [self.plan.scatter_bucket([i], grads) for i in idx]
+        else:
+            self.pending[k] = [self.plan.scatter_bucket(idx, grads)]
 
     def ready(self, i: int, grad: Tensor) -> None:
-        self.done[i] = self._reduce(i, grad)
+        k = self.bucket_of.get(i)
+        if k is None:
+            return  # reduced already (stage 3)
+        self.got[i] = grad
+        if k not in self.pending and all(j in self.got for j in self.buckets[k]):
+            self._launch(k, self.got)
 
     def finish(self, grads: Tree) -> Tree:
-        return self.plan.map(lambda i, g: self.done[i] if i in self.done else self._reduce(i, g),
-                             grads)
+        leaves, spec = tree_flatten(grads)
+        if len(leaves) != len(self.plan.dims):
+            raise ValueError(f"zero_partition: a tree of {len(leaves)} leaves against a plan "
+                             f"of {len(self.plan.dims)}")
+        for k in range(len(self.buckets)):
+            if k not in self.pending:
+                self._launch(k, {i: self.got.get(i, leaves[i]) for i in self.buckets[k]})
+        out = list(leaves)
+        for k in range(len(self.buckets)):
+            for p in self.pending[k]:
+                for i, part in p.wait().items():
+                    out[i] = part
+        return tree_unflatten(spec, out)
 
 
 def _partitioned(inner: GradientTransformation, plan: ZeroPlan) -> GradientTransformation:
@@ -207,11 +336,15 @@ def _partitioned(inner: GradientTransformation, plan: ZeroPlan) -> GradientTrans
 
 
 def zero_partition(
-    stage: int, mesh: DeviceMesh, *, axis: str = "dp"
+    stage: int, mesh: DeviceMesh, *, axis: str = "dp", bucket_mb: float = 25.0
 ) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
-    """The ZeRO transform of ``stage`` (1, 2 or 3) over mesh axis ``axis``."""
+    """The ZeRO transform of ``stage`` (1, 2 or 3) over mesh axis ``axis``; the gradients'
+    reduce-scatters and the updated parameters' all-gathers travel in buckets of at most
+    ``bucket_mb`` MiB (:func:`~funcpar.shard.buckets.bucket_indices`)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_partition stage must be 1, 2 or 3, got {stage!r}")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
     if axis not in mesh.axis_names:
         raise ValueError(f"the mesh has no axis {axis!r}: its axes are {mesh.axis_names}")
 
@@ -222,7 +355,8 @@ def zero_partition(
         if step.dp_axis not in (None, axis):
             raise ValueError(f"data_parallel is over {step.dp_axis!r} but zero_partition over "
                              f"{axis!r}: they must share the axis")
-        plan = plan_partition(state.params, step.layouts, mesh, stage, axis)
+        plan = plan_partition(state.params, step.layouts, mesh, stage, axis,
+                              int(bucket_mb * 2**20))
         part_layouts = plan.part_layouts(state.params)
         opt = _partitioned(step.optimizer, plan)
         changes: dict[str, Any] = {"optimizer": opt, "partition": plan}

@@ -1,0 +1,97 @@
+"""ZeRO's bucketed collectives (issue 32): one reduce-scatter / all-gather per bucket of leaves,
+bit for bit the per-leaf collectives' results, started during the backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_data_parallel import _Net, _Probe
+
+import funcpar.optim as fo
+from funcpar.models import Llama, LlamaConfig, lm_loss
+from funcpar.shard.comm import comm_log
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.state import functionalize, init_state
+from funcpar.testing import run_ranks
+from funcpar.train import make_train_step
+from funcpar.transforms import compose, data_parallel, zero_partition
+
+ONE_LEAF = 1e-9  # MiB: every leaf a bucket of its own, i.e. the per-leaf collectives
+
+
+def _train(stage: int, bucket_mb: float, dtype: torch.dtype, world: int):
+    mesh = DeviceMesh.from_env(dp=world)
+    cfg = LlamaConfig(vocab_size=64, dim=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=8)
+    torch.manual_seed(0)
+    model = Llama(cfg).to(dtype)
+    apply_fn, params, buffers = functionalize(model)
+    opt = fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(lr=1e-2, weight_decay=0.1))
+    step, state = compose(data_parallel(mesh), zero_partition(stage, mesh, bucket_mb=bucket_mb))(
+        make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt))
+    gen = torch.Generator().manual_seed(1)
+    with comm_log.capture() as records:
+        for _ in range(3):
+            tokens = torch.randint(0, 64, (4, 9), generator=gen)
+            state, metrics = step(state, (tokens[:, :-1], tokens[:, 1:]))
+    ops = [r.op for r in records if r.purpose.endswith(("zero grads", "zero update gather"))]
+    return ({k: v.clone() for k, v in state.params.items()}, float(metrics["loss"]),
+            ops.count("reduce_scatter") // 3, ops.count("all_gather") // 3)
+
+
+def _both(stage: int, dtype: torch.dtype, world: int):
+    return _train(stage, ONE_LEAF, dtype, world), _train(stage, 25.0, dtype, world)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_bucketed_equals_per_leaf_bit_for_bit(stage, dtype):
+    for per_leaf, bucketed in run_ranks(_both, 2, stage, dtype, 2, backend=None, timeout=120):
+        assert per_leaf[1] == bucketed[1]
+        for k, v in per_leaf[0].items():
+            assert torch.equal(v, bucketed[0][k]), k
+        n_leaves = len(per_leaf[0])
+        # Per step: one all-gather per bucket (one here) where there was one per leaf; from
+        # stage 2 one reduce-scatter per bucket too.
+        assert (per_leaf[3], bucketed[3]) == (n_leaves, 1)
+        assert (per_leaf[2], bucketed[2]) == ((n_leaves, 1) if stage == 2 else (0, 0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bucketed_equals_per_leaf_on_four_ranks(stage):
+    # Over 4 gloo ranks a reduce-scatter's sum order depends on where an entry sits in the
+    # buffer (measured: bucketed and per-leaf ZeRO-2 differ in the last bits after 3 steps), so
+    # the two agree to float32 round-off here, bit for bit at stage 1 (no reduce-scatter) and
+    # on 2 ranks (a + b = b + a).
+    for per_leaf, bucketed in run_ranks(_both, 4, stage, torch.float32, 4, backend=None,
+                                        timeout=300):
+        for k, v in per_leaf[0].items():
+            if stage == 1:
+                assert torch.equal(v, bucketed[0][k]), k
+            else:
+                torch.testing.assert_close(v, bucketed[0][k], rtol=1e-5, atol=1e-6)
+
+
+def _overlap():
+    _Probe.match = "zero grads"
+    mesh = DeviceMesh.from_env(dp=2)
+    torch.manual_seed(0)
+    model = _Net().double()
+    apply_fn, params, buffers = functionalize(model)
+    opt = fo.sgd(lr=0.1)
+    step = make_train_step(apply_fn, lambda out, y: ((out - y) ** 2).mean(), opt)
+    step, state = compose(data_parallel(mesh), zero_partition(2, mesh, bucket_mb=1e-6))(
+        step, init_state(params, buffers, opt))
+    batch = (torch.randn(6, 4, dtype=torch.double), torch.randn(6, 2, dtype=torch.double))
+    with comm_log.capture() as records:
+        model.records = records
+        _Probe.seen.clear()
+        step(state, batch)
+    return _Probe.seen, [r.op for r in records if r.purpose.endswith("zero grads")]
+
+
+def test_zero2_buckets_start_during_the_backward():
+    # One leaf a bucket; the probe sits between the two linears: when its backward runs, the
+    # second linear's weight and bias are done and their reduce-scatters already issued.
+    for seen, ops in run_ranks(_overlap, 2, backend=None, timeout=120):
+        assert ops == ["reduce_scatter"] * 4 and seen == [2]

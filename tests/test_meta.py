@@ -130,10 +130,7 @@ def test_implicit_ridge_hypergradient_matches_closed_form(normal):
     def optimality(x, lam):  # gradient of 0.5 ||a x - b||^2 + 0.5 lam ||x||^2
         return a.T @ (a @ x - b) + lam * x
 
-    solve = None
-    if normal:
-        def solve(matvec, rhs):  # the Hessian is symmetric: A^T = A
-            return solve_normal_cg(matvec, rhs, rmatvec=matvec)
+    solve = solve_normal_cg if normal else None
 
     @custom_root(optimality, solve=solve)
     def ridge(x0, lam):  # an iterative inner solver, never unrolled: plain gradient descent

@@ -33,3 +33,13 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
     scale = b.abs().max().clamp_min(torch.finfo(b.dtype).tiny)
     return float((a - b).abs().max() / scale) if b.numel() else 0.0
+
+
+@pytest.fixture
+def float64_default():
+    # torchopt computes Adam's bias corrections 1 - b^t from an integer count tensor, in the
+    # default dtype: float64 makes its reference exact to float64 rounding.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)

@@ -34,16 +34,6 @@ def _theta():
             "w2": 0.3 * torch.randn(16, 1, generator=g, dtype=D), "b2": torch.zeros(1, dtype=D)}
 
 
-@pytest.fixture
-def float64_default():
-    # torchopt computes Adam's bias corrections 1 - b^t from an integer count tensor, in the
-    # default dtype: float64 makes its reference exact to float64 rounding.
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(D)
-    yield
-    torch.set_default_dtype(old)
-
-
 def test_maml_meta_gradient_matches_torchopt(float64_default):
     torchopt = pytest.importorskip("torchopt")
     theta = {k: v.requires_grad_(True) for k, v in _theta().items()}
@@ -130,10 +120,7 @@ def test_implicit_ridge_hypergradient_matches_closed_form(normal):
     def optimality(x, lam):  # gradient of 0.5 ||a x - b||^2 + 0.5 lam ||x||^2
         return a.T @ (a @ x - b) + lam * x
 
-    solve = None
-    if normal:
-        def solve(matvec, rhs):  # the Hessian is symmetric: A^T = A
-            return solve_normal_cg(matvec, rhs, rmatvec=matvec)
+    solve = solve_normal_cg if normal else None
 
     @custom_root(optimality, solve=solve)
     def ridge(x0, lam):  # an iterative inner solver, never unrolled: plain gradient descent

@@ -9,6 +9,13 @@ and ``p' = p + u`` (:func:`adamw_step` with ``write_params=True``) or ``u`` itse
 On CPU with ``write_params`` the fast path is torch's fused kernel, which rounds
 ``p' = p (1 - lr_wd) - step_size m' / denom`` as one expression (:func:`adamw_fast`).
 
+``eps_root`` (optax's and torchopt's, default 0) goes inside the square root:
+``sqrt(v_hat + eps_root)`` with ``v_hat = v' / (1 - b2^t)``, computed as
+``sqrt(v' + eps_root bc2_sqrt^2) / bc2_sqrt`` so that ``eps_root = 0`` is the same ops and bits
+as without it. It keeps ``d sqrt / dv`` finite where ``v = 0`` (a dead unit's zero gradient),
+which differentiating through the step needs. Only the reference computes it: a step with
+``eps_root != 0`` never takes the Triton kernel or the fused / multi-tensor fast paths.
+
 Bytes per parameter (fp32 everything): ``p`` read and written, ``g`` read, ``m`` and ``v`` read
 and written: 28 B (36 B with amsgrad); returning ``u`` instead writes ``u`` and does not read
 ``p`` on leaves without decay (24 B), and adding it later costs 12 B more.
@@ -58,6 +65,7 @@ class AdamWScalars(NamedTuple):
     lr: Tensor | float | None = None
     weight_decay: Tensor | float | None = None
     count: Tensor | int | None = None
+    eps_root: float = 0.0  # a number: it decides the path (module doc)
 
 
 def with_bias_terms(s: AdamWScalars) -> AdamWScalars:
@@ -109,11 +117,17 @@ def adamw_leaf(
     if dt not in cast:
         cast[dt] = in_dtype(dt, _t(s.bc2_sqrt), _t(s.eps), -_t(s.step_size), _t(s.lr_wd))
     bc2_sqrt, eps, neg_step_size, lr_wd = cast[dt]
-    denom = ((vmax if amsgrad else v).sqrt() / bc2_sqrt) + eps
+    denom = (_with_eps_root(vmax if amsgrad else v, bc2_sqrt, s.eps_root).sqrt()
+             / bc2_sqrt) + eps
     u = neg_step_size * (m / denom)
     if use_decay:
         u = u - lr_wd * p
     return u, m, v, vmax
+
+
+def _with_eps_root(v: Tensor, bc2_sqrt: Tensor, eps_root: float) -> Tensor:
+    """``v + eps_root bc2_sqrt^2`` (module doc); ``v`` itself when ``eps_root`` is 0."""
+    return v + eps_root * (bc2_sqrt * bc2_sqrt) if eps_root else v
 
 
 Leaves = Sequence[Tensor]
@@ -337,8 +351,10 @@ def _adamw_multi(
             else list(max_exp_avg_sq))
     bc2, eps, step, lr_wd = per_dtype([x.dtype for x in g], _t(s.bc2_sqrt), _t(s.eps),
                                       -_t(s.step_size), _t(s.lr_wd))
-    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(vmax if amsgrad else v),
-                                                  bc2), eps)
+    second = vmax if amsgrad else v
+    if s.eps_root:
+        second = [_with_eps_root(x, b, s.eps_root) for x, b in zip(second, bc2, strict=True)]
+    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(second), bc2), eps)
     u = add_scaled(torch._foreach_mul(torch._foreach_div(m, denom), step), params, lr_wd, decay,
                    subtract=True)
     out = torch._foreach_add(list(params), u) if write_params else list(u)
@@ -487,9 +503,12 @@ def adamw_step(
     amsgrad: bool = False, maximize: bool = False, write_params: bool = False,
 ) -> Out:
     """The kernel when :func:`funcpar.kernels.use_kernels` says so and every tensor has a
-    kernel dtype, else the reference (float64 and complex leaves, CPU tensors by default)."""
+    kernel dtype, else the reference (float64 and complex leaves, CPU tensors by default,
+    and any step with ``eps_root``)."""
     tensors = [*grads, *params, *exp_avg, *exp_avg_sq, *(max_exp_avg_sq if amsgrad else ())]
-    if _launch.kernels_apply(*tensors, hyper=s):
+    if s.eps_root:  # only the reference computes it (module doc)
+        impl = adamw_reference
+    elif _launch.kernels_apply(*tensors, hyper=s):
         impl = adamw_triton
     elif grads and not torch.compiler.is_compiling() and fast_path_ok(*tensors, *s):
         impl = adamw_fast  # multi-tensor/fused plain torch; steps aside for autograd and vmap

@@ -3,7 +3,7 @@
 from funcpar.optim.accumulate import AccumulateState, accumulate
 from funcpar.optim.adafactor import AdafactorState, adafactor
 from funcpar.optim.adafactor_torch import adafactor_torch
-from funcpar.optim.adamw import AdamWState, adamw
+from funcpar.optim.adamw import AdamWState, adam, adamw
 from funcpar.optim.base import (
     EmptyState,
     GradientTransformation,
@@ -14,6 +14,7 @@ from funcpar.optim.base import (
 )
 from funcpar.optim.came import CAMEState, came
 from funcpar.optim.clip import clip_by_global_norm, global_norm, reuse_global_norm
+from funcpar.optim.decay import add_decayed_weights
 from funcpar.optim.galore import (
     GaLoreAdafactorState,
     GaLoreAdamWState,
@@ -50,7 +51,9 @@ __all__ = [
     "accumulate",
     "adafactor",
     "adafactor_torch",
+    "adam",
     "adamw",
+    "add_decayed_weights",
     "apply_updates",
     "came",
     "chain",

@@ -407,6 +407,7 @@ class TrainStep:
                 with inplace_updates() if self.donate else contextlib.nullcontext():
                     params, buffers, opt_state, loss, gnorm, finite = self._core(*args)
             rng = _get_rng(device)
+        params, opt_state = _cut_graph(params, opt_state)
         if self.donate:
             params, buffers, opt_state = donate_into(owned, (params, buffers, opt_state),
                                                      old_flat=flat)
@@ -418,6 +419,18 @@ class TrainStep:
             metrics.update(self.loss_scaler.metrics(extras, finite))
             extras = self.loss_scaler.update(extras, finite)
         return TrainState(params, buffers, opt_state, state.step + 1, rng, extras), metrics
+
+
+def _cut_graph(params: Tree, opt_state: Tree) -> tuple[Tree, Tree]:
+    """``(params, opt_state)`` detached where a leaf requires grad: a hyperparameter given as
+    a tensor that requires grad (``adamw(lr=torch.tensor(1e-2, requires_grad=True))``) makes
+    the new params and state functions of it, and carried into the next step each step's graph
+    would keep the one before alive (memory growing with the step count). A step is the
+    training path: gradients through steps are :mod:`funcpar.meta`'s (``unroll``)."""
+    leaves, spec = tree_flatten((params, opt_state))
+    if not any(isinstance(t, Tensor) and t.requires_grad for t in leaves):
+        return params, opt_state
+    return tree_unflatten(spec, [t.detach() if isinstance(t, Tensor) else t for t in leaves])
 
 
 def make_train_step(

@@ -47,29 +47,38 @@ class _Net(nn.Module):
         return self.second(_Probe.apply(self.first(x), self.records))
 
 
-def _overlap():
+def _overlap(zero_stage: int = 0):
+    """One dp2 step with one leaf a bucket (``zero_stage``: under zero_partition, whose
+    reduce-scatters are counted): the buckets the probe saw launched, the gradient
+    collectives, the loss."""
+    from funcpar.transforms import compose, zero_partition
+
+    _Probe.match = "zero grads" if zero_stage else "dp grads"
     mesh = DeviceMesh.from_env(dp=2)
     torch.manual_seed(0)
     model = _Net().double()
     apply_fn, params, buffers = functionalize(model)
     opt = fo.sgd(lr=0.1)
     step = make_train_step(apply_fn, lambda out, y: ((out - y) ** 2).mean(), opt)
-    step, state = data_parallel(mesh, bucket_mb=1e-6)(step, init_state(params, buffers, opt))
+    parallel = [data_parallel(mesh, bucket_mb=1e-6)]
+    if zero_stage:
+        parallel.append(zero_partition(zero_stage, mesh, bucket_mb=1e-6))
+    step, state = compose(*parallel)(step, init_state(params, buffers, opt))
     batch = (torch.randn(6, 4, dtype=torch.double), torch.randn(6, 2, dtype=torch.double))
     with comm_log.capture() as records:
         model.records = records
         _Probe.seen.clear()
         state, metrics = step(state, batch)
-    grads = [r for r in records if r.purpose.startswith("dp grads")]
-    return _Probe.seen[0], len(grads), float(metrics["loss"])
+    grads = [r.op for r in records if _Probe.match in r.purpose]
+    return _Probe.seen[0], grads, float(metrics["loss"])
 
 
 def test_buckets_start_during_the_backward():
     # bucket_mb tiny: one leaf per bucket, 4 leaves. The probe sits between the two linears, so
     # when its backward runs, `second`'s weight and bias are done and must be on the wire.
     results = run_ranks(_overlap, 2, backend=None, timeout=120)
-    for seen, n_buckets, _ in results:
-        assert n_buckets == 4 and seen == 2
+    for seen, grads, _ in results:
+        assert len(grads) == 4 and seen == 2
     loss = results[0][2]  # the mean over ranks of half-batch means: the global mean
     torch.manual_seed(0)
     ref = _Net().double()

@@ -177,11 +177,21 @@ class ZeroPlan:
         return comm.reduce_scatter(g, self.mesh, self.axis, dim=d, sizes=self._pieces(i),
                                    purpose=f"{self.names[i]}: zero grad") / n
 
-    def map(self, fn: Callable[[int, Tensor], Tensor], tree: Tree) -> Tree:
+    def flatten(self, tree: Tree) -> tuple[list[Any], Any]:
+        """``tree``'s leaves (one per planned leaf, checked) and its structure."""
         leaves, spec = tree_flatten(tree)
         if len(leaves) != len(self.dims):
             raise ValueError(f"zero_partition: a tree of {len(leaves)} leaves against a plan "
                              f"of {len(self.dims)}")
+        return leaves, spec
+
+    def one_dtype(self, idx: Sequence[int], tensors: Any) -> list[list[int]]:
+        """``idx`` as one bucket, or as one bucket per leaf where ``tensors`` mix dtypes (a
+        flat buffer has one; the buckets are cut on the params' dtypes)."""
+        return [list(idx)] if len({tensors[i].dtype for i in idx}) <= 1 else [[i] for i in idx]
+
+    def map(self, fn: Callable[[int, Tensor], Tensor], tree: Tree) -> Tree:
+        leaves, spec = self.flatten(tree)
         return tree_unflatten(spec, [x if x is None else fn(i, x) for i, x in enumerate(leaves)])
 
     def to_parts(self, tree: Tree) -> Tree:
@@ -190,17 +200,13 @@ class ZeroPlan:
     def gather_tree(self, tree: Tree, purpose: str) -> Tree:
         """Every cut leaf of ``tree`` (parts) whole again, bucket by bucket: every bucket's
         all-gather is started before the first is waited for."""
-        leaves, spec = tree_flatten(tree)
-        if len(leaves) != len(self.dims):
-            raise ValueError(f"zero_partition: a tree of {len(leaves)} leaves against a plan "
-                             f"of {len(self.dims)}")
+        leaves, spec = self.flatten(tree)
         pending = []
         for b in self.buckets:
             idx = [i for i in b if self.dims[i] is not None and leaves[i] is not None]
-            if len({leaves[i].dtype for i in idx}) > 1:  # a flat buffer has one dtype
-                pending += [self.gather_bucket([i], leaves, purpose) for i in idx]
-            elif idx:
-                pending.append(self.gather_bucket(idx, leaves, purpose))
+            if idx:
+                pending += [self.gather_bucket(one, leaves, purpose)
+                            for one in self.one_dtype(idx, leaves)]
         out = list(leaves)
         for p in pending:
             for i, whole in p.wait().items():
@@ -216,9 +222,10 @@ def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: 
     """Choose each leaf's cut dim (see the module docstring) and the buckets its collectives
     travel in (:func:`~funcpar.shard.buckets.bucket_indices`, ``bucket_bytes`` each)."""
     n = mesh.size(axis)
-    names, dims, lengths, parts = [], [], [], []
+    names, dims, lengths, parts, leaves = [], [], [], [], []
     lays = leaves_like(params, layouts, what="layouts", against="params")
     for (name, x), lay in zip(named_leaves(params), lays):
+        leaves.append(x)
         base = lay if lay is not None else Layout(mesh, tuple(x.shape), None, name=name)
         if axis in {a for axes in base.dim_axes for a in axes}:
             raise ValueError(f"{name!r} is already split over {axis!r}: zero_partition once, "
@@ -231,7 +238,6 @@ def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: 
         dims.append(d)
         lengths.append(local[d] if d is not None else 0)
         parts.append(base.named(name) if d is None else base.split(d, axis).named(name))
-    leaves = [x for _, x in named_leaves(params)]
     buckets = bucket_indices([x.numel() * x.element_size() for x in leaves],
                              [x.dtype for x in leaves], bucket_bytes)
     return ZeroPlan(stage, mesh, axis, tuple(names), tuple(dims), tuple(lengths), tuple(parts),
@@ -267,11 +273,8 @@ class _ScatterGrads:
         self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
 
     def _launch(self, k: int, grads: Any) -> None:
-        idx = self.buckets[k]
-        if len({grads[i].dtype for i in idx}) > 1:  # a flat buffer has one dtype
-            self.pending[k] = [self.plan.scatter_bucket([i], grads) for i in idx]
-        else:
-            self.pending[k] = [self.plan.scatter_bucket(idx, grads)]
+        self.pending[k] = [self.plan.scatter_bucket(one, grads)
+                           for one in self.plan.one_dtype(self.buckets[k], grads)]
 
     def ready(self, i: int, grad: Tensor) -> None:
         k = self.bucket_of.get(i)
@@ -282,10 +285,7 @@ class _ScatterGrads:
             self._launch(k, self.got)
 
     def finish(self, grads: Tree) -> Tree:
-        leaves, spec = tree_flatten(grads)
-        if len(leaves) != len(self.plan.dims):
-            raise ValueError(f"zero_partition: a tree of {len(leaves)} leaves against a plan "
-                             f"of {len(self.plan.dims)}")
+        leaves, spec = self.plan.flatten(grads)
         for k in range(len(self.buckets)):
             if k not in self.pending:
                 self._launch(k, {i: self.got.get(i, leaves[i]) for i in self.buckets[k]})

@@ -517,8 +517,7 @@ def save(
         save_file(tensors, fpath, metadata={"format": FORMAT, "rank": str(rank)})
         file_info = {"size": os.path.getsize(fpath), "sha256": _sha256_file(fpath, fsync=True)}
     except (OSError, RuntimeError, SafetensorError) as err:  # safetensors' own for I/O
-        failed = f"rank {rank}: writing {fpath}: {_cause(err)}" if world > 1 else (
-            f"writing {fpath}: {_cause(err)}")
+        failed = f"{f'rank {rank}: ' if world > 1 else ''}writing {fpath}: {_cause(err)}"
     tensors.clear()
     if file_info is not None and on_file is not None:
         on_file(fpath)
@@ -532,7 +531,7 @@ def save(
             _commit(state, step, lays, plan, [fi for fi, _ in gathered], extra_meta, world,
                     final, tmp, old, on_file)
         except OSError as err:
-            failed = f"{_cause(err)}"
+            failed = _cause(err)
     failed = _broadcast(failed)
     if failed is not None:
         if rank == 0:

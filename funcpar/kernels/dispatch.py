@@ -73,7 +73,21 @@ def differentiable(*tensors: object) -> bool:
         return False
     # isinstance, not torch.is_tensor (a Python call per tensor): every optimizer step scans
     # all its leaves' tensors here.
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        return True
+    if torch._C._functorch.maybe_current_level() is None:
+        return False
+    # A vmap wrapper reports requires_grad=False even when the tensor it batches requires grad
+    # (a per-task vmap inside an outer backward: MAML's inner loop), so look through it.
+    return any(isinstance(t, torch.Tensor) and _batched_requires_grad(t) for t in tensors)
+
+
+def _batched_requires_grad(t: torch.Tensor) -> bool:
+    while torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+        if t.requires_grad:
+            return True
+    return False
 
 
 def use_kernels(*tensors: torch.Tensor | None, hyper: Sequence[object] = ()) -> bool:

@@ -101,8 +101,9 @@ def on_members(fn: Callable[..., Any], columns: Sequence[Sequence[Tensor | None]
     level = top.level()
     tensors = [t for col in columns for t in col if t is not None]
     fields = [v for v in scalars if isinstance(v, Tensor)]
-    if not tensors or (torch.is_grad_enabled()
-                       and any(t.requires_grad for t in (*tensors, *fields))):
+    from funcpar.kernels.dispatch import differentiable  # dispatch imports kernels: at call time
+
+    if not tensors or differentiable(*tensors, *fields):
         return None
     if not all(_functorch.maybe_get_level(t) == level for t in tensors):
         return None

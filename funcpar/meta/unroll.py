@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _functorch as _C
 
 from funcpar.optim.base import GradientTransformation, update_params
 from funcpar.optim.hyperparams import HyperState
@@ -46,6 +47,40 @@ def detach_state(state: Tree) -> Tree:
     return tree_map(_detach, state)
 
 
+def _check_scalar(loss: Tensor) -> Tensor:
+    if loss.dim() != 0:
+        raise ValueError(f"inner loss must be a scalar, got shape {tuple(loss.shape)}")
+    return loss
+
+
+def _autograd_grad(
+    loss_fn: LossFn, spec: Any, leaves: list[Tensor], args: tuple, create_graph: bool,
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The inner gradient by ``torch.autograd.grad`` (outside any torch.func transform)."""
+    loss = _check_scalar(loss_fn(tree_unflatten(spec, leaves), *args))
+    if not all(p.requires_grad for p in leaves):
+        # Leaves that do not require grad yet (the very first step on plain tensors): make them
+        # graph leaves so their gradient exists; the caller's tensors are not modified.
+        leaves = [p if p.requires_grad else p.detach().requires_grad_(True) for p in leaves]
+        loss = _check_scalar(loss_fn(tree_unflatten(spec, leaves), *args))
+    return loss, torch.autograd.grad(loss, leaves, create_graph=create_graph)
+
+
+def _func_grad(
+    loss_fn: LossFn, spec: Any, leaves: list[Tensor], args: tuple,
+) -> tuple[Tensor, list[Tensor]]:
+    """The inner gradient by ``torch.func.grad``: inside a torch.func transform (a per-task
+    ``vmap``, an outer ``torch.func.grad``) ``torch.autograd.grad`` cannot see the batched
+    loss. ``torch.func.grad`` composes with the transforms around it and with ordinary autograd
+    outside them, so the meta-gradient still flows through the inner gradient."""
+    def flat_loss(ls: list[Tensor]) -> tuple[Tensor, Tensor]:
+        loss = _check_scalar(loss_fn(tree_unflatten(spec, ls), *args))
+        return loss, loss
+
+    grads, loss = torch.func.grad(flat_loss, has_aux=True)(list(leaves))
+    return loss, grads
+
+
 def inner_step(
     loss_fn: LossFn, opt: GradientTransformation, params: Tree, opt_state: Tree, *args: Any,
     create_graph: bool = True,
@@ -56,17 +91,20 @@ def inner_step(
     is taken as a constant (first-order MAML, FOMAML): cheaper, no second derivatives.
     """
     leaves, spec = tree_flatten(params)
-    loss = loss_fn(params, *args)
-    if loss.dim() != 0:
-        raise ValueError(f"inner loss must be a scalar, got shape {tuple(loss.shape)}")
-    need = [p for p in leaves if p.requires_grad]
-    if len(need) != len(leaves):
-        # Leaves that do not require grad yet (the very first step on plain tensors): make them
-        # graph leaves so their gradient exists; the caller's tensors are not modified.
-        leaves = [p if p.requires_grad else p.detach().requires_grad_(True) for p in leaves]
-        params = tree_unflatten(spec, leaves)
-        loss = loss_fn(params, *args)
-    grads = torch.autograd.grad(loss, leaves, create_graph=create_graph)
+    # The inner gradient needs autograd even where the caller turned it off (an evaluation
+    # loop under no_grad): it is taken under enable_grad, while the update runs in the
+    # caller's mode, so under no_grad nothing keeps a graph (first order by necessity).
+    outer_grad = torch.is_grad_enabled()
+    keep_graph = create_graph and outer_grad
+    with torch.enable_grad():
+        if _C.maybe_current_level() is not None:
+            loss, grads = _func_grad(loss_fn, spec, leaves, args)
+        else:
+            loss, grads = _autograd_grad(loss_fn, spec, leaves, args, keep_graph)
+    if not keep_graph:
+        grads = [g.detach() for g in grads]
+    if not outer_grad:
+        loss = loss.detach()
     # update_params: the optimizer's apply when it has one (AdamW, SGD: ``w + u`` inside the
     # step, one multi-tensor add on the differentiable path), else update + apply_updates;
     # the same values either way (GradientTransformation's contract).

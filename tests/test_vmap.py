@@ -399,3 +399,19 @@ def test_member_gradients_route_only_under_vmap_step(monkeypatch):
     for a, b in zip(tree_leaves(plain), tree_leaves(traced), strict=True):
         if torch.is_tensor(a):
             torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_torch_func_vmap_of_a_step_points_at_vmap_step():
+    """What a JAX user writes first, ``torch.func.vmap(step, in_dims=(0, None))`` over a stacked
+    state: torch stops at the state's None leaves and its one-line message names vmap_step
+    (was: an 800-character repr of the step); a stacked generator state that reaches the step
+    is refused by the step itself, also naming vmap_step (was: "Cannot access data pointer")."""
+    step, states = _members(fo.adamw(0.01))
+    stacked = stack_states(states)
+    batch = _batches()[0]
+    with pytest.raises(ValueError, match=r"vmap_step") as err:
+        torch.func.vmap(step, in_dims=(0, None))(stacked, batch)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 400
+    with pytest.raises(ValueError, match=r"stacked rng.*vmap_step"):
+        torch.func.vmap(lambda rng: step(states[0]._replace(rng=rng), batch)[1]["loss"])(
+            stacked.rng)

@@ -11,6 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+from torch._C import _functorch as _C
 
 from funcpar.kernels.inplace import inplace_updates
 from funcpar.optim.base import GradientTransformation, update_params
@@ -254,7 +255,16 @@ class TrainStep:
     ``layouts`` describe ``state.params``; ``grad_layouts`` the gradients after the hooks when
     they differ (ZeRO-2/3 keep a part of each); ``partition`` and ``dp_axis`` record the ZeRO
     plan and the data-parallel axis, so that the transforms compose in either order.
+
+    ``torch.func.vmap(step, in_dims=(0, None))`` over a stacked state is not the way to train
+    members at once: torch's vmap refuses the state's ``None`` leaves, and one generator cannot
+    serve stacked ``rng`` s; :func:`funcpar.train.vmap_step` handles both. The message torch
+    gives names the step by its ``__name__``, which therefore says so.
     """
+
+    # Not a field (no annotation): what torch.func.vmap's error calls a step instead of its
+    # 800-character repr.
+    __name__ = "TrainStep (to vmap over stacked states use funcpar.train.vmap_step(step))"
 
     apply_fn: ApplyFn
     loss_fn: LossFn
@@ -373,6 +383,11 @@ class TrainStep:
     def __call__(
         self, state: TrainState, batch: tuple[Any, Any]
     ) -> tuple[TrainState, dict[str, Tensor]]:
+        if _C.maybe_current_level() is not None and _C.is_batchedtensor(state.rng):
+            raise ValueError(
+                "TrainStep under torch.func.vmap over a stacked state: one generator cannot "
+                "serve the members' stacked rng; use funcpar.train.vmap_step(step) (members' "
+                "None leaves, generator states and randomness handled)")
         # One flatten of what the step consumes, for the device, the donation check and
         # donate_into (the small step, rng and extras trees apart).
         owned = (state.params, state.buffers, state.opt_state)

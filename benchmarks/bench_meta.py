@@ -1,6 +1,7 @@
-"""One MAML meta-step with funcpar.meta against the same with torchopt, side by side.
+"""A MAML meta-step, or a learning-rate hypergradient, with funcpar.meta against torchopt.
 
     python benchmarks/bench_meta.py                     # 4 tasks, 3 inner Adam steps, 1 thread
+    python benchmarks/bench_meta.py --case lr           # d(val loss)/d(lr) through 5 AdamW steps
     python benchmarks/bench_meta.py --width 128 --inner-steps 5
     python benchmarks/bench_meta.py --clock cpu --rounds 15   # on a loaded machine
 
@@ -13,6 +14,13 @@ pattern of its MAML examples. Same tasks, same maths (tests/test_meta.py checks 
 meta-gradients agree to 1e-10 in float64). After ``--warmup`` meta-steps of each, ``--rounds``
 rounds time ``--steps`` meta-steps of each, interleaved with their order alternated; the table
 gives median and fastest ms per meta-step and ``torchopt / funcpar`` (> 1: funcpar is faster).
+
+``--case lr``: the learning rate as a 0-d tensor that requires grad; ``--inner-steps`` (5 by
+default here) AdamW steps (weight decay 0.01) from fixed params on each task's support set,
+the query loss, and its gradient with respect to the learning rate (hyperparameter
+optimisation through training, Maclaurin et al. 2015). funcpar: :func:`funcpar.meta.unroll`
+with ``fo.adamw(lr=tensor)``; torchopt: ``torchopt.adamw(lr=tensor)`` unrolled by hand as
+above. The two hypergradients are checked to agree before timing.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from _timing import add_clock_flag, interleaved
 from torch import Tensor
 
 import funcpar.optim as fo
-from funcpar.meta import maml_adapt
+from funcpar.meta import maml_adapt, unroll
 
 
 def mlp(p: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -83,20 +91,61 @@ def runners(args, theta, tasks) -> dict[str, Callable[[int], None]]:
             loss = loss + mse(dict(zip(names, p)), xq, yq)
         torch.autograd.grad(loss, leaves)
 
-    def steps(one: Callable[[], None]) -> Callable[[int], None]:
+    return _repeat({"funcpar": funcpar_step, "torchopt": torchopt_step})
+
+
+def lr_runners(args, theta, tasks) -> dict[str, Callable[[int], None]]:
+    import torchopt
+
+    names = list(theta)
+    start = {k: v.detach() for k, v in theta.items()}
+    lr = torch.tensor(args.inner_lr, requires_grad=True)
+
+    def funcpar_grad() -> Tensor:
+        loss = 0.0
+        for xs, ys, xq, yq in tasks:
+            opt = fo.adamw(lr, weight_decay=0.01)
+            p, _, _ = unroll(mse, opt, start, opt.init(start), [(xs, ys)] * args.inner_steps)
+            loss = loss + mse(p, xq, yq)
+        return torch.autograd.grad(loss, lr)[0]
+
+    def torchopt_grad() -> Tensor:
+        loss = 0.0
+        for xs, ys, xq, yq in tasks:
+            opt = torchopt.adamw(lr, weight_decay=0.01)
+            p = tuple(start[k] for k in names)
+            state = opt.init(p)
+            for _ in range(args.inner_steps):
+                p = tuple(x if x.requires_grad else x.detach().requires_grad_(True) for x in p)
+                grads = torch.autograd.grad(mse(dict(zip(names, p)), xs, ys), p,
+                                            create_graph=True)
+                updates, state = opt.update(grads, state, params=p, inplace=False)
+                p = torchopt.apply_updates(p, updates, inplace=False)
+            loss = loss + mse(dict(zip(names, p)), xq, yq)
+        return torch.autograd.grad(loss, lr)[0]
+
+    a, b = funcpar_grad(), torchopt_grad()
+    if not torch.allclose(a, b, rtol=1e-4, atol=0):  # float32: the same maths to rounding
+        raise SystemExit(f"the hypergradients differ: funcpar {a.item()}, torchopt {b.item()}")
+    return _repeat({"funcpar": funcpar_grad, "torchopt": torchopt_grad})
+
+
+def _repeat(ways: dict[str, Callable[[], object]]) -> dict[str, Callable[[int], None]]:
+    def steps(one: Callable[[], object]) -> Callable[[int], None]:
         def run(n: int) -> None:
             for _ in range(n):
                 one()
         return run
 
-    return {"funcpar": steps(funcpar_step), "torchopt": steps(torchopt_step)}
+    return {name: steps(one) for name, one in ways.items()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", type=int, default=4)
     p.add_argument("--shots", type=int, default=10)
-    p.add_argument("--inner-steps", type=int, default=3)
+    p.add_argument("--case", choices=("maml", "lr"), default="maml")
+    p.add_argument("--inner-steps", type=int, default=None, help="3 (maml), 5 (lr)")
     p.add_argument("--inner-lr", type=float, default=0.01)
     p.add_argument("--width", type=int, default=40)
     p.add_argument("--steps", type=int, default=5, help="meta-steps per timed round")
@@ -107,12 +156,16 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     theta, tasks = build(args)
-    ways = runners(args, theta, tasks)
+    if args.inner_steps is None:
+        args.inner_steps = 3 if args.case == "maml" else 5
+    ways = (runners if args.case == "maml" else lr_runners)(args, theta, tasks)
     for fn in ways.values():
         fn(args.warmup)
     times = interleaved(ways, rounds=args.rounds, steps=args.steps, clock=args.clock)
     n_params = sum(v.numel() for v in theta.values())
-    print(f"MAML meta-step: {args.tasks} tasks x {args.inner_steps} inner Adam steps, "
+    what = ("MAML meta-step" if args.case == "maml"
+            else "lr hypergradient (AdamW, weight decay 0.01)")
+    print(f"{what}: {args.tasks} tasks x {args.inner_steps} inner Adam steps, "
           f"{args.shots}-shot, MLP 1-{args.width}-{args.width}-1 ({n_params} params), "
           f"{torch.get_num_threads()} thread(s), {args.rounds} rounds x {args.steps} steps, "
           f"{args.clock} clock")

@@ -57,12 +57,10 @@ def _autograd_grad(
     loss_fn: LossFn, spec: Any, leaves: list[Tensor], args: tuple, create_graph: bool,
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     """The inner gradient by ``torch.autograd.grad`` (outside any torch.func transform)."""
+    # Leaves that do not require grad yet (the very first step on plain tensors) become graph
+    # leaves so their gradient exists; the caller's tensors are not modified.
+    leaves = [p if p.requires_grad else p.detach().requires_grad_(True) for p in leaves]
     loss = _check_scalar(loss_fn(tree_unflatten(spec, leaves), *args))
-    if not all(p.requires_grad for p in leaves):
-        # Leaves that do not require grad yet (the very first step on plain tensors): make them
-        # graph leaves so their gradient exists; the caller's tensors are not modified.
-        leaves = [p if p.requires_grad else p.detach().requires_grad_(True) for p in leaves]
-        loss = _check_scalar(loss_fn(tree_unflatten(spec, leaves), *args))
     return loss, torch.autograd.grad(loss, leaves, create_graph=create_graph)
 
 

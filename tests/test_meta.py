@@ -61,8 +61,8 @@ def test_maml_meta_gradient_matches_torchopt(float64_default):
 
 def test_maml_adapt_under_no_grad_adapts_without_a_graph():
     """An evaluation loop under no_grad: the inner gradients are still taken, nothing keeps a
-    graph, and the adapted params equal first-order adaptation to rounding (failed before: raw autograd
-    error)."""
+    graph, and the adapted params equal first-order adaptation to rounding (failed before: raw
+    autograd error)."""
     theta = {k: v.requires_grad_(True) for k, v in _theta().items()}
     xs, ys, _, _ = _sine_task(0)
     with torch.no_grad():
@@ -210,3 +210,42 @@ def test_unroll_train_step_second_order_through_remat():
     ref, got = meta_grads(step), meta_grads(rstep)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert ref[-1].abs() > 0
+
+
+def test_torchopt_metasgd_loop_ported_to_functionalize(float64_default):
+    """docs/FUNCTIONAL.md's port of torchopt's ``MetaSGD(module)`` MAML loop to
+    ``functionalize`` + ``maml_adapt``: the meta-gradients of the module's parameters, summed
+    over two tasks, equal torchopt's (same maths, float64 rounding apart)."""
+    torchopt = pytest.importorskip("torchopt")
+    import torch.nn.functional as F
+    from torch import nn
+
+    from funcpar.state import functionalize
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    tasks = [_sine_task(s) for s in range(2)]
+    # torchopt: the module's own parameters are updated in place by the differentiable SGD.
+    inner_opt = torchopt.MetaSGD(net, lr=0.1)
+    for xs, ys, xq, yq in tasks:
+        saved = torchopt.extract_state_dict(net)
+        for _ in range(3):
+            inner_opt.step(F.mse_loss(net(xs), ys))
+        F.mse_loss(net(xq), yq).backward()
+        torchopt.recover_state_dict(net, saved)
+    ref = {k: p.grad.clone() for k, p in net.named_parameters()}
+    # funcpar: the same loop as a function of the parameters.
+    apply_fn, theta, buffers = functionalize(net)
+    theta = {k: v.detach().requires_grad_(True) for k, v in theta.items()}
+
+    def loss(p, x, y):
+        out, _ = apply_fn(p, buffers, x)
+        return F.mse_loss(out, y)
+
+    outer = 0.0
+    for xs, ys, xq, yq in tasks:
+        adapted, _ = maml_adapt(loss, sgd(0.1), theta, (xs, ys), steps=3)
+        outer = outer + loss(adapted, xq, yq)
+    grads = dict(zip(theta, torch.autograd.grad(outer, list(theta.values()))))
+    for k in ref:
+        torch.testing.assert_close(grads[k], ref[k], rtol=1e-10, atol=1e-12)

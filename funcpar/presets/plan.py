@@ -25,13 +25,14 @@ data-parallel axis and precision - and derives, without running it:
     :class:`~funcpar.transforms.data_parallel.BucketedMean` replayed on the local leaves) and
     the loss's all-reduce;
   - ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054): stage 1-2, one all-gather of the
-    updates per partitioned leaf; stage 2, one reduce-scatter per partitioned leaf (an
-    all-reduce per leaf too small to cut); stage 3, per partitioned leaf one all-gather in the
-    forward, one more in the backward for each use of a leaf whose gathered value autograd
-    saved (every leaf of a module other than an ``nn.Embedding``, whose backward needs only the
-    indices; once per local expert for the stacked expert leaves of an MoE block), and the
-    reduce-scatter of its gradient (in the compute dtype: it is the gradient of the gathered
-    leaf);
+    updates per bucket of partitioned leaves; stage 2, one reduce-scatter per bucket (leaves
+    too small to cut whole in every rank's segment); stage 3, per gather group (the leaves
+    outside the blocks, then each block: ``zero_partition.gather_groups``) and dtype one
+    all-gather in the forward, one more in the backward when autograd saved the gathered
+    value of any of its leaves (a leaf of a module other than an ``nn.Embedding``, whose
+    backward needs only the indices; the group is gathered once for all uses), and one
+    reduce-scatter of its gradients (in the compute dtype: they are the gathered leaves'),
+    plus the buckets of the leaves too small to cut;
   - norms: the ``grad_norm`` metric and each ``clip_by_global_norm`` sum the squares with one
     all-reduce per mesh axis per distinct set of splitting axes
     (:func:`~funcpar.shard.reduce.total_sum_of_squares`), except the first clip, which takes
@@ -79,6 +80,7 @@ does under expert parallelism (the all_to_all within its bound, exact given the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -98,6 +100,7 @@ from funcpar.state.tree import named_leaves, tree_flatten
 from funcpar.train.step import TrainStep
 from funcpar.transforms.amp_cast import PRECISIONS
 from funcpar.transforms.expert_parallel import expert_leaves
+from funcpar.transforms.zero_partition import gather_groups
 
 __all__ = ["CommRow", "LayoutRow", "MemoryReport", "MoEBlock", "Plan", "describe"]
 
@@ -312,22 +315,15 @@ class Plan:
         return tuple(shape)
 
     def _zero3_gathered(self) -> int:
+        """The leaves outside the blocks (whole through the forward and, gathered again, the
+        backward) plus two adjacent blocks: the one computing and the next one prefetched."""
         zero = self.step.partition
-        module = getattr(self.step.apply_fn, "module", None)
         size = _size(self.compute_dtype)
-        blocks = _blocks(module) if module is not None else []
-        per_block = [0] * len(blocks)
-        rest = 0
-        for i, n in enumerate(zero.names):
-            if zero.dims[i] is None:
-                continue
-            b = next((k for k, prefix in enumerate(blocks) if n.startswith(prefix + ".")), None)
-            nbytes = math.prod(self._whole_local(i)) * size
-            if b is None:
-                rest += nbytes
-            else:
-                per_block[b] += nbytes
-        return rest + max(per_block, default=0)
+        whole = [sum(math.prod(self._whole_local(i)) * size for i in idx)
+                 for _, idx in gather_groups(self.step.apply_fn.module, zero)]
+        rest, blocks = whole[0], whole[1:]
+        pairs = [a + b for a, b in itertools.pairwise(blocks)] or blocks
+        return rest + max(pairs, default=0)
 
     # ------------------------------------------------------------------- communication
     def expected_comm(self, batch_shape: tuple[int, int] | None = None, *,
@@ -564,7 +560,6 @@ class Plan:
         comp = _size(self.compute_dtype)
         module = getattr(step.apply_fn, "module", None)
         saved = _saved_leaves(module, zero.names)
-        stacked = set(expert_leaves(module)) if module is not None else set()
         # Buckets (ZeroPlan.scatter_bucket / gather_bucket): one collective each, every rank's
         # segment padded to the longest. An expert shard's gradient is reduced over the zero
         # axis like any other (its own expert-data-parallel group when ep splits the mesh).
@@ -581,21 +576,22 @@ class Plan:
                          max(zero.segment_sizes(scattered)) * n * elem,
                          f"zero: grads reduce-scattered (bucket of {len(scattered)} leaves"
                          + (", uncut ones whole in every segment)" if uncut else ")"))
-        for i in range(len(zero.names)):
-            whole = self._whole_local(i)
-            if zero.dims[i] is None or zero.stage < 3:
-                continue
-            # The pieces travel padded to the longest, ceil(length / n).
-            moved = math.prod(whole) // whole[zero.dims[i]] * chunk_sizes(zero.lengths[i], n)[0] * n
-            rows.add("all_gather", zero.axis, moved * comp, "zero-3: params gathered (forward)")
-            if saved[i]:
-                # Each saved use is gathered again when the backward unpacks it: a stacked
-                # expert leaf is used once per expert of this rank (Experts runs each expert's
-                # slice as its own product), any other leaf once.
-                uses = whole[0] if zero.names[i] in stacked else 1
-                rows.add("all_gather", zero.axis, uses * moved * comp,
-                         "zero-3: params gathered again (backward)", count=uses)
-            rows.add("reduce_scatter", zero.axis, moved * comp, "zero-3: grads reduce-scattered")
+        if zero.stage < 3:
+            return
+        # ZeRO-3's groups (zero_partition.gather_groups): per group and dtype one all-gather in
+        # the forward, one more in the backward when autograd saved any of its leaves (the
+        # group is gathered once for all their uses, stacked experts' slices included), and
+        # one reduce-scatter of the gradients, in the compute dtype (the gathered leaves').
+        for label, idx in gather_groups(module, zero):
+            for one in zero.one_dtype(idx, leaves) if idx else []:
+                moved = max(zero.segment_sizes(one)) * n * comp
+                rows.add("all_gather", zero.axis, moved,
+                         f"zero-3: params gathered (forward, {label})")
+                if any(saved[i] for i in one):
+                    rows.add("all_gather", zero.axis, moved,
+                             f"zero-3: params gathered again (backward, {label})")
+                rows.add("reduce_scatter", zero.axis, moved,
+                         f"zero-3: grads reduce-scattered ({label})")
 
     def _norm_rows(self, rows: _Rows) -> None:
         step = self.step
@@ -705,15 +701,6 @@ def _buckets(leaves: list[Any], bucket_bytes: int) -> list[int]:
     nbytes = [g.numel() * g.element_size() for g in leaves]
     return [sum(nbytes[i] for i in b)
             for b in bucket_indices(nbytes, [g.dtype for g in leaves], bucket_bytes)]
-
-
-def _blocks(module: nn.Module) -> list[str]:
-    """Names of the elements of the outermost ``nn.ModuleList``s (ZeRO-3's gather units)."""
-    blocks: list[str] = []
-    for name, m in module.named_modules():
-        if isinstance(m, nn.ModuleList) and not any(name.startswith(b + ".") for b in blocks):
-            blocks += [f"{name}.{k}" if name else k for k, _ in m.named_children()]
-    return blocks
 
 
 def _saved_leaves(module: nn.Module | None, names: Sequence[str]) -> list[bool]:

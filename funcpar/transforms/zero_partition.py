@@ -105,7 +105,8 @@ class ZeroPlan:
         pieces = self._pieces(i)
         return x.narrow(d, sum(pieces[:r]), pieces[r]).reshape(-1)
 
-    def scatter_bucket(self, idx: Sequence[int], grads: Any) -> _Leaves:
+    def scatter_bucket(self, idx: Sequence[int], grads: Any, label: str | None = None
+                       ) -> _Leaves:
         """The mean over ``axis`` of the gradients ``grads[i]`` (``i`` in ``idx``, one dtype),
         of which this rank keeps its parts: one reduce-scatter of the rank-major
         concatenation of every leaf's pieces (an uncut leaf is in every rank's segment, so
@@ -114,8 +115,9 @@ class ZeroPlan:
         n, me = self.mesh.size(self.axis), self.mesh.rank(self.axis)
         flat = torch.cat([self._flat_piece(i, grads[i], r) for r in range(n) for i in idx])
         sizes = self.segment_sizes(idx)
+        label = f"{len(idx)} leaves" if label is None else label
         pending = comm.reduce_scatter(flat, self.mesh, self.axis, sizes=sizes, async_op=True,
-                                      purpose=f"{len(idx)} leaves: zero grads")
+                                      purpose=f"{label}: zero grads")
 
         def parts() -> dict[int, Tensor]:
             mine, out, offset = pending.wait() / n, {}, 0
@@ -128,14 +130,17 @@ class ZeroPlan:
 
         return _Leaves(parts)
 
-    def gather_bucket(self, idx: Sequence[int], parts: Any, purpose: str) -> _Leaves:
+    def gather_bucket(self, idx: Sequence[int], parts: Any, purpose: str,
+                      label: str | None = None) -> _Leaves:
         """The whole leaves of the parts ``parts[i]`` (``i`` in ``idx``: cut leaves of one
-        dtype): one all-gather of this rank's parts concatenated. ``wait()``: ``{i: whole}``."""
+        dtype): one all-gather of this rank's parts concatenated. ``wait()``: ``{i: whole}``.
+        ``label`` names the leaves in the comm log (default: their count)."""
         n = self.mesh.size(self.axis)
         sizes = self.segment_sizes(idx)
+        label = f"{len(idx)} leaves" if label is None else label
         pending = comm.all_gather(torch.cat([parts[i].reshape(-1) for i in idx]), self.mesh,
                                   self.axis, sizes=sizes, async_op=True,
-                                  purpose=f"{len(idx)} leaves: {purpose}")
+                                  purpose=f"{label}: {purpose}")
 
         def wholes() -> dict[int, Tensor]:
             flat = pending.wait()
@@ -244,19 +249,31 @@ def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: 
                     tuple(tuple(x.shape) for x in leaves), tuple(tuple(b) for b in buckets))
 
 
-class _GatherPart(torch.autograd.Function):
-    """Forward: the whole leaf from the parts (``pending``: a gather already in flight).
-    Backward: the gradient's mean, reduce-scattered (each rank's loss is the mean over its part
-    of the batch)."""
+class _GatherGroup(torch.autograd.Function):
+    """Forward: a group's whole leaves from their parts (``pending``: its all-gathers, one per
+    dtype, already in flight). Backward: the gradients' mean over the zero axis, one
+    reduce-scatter per dtype (each rank's loss is the mean over its part of the batch), after
+    ``release()`` has dropped what the backward gathered again of the group."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, plan: ZeroPlan, i: int, pending: Any = None) -> Tensor:
-        ctx.plan, ctx.i = plan, i
-        return pending.wait() if pending is not None else plan.gather(i, x, "zero3 param gather")
+    def forward(ctx, plan: ZeroPlan, idx: list[int], label: str, pending: list[_Leaves],
+                release: Callable[[], None], *parts: Tensor) -> tuple[Tensor, ...]:
+        ctx.plan, ctx.idx, ctx.label, ctx.release = plan, idx, label, release
+        wholes: dict[int, Tensor] = {}
+        for p in pending:
+            wholes.update(p.wait())
+        return tuple(wholes[i] for i in idx)
 
     @staticmethod
-    def backward(ctx, g: Tensor):
-        return ctx.plan.scatter_mean(ctx.i, g), None, None, None
+    def backward(ctx, *grads: Tensor):
+        ctx.release()
+        g = dict(zip(ctx.idx, grads))  # unused outputs' gradients come as zeros (materialized)
+        scattered = [ctx.plan.scatter_bucket(one, g, ctx.label)
+                     for one in ctx.plan.one_dtype(ctx.idx, g)]
+        parts: dict[int, Tensor] = {}
+        for p in scattered:
+            parts.update(p.wait())
+        return (None, None, None, None, None, *(parts[i] for i in ctx.idx))
 
 
 class _ScatterGrads:
@@ -377,10 +394,11 @@ def zero_partition(
 
 class _Regather(NamedTuple):
     """A saved gathered leaf (or a view of it: ``F.linear`` saves ``weight.t()``), dropped
-    after the forward and gathered again, then viewed alike, when the backward needs it."""
+    after the forward and gathered again with its group, then viewed alike, when the backward
+    needs it."""
 
+    group: int
     i: int
-    part: Tensor
     view: tuple[tuple[int, ...], tuple[int, ...], int] | None
 
 
@@ -400,13 +418,28 @@ def _units(module: nn.Module, names: tuple[str, ...]) -> tuple[list[tuple[nn.Mod
     return [(m, members[b]) for b, m in blocks if members[b]], rest
 
 
-def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
-    """``apply_fn`` over the parts: each block's leaves are gathered when the block starts and
-    released when it ends; what the backward saved of them is gathered again when it is used,
-    so at most one block's leaves are whole at a time (leaves outside every block are whole for
-    the forward). Every gathered leaf's gradient is reduce-scattered by :class:`_GatherPart`."""
-    module = apply_fn.module
+def gather_groups(module: nn.Module, plan: ZeroPlan) -> list[tuple[str, list[int]]]:
+    """ZeRO-3's gather units: ``(label, cut leaf indices)``, first the leaves outside every
+    block (whole for the whole forward), then each block's in the model's order. Each group
+    travels as one all-gather per dtype, forward and backward, and one reduce-scatter of its
+    gradients (the plan prices them from here)."""
     blocks, rest = _units(module, plan.names)
+    by_module = {id(m): n for n, m in module.named_modules()}
+    groups = [("outside blocks", rest)] + [(by_module[id(m)], idx) for m, idx in blocks]
+    return [(label, [i for i in idx if plan.dims[i] is not None]) for label, idx in groups]
+
+
+def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
+    """``apply_fn`` over the parts, group by group (:func:`gather_groups`): a block's leaves
+    are gathered (one all-gather per dtype) when the block starts and released when it ends,
+    the next block's gathers launched then (prefetch); the leaves outside every block are whole
+    for the forward. What the backward saved of a group is gathered again, the whole group at
+    its first use, kept until the group's gradients are reduce-scattered
+    (:class:`_GatherGroup`) and the group before it prefetched meanwhile, so at most two
+    blocks (and the leaves outside them) are whole at a time."""
+    module = apply_fn.module
+    blocks, _ = _units(module, plan.names)
+    groups = gather_groups(module, plan)
     owners = {}
     for i, n in enumerate(plan.names):
         prefix, _, attr = n.rpartition(".")
@@ -414,29 +447,48 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
 
     def apply(params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> Any:
         parts, spec = tree_flatten(params)
-        live: dict[int, tuple[Tensor, int, Tensor]] = {}  # id(whole) -> (whole, i, part)
-        inflight: dict[int, comm.Pending] = {}
+        detached = [p.detach() for p in parts]
+        live: dict[int, tuple[Tensor, int, int]] = {}  # id(whole) -> (whole, group, i)
+        inflight: dict[int, list[_Leaves]] = {}  # group -> its gathers on their way
+        regathered: dict[int, dict[int, Tensor]] = {}  # group -> the backward's wholes
 
-        def gather(i: int) -> Tensor:
-            if plan.dims[i] is None:  # whole: its gradient mean is _ScatterGrads' all-reduce
-                return parts[i]
-            whole = _GatherPart.apply(parts[i], plan, i, inflight.pop(i, None))
-            live[id(whole)] = (whole, i, parts[i])
-            return whole
+        def launch(g: int, purpose: str) -> list[_Leaves]:
+            label, idx = groups[g]
+            return [plan.gather_bucket(one, detached, purpose, label)
+                    for one in plan.one_dtype(idx, detached)]
 
-        def prefetch(idx: list[int]) -> None:
-            for i in idx:
-                if plan.dims[i] is not None and i not in inflight:
-                    inflight[i] = plan.gather(i, parts[i].detach(), "zero3 param gather",
-                                              async_op=True)
+        def prefetch(g: int, purpose: str) -> None:
+            if 0 <= g < len(groups) and groups[g][1] and g not in inflight:
+                inflight[g] = launch(g, purpose)
+
+        def release(g: int) -> Callable[[], None]:
+            def done() -> None:
+                regathered.pop(g, None)
+                if g == 0:  # the last group of the backward: nothing may stay in flight
+                    for pending in inflight.values():
+                        for p in pending:
+                            p.wait()
+                    inflight.clear()
+            return done
+
+        def gather(g: int) -> dict[int, Tensor]:
+            label, idx = groups[g]
+            if not idx:
+                return {}
+            pending = inflight.pop(g, None) or launch(g, "zero3 param gather")
+            wholes = _GatherGroup.apply(plan, idx, label, pending, release(g),
+                                        *(parts[i] for i in idx))
+            for i, w in zip(idx, wholes):
+                live[id(w)] = (w, g, i)
+            return dict(zip(idx, wholes))
 
         def enter(k: int, idx: list[int]) -> Callable:
             def hook(mod: nn.Module, inputs: Any) -> None:
+                wholes = gather(k + 1)
                 for i in idx:
                     owner, attr = owners[i]
-                    owner._parameters[attr] = gather(i)
-                if k + 1 < len(blocks):
-                    prefetch(blocks[k + 1][1])
+                    owner._parameters[attr] = wholes.get(i, parts[i])
+                prefetch(k + 2, "zero3 param gather")
             return hook
 
         def leave(idx: list[int]) -> Callable:
@@ -458,11 +510,21 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
         def unpack(x: Any) -> Tensor:
             if not isinstance(x, _Regather):
                 return x
+            if x.group not in regathered:
+                wholes: dict[int, Tensor] = {}
+                for p in inflight.pop(x.group, None) or launch(
+                        x.group, "zero3 regather for backward"):
+                    wholes.update(p.wait())
+                regathered[x.group] = wholes
+                if x.group > 1:  # the block before it, whose backward comes next
+                    prefetch(x.group - 1, "zero3 regather for backward")
             # The gather is contiguous, as the forward's was, so a view's strides carry over.
-            whole = plan.gather(x.i, x.part.detach(), "zero3 regather for backward")
+            whole = regathered[x.group][x.i]
             return whole if x.view is None else whole.as_strided(*x.view)
 
-        tree = tree_unflatten(spec, [gather(i) if i in rest else p for i, p in enumerate(parts)])
+        outside = gather(0)
+        tree = tree_unflatten(spec, [outside.get(i, p) for i, p in enumerate(parts)])
+        prefetch(1, "zero3 param gather")
         handles = []
         for k, (m, idx) in enumerate(blocks):
             handles.append(m.register_forward_pre_hook(enter(k, idx)))
@@ -473,8 +535,9 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
         finally:
             for h in handles:
                 h.remove()
-            for pending in inflight.values():  # a block that did not run: finish its gathers
-                pending.wait()
+            for g in [g for g in inflight if g > 0]:  # a block that did not run: finish it
+                for p in inflight.pop(g):
+                    p.wait()
 
     apply.module = module
     return apply

@@ -626,6 +626,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
                                 step=step, extra_meta={"data_pos": data_pos + i + 1 - start_step,
                                                        "args": vars(args), "run_id": run_id})
     elapsed = time.perf_counter() - start
+    blocked = comm_log.blocked_s  # waiting in collectives: communication the compute did not hide
     comm_log.clear()
     history = log.history
     first, last = history[0]["loss"], history[-1]["loss"]
@@ -634,6 +635,8 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     say(f"done: {args.steps} steps in {elapsed:.1f}s "
         f"({args.steps * loader.tokens_per_batch / elapsed:,.0f} tok/s) | "
         f"loss first {first:.4f} last {last:.4f} (mean of last {len(tail)}: {tail_mean:.4f})"
+        + (f" | blocked in collectives {blocked:.2f}s ({blocked / elapsed:.0%})"
+           if mesh.world_size > 1 else "")
         + (f" | {int(state.extras['skipped_steps'])} step(s) skipped on inf/nan gradients"
            if int(state.extras.get("skipped_steps", 0)) else ""),
         flush=True)
@@ -658,6 +661,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         torch.save({k: v.detach().cpu() for k, v in whole.items()}, args.save)
         say(f"saved {len(whole)} whole parameter tensors to {args.save}", flush=True)
     return {"first_loss": first, "last_loss": last, "history": history, "state": state,
+            "comm_blocked_s": blocked,
             "params": whole}
 
 

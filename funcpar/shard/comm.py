@@ -35,6 +35,7 @@ bytes as the eager step. The point-to-point ones (:func:`send`, :func:`recv`,
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -91,6 +92,9 @@ class CommLog:
         self.step: int | None = None
         self._captures: list[list[CommRecord]] = []
         self._traces: list[list[CommRecord]] = []
+        # Seconds this process spent blocked in eager collectives (a synchronous call, or the
+        # wait() of an asynchronous one): the communication the computation did not hide.
+        self.blocked_s = 0.0
 
     def begin_step(self, step: int) -> None:
         """Tag the collectives that follow with ``step``."""
@@ -102,6 +106,7 @@ class CommLog:
     def clear(self) -> None:
         self.records.clear()
         self.step = None
+        self.blocked_s = 0.0
 
     def capture(self) -> contextlib.AbstractContextManager[list[CommRecord]]:
         """``with comm_log.capture() as recs:`` - ``recs`` fills with the block's collectives."""
@@ -259,6 +264,15 @@ def chunk_sizes(n: int, parts: int) -> list[int]:
     return [max(0, min(n, c * (i + 1)) - c * i) for i in range(parts)]
 
 
+def _blocked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, its wall time added to :attr:`CommLog.blocked_s`."""
+    t0 = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        comm_log.blocked_s += time.perf_counter() - t0
+
+
 class Pending:
     """A collective in flight; :meth:`wait` returns its result (``finish()`` of the received
     buffers when given, else ``out``)."""
@@ -269,7 +283,7 @@ class Pending:
 
     def wait(self) -> Tensor:
         if self._work is not None:
-            self._work.wait()
+            _blocked(self._work.wait)
             self._work = None
         if self._finish is not None:
             self._out, self._finish = self._finish(), None
@@ -303,7 +317,8 @@ def all_reduce(
 
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     comm_log.record("all_reduce", mesh, axis, _nbytes(out), purpose, out.dtype)
-    work = dist.all_reduce(out, op=red, group=group, async_op=async_op)
+    work = (dist.all_reduce(out, op=red, group=group, async_op=True) if async_op
+            else _blocked(dist.all_reduce, out, op=red, group=group))
     return Pending(work, out) if async_op else out
 
 
@@ -349,7 +364,7 @@ def all_gather(
         got = [torch.empty_like(mine) for _ in range(k)]
         comm_log.record("all_gather", mesh, axis, _nbytes(mine) * k, f"{purpose} (sizes)",
                         mine.dtype)
-        dist.all_gather(got, mine, group=group)
+        _blocked(dist.all_gather, got, mine, group=group)
         sizes = [int(g.item()) for g in got]
     sizes = [int(s) for s in sizes]
     if len(sizes) != k or sizes[mesh.rank(axis)] != t.shape[d]:
@@ -368,7 +383,8 @@ def all_gather(
         work = None
     else:
         bufs = [torch.empty_like(piece) for _ in range(k)]
-        work = dist.all_gather(bufs, piece, group=group, async_op=async_op)
+        work = (dist.all_gather(bufs, piece, group=group, async_op=True) if async_op
+                else _blocked(dist.all_gather, bufs, piece, group=group))
 
     def finish() -> Tensor:
         out = torch.cat([b[:s] for b, s in zip(bufs, sizes)])
@@ -404,7 +420,8 @@ def all_to_all(
     if _traced():
         return _funcol().all_to_all_single(t.contiguous(), recv_sizes, send_sizes,
                                            mesh.group(axis))
-    dist.all_to_all_single(out, t.contiguous(), recv_sizes, send_sizes, group=mesh.group(axis))
+    _blocked(dist.all_to_all_single, out, t.contiguous(), recv_sizes, send_sizes,
+             group=mesh.group(axis))
     return out
 
 
@@ -452,7 +469,8 @@ def reduce_scatter(
         out = scatter(torch.cat(pieces), op, 0, group)
     else:
         out = torch.empty_like(pieces[0])
-        work = dist.reduce_scatter(out, pieces, op=red, group=group, async_op=async_op)
+        work = (dist.reduce_scatter(out, pieces, op=red, group=group, async_op=True)
+                if async_op else _blocked(dist.reduce_scatter, out, pieces, op=red, group=group))
 
     def finish() -> Tensor:
         return out[:mine].movedim(0, d).contiguous()
@@ -480,7 +498,7 @@ def broadcast(
         return _funcol().broadcast(t.contiguous(), root, group)
     out = t.clone(memory_format=torch.contiguous_format)
     comm_log.record("broadcast", mesh, axis, _nbytes(out), purpose, out.dtype)
-    dist.broadcast(out, src=mesh.group_ranks(axis)[src], group=group)
+    _blocked(dist.broadcast, out, src=mesh.group_ranks(axis)[src], group=group)
     return out
 
 
@@ -502,7 +520,7 @@ def send(t: Tensor, mesh: DeviceMesh, axis: str, *, dst: int, purpose: str = "")
 
     t = t.contiguous()
     comm_log.record("send", mesh, axis, _nbytes(t), purpose, t.dtype)
-    dist.send(t, dst=peer, group=mesh.group(axis))
+    _blocked(dist.send, t, dst=peer, group=mesh.group(axis))
 
 
 def recv(like: Tensor, mesh: DeviceMesh, axis: str, *, src: int, purpose: str = "") -> Tensor:
@@ -513,7 +531,7 @@ def recv(like: Tensor, mesh: DeviceMesh, axis: str, *, src: int, purpose: str = 
 
     out = torch.empty_like(like, memory_format=torch.contiguous_format)
     comm_log.record("recv", mesh, axis, _nbytes(out), purpose, out.dtype)
-    dist.recv(out, src=peer, group=mesh.group(axis))
+    _blocked(dist.recv, out, src=peer, group=mesh.group(axis))
     return out
 
 

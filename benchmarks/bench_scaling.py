@@ -1,0 +1,122 @@
+"""Every parallel layout against data parallelism on the same ranks: tokens/s, collectives per
+step, and the time spent blocked in collectives.
+
+    python benchmarks/bench_scaling.py                         # 2 and 4 gloo ranks on CPU
+    python benchmarks/bench_scaling.py --ranks 2 --rounds 3 --layouts dp zero1 zero2 zero3
+    python benchmarks/bench_scaling.py --device cuda --ranks 8 --dim 1024 --layers 16  # GPUs
+
+Each layout is one ``torchrun`` of ``examples/train_lm.py`` (its own summary line gives tokens/s
+and the seconds its rank 0 spent blocked in collectives: a synchronous collective, or the wait
+of an asynchronous one; time the compute hid is not counted), with ``--comm-report 1`` for the
+collectives of one step. Rounds interleave the layouts (each round runs every layout once, in
+an order rotated per round), and the table gives medians: on a shared machine a ratio measured
+in one window is worth more than an absolute number. The one-process run is the baseline of
+the second ratio; ``dp`` of the first.
+
+Layouts (``N`` ranks): ``dp`` (dpN), ``zero1/2/3`` (dpN + ZeRO), ``tp`` (tpN), ``pp4`` /
+``pp8`` (ppN, 1F1B, 4 or 8 micro-batches), ``tpdp`` (tp2 x dp N/2, 4 ranks and more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+LAYOUTS = {
+    "dp": lambda n: ["--dp", str(n)],
+    "zero1": lambda n: ["--dp", str(n), "--zero", "1"],
+    "zero2": lambda n: ["--dp", str(n), "--zero", "2"],
+    "zero3": lambda n: ["--dp", str(n), "--zero", "3"],
+    "tp": lambda n: ["--tp", str(n)],
+    "pp4": lambda n: ["--pp", str(n), "--microbatches", "4", "--schedule", "1f1b"],
+    "pp8": lambda n: ["--pp", str(n), "--microbatches", "8", "--schedule", "1f1b"],
+    "tpdp": lambda n: ["--tp", "2", "--dp", str(n // 2)],
+}
+
+DONE = re.compile(r"done: (\d+) steps in ([\d.]+)s \(([\d,]+) tok/s\)"
+                  r"(?:.*blocked in collectives ([\d.]+)s)?")
+COUNT = re.compile(r"^\s+(all_reduce|all_gather|reduce_scatter|all_to_all|broadcast|send|recv)"
+                   r"\s+\S+\s+(\d+)\s", re.M)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace, ranks: int, layout: str | None) -> dict[str, float]:
+    """One training run: tokens/s, blocked seconds per step, collectives in step 1."""
+    common = ["--dim", str(args.dim), "--layers", str(args.layers), "--batch-size",
+              str(args.batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+              "--warmup", "2", "--threads", "1", "--print-every", str(args.steps),
+              "--device", args.device]
+    script = os.path.join(ROOT, "examples", "train_lm.py")
+    if layout is None:
+        cmd = [sys.executable, script, *common]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--master_port", str(free_port()), script, *common, *LAYOUTS[layout](ranks),
+               "--comm-report", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
+                         cwd=ROOT)
+    text = out.stdout + out.stderr
+    m = DONE.search(text)
+    if out.returncode != 0 or m is None:
+        raise SystemExit(f"{layout or 'one process'} on {ranks} ranks failed "
+                         f"(exit {out.returncode}):\n{text[-3000:]}")
+    steps = int(m.group(1))
+    report = text[text.find("collectives issued by rank 0"):]
+    return {"tok_s": float(m.group(3).replace(",", "")),
+            "blocked_ms": 1e3 * float(m.group(4) or 0.0) / steps,
+            "collectives": sum(int(c) for _, c in COUNT.findall(report))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--layouts", nargs="+", default=["dp", "zero1", "zero2", "zero3", "tp",
+                                                    "pp4", "pp8", "tpdp"], choices=list(LAYOUTS))
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
+    p.add_argument("--timeout", type=int, default=600)
+    args = p.parse_args()
+    base = [run(args, 1, None)["tok_s"] for _ in range(args.rounds)]
+    one = statistics.median(base)
+    print(f"Llama dim {args.dim}, {args.layers} layers, batch {args.batch_size} x "
+          f"{args.seq_len}, {args.steps} steps, 1 thread per rank, "
+          f"{args.device}; one process: {one:,.0f} tok/s (median of {args.rounds})")
+    for n in args.ranks:
+        layouts = [x for x in args.layouts if not (x == "tpdp" and n < 4)]
+        got: dict[str, list[dict[str, float]]] = {x: [] for x in layouts}
+        for r in range(args.rounds):
+            order = layouts[r % len(layouts):] + layouts[:r % len(layouts)]
+            for x in order:
+                got[x].append(run(args, n, x))
+        med = {x: {k: statistics.median(g[k] for g in got[x]) for k in got[x][0]}
+               for x in layouts}
+        dp = med["dp"]["tok_s"] if "dp" in med else float("nan")
+        print(f"\n{n} ranks: {'layout':<8} {'tok/s':>9} {'vs dp':>6} {'vs 1 proc':>9} "
+              f"{'colls/step':>10} {'blocked ms/step':>15}")
+        for x in layouts:
+            m = med[x]
+            print(f"{'':9}{x:<8} {m['tok_s']:>9,.0f} {m['tok_s'] / dp:>6.2f} "
+                  f"{m['tok_s'] / one:>9.2f} {m['collectives']:>10.0f} {m['blocked_ms']:>15.1f}")
+
+
+if __name__ == "__main__":
+    main()

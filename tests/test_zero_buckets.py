@@ -77,3 +77,79 @@ def test_zero2_buckets_start_during_the_backward():
     # second linear's weight and bias are done and their reduce-scatters already issued.
     for seen, ops, _ in run_ranks(_overlap, 2, 2, backend=None, timeout=120):
         assert ops == ["reduce_scatter"] * 4 and seen == 2
+
+
+def _zero3_depth(prefetch: int):
+    """2 steps of ZeRO-3 with ``prefetch`` blocks gathered ahead: the params, the loss, the
+    peak bytes of gathered leaves alive at once (a group's from its gather's launch, then each
+    whole until it is freed) and the plan's figure for them."""
+    import math
+    import weakref
+
+    from funcpar.presets.plan import describe
+    from funcpar.transforms.zero_partition import ZeroPlan
+
+    mesh = DeviceMesh.from_env(dp=2)
+    cfg = LlamaConfig(vocab_size=64, dim=24, n_layers=3, n_heads=4, ffn_hidden=40, max_seq_len=8)
+    torch.manual_seed(0)
+    model = Llama(cfg).double()
+    apply_fn, params, buffers = functionalize(model)
+    opt = fo.adamw(lr=1e-2, weight_decay=0.1)
+    step, state = compose(data_parallel(mesh), zero_partition(3, mesh, prefetch=prefetch))(
+        make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt))
+    planned = describe(step, state, mesh).memory.zero3_gathered
+    live, peak = [0], [0]
+    gather = ZeroPlan.gather_bucket
+
+    def tracked(self, idx, parts, *args, **kwargs):
+        pending = gather(self, idx, parts, *args, **kwargs)
+        # From the launch: the receive buffer of a gather in flight holds the group's bytes.
+        inflight = sum(math.prod(self.shapes[i]) for i in idx) * parts[idx[0]].element_size()
+        live[0] += inflight
+        peak[0] = max(peak[0], live[0])
+
+        def wait():
+            wholes = pending.wait()
+            live[0] -= inflight  # the buffer becomes the wholes (the copy's transient aside)
+            for t in wholes.values():
+                n = t.numel() * t.element_size()
+                live[0] += n
+                weakref.finalize(t, _release, live, n)
+            peak[0] = max(peak[0], live[0])
+            return wholes
+
+        return type(pending)(wait)
+
+    ZeroPlan.gather_bucket = tracked
+    try:
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            tokens = torch.randint(0, 64, (4, 9), generator=gen)
+            state, metrics = step(state, (tokens[:, :-1], tokens[:, 1:]))
+    finally:
+        ZeroPlan.gather_bucket = gather
+    return {k: v.clone() for k, v in state.params.items()}, float(metrics["loss"]), peak[0], \
+        planned
+
+
+def _release(live: list[int], n: int) -> None:
+    live[0] -= n
+
+
+def _depths():
+    return [_zero3_depth(d) for d in (0, 1, 2)]
+
+
+def test_zero3_prefetch_depth_same_results_memory_within_plan():
+    """Prefetch depth 0, 1, 2: the same training bit for bit; the gathered leaves alive at once
+    grow with the depth and stay within the plan's figure (leaves outside the blocks plus
+    1 + depth adjacent blocks)."""
+    for runs in run_ranks(_depths, 2, backend=None, timeout=180):
+        (p0, l0, _, _), *rest = runs
+        for p, loss, _, _ in rest:
+            assert loss == l0
+            for k, v in p0.items():
+                assert torch.equal(v, p[k]), k
+        peaks, plans = [r[2] for r in runs], [r[3] for r in runs]
+        assert all(peak <= plan for peak, plan in zip(peaks, plans)), (peaks, plans)
+        assert peaks[0] < peaks[1] < peaks[2], peaks

@@ -80,7 +80,6 @@ does under expert parallelism (the all_to_all within its bound, exact given the 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -316,14 +315,16 @@ class Plan:
 
     def _zero3_gathered(self) -> int:
         """The leaves outside the blocks (whole through the forward and, gathered again, the
-        backward) plus two adjacent blocks: the one computing and the next one prefetched."""
+        backward) plus ``1 + prefetch`` adjacent blocks: the one computing and those gathered
+        ahead of it."""
         zero = self.step.partition
         size = _size(self.compute_dtype)
         whole = [sum(math.prod(self._whole_local(i)) * size for i in idx)
                  for _, idx in gather_groups(self.step.apply_fn.module, zero)]
         rest, blocks = whole[0], whole[1:]
-        pairs = [a + b for a, b in itertools.pairwise(blocks)] or blocks
-        return rest + max(pairs, default=0)
+        k = min(1 + zero.prefetch, len(blocks))
+        return rest + max((sum(blocks[j:j + k]) for j in range(len(blocks) - k + 1)),
+                          default=0)
 
     # ------------------------------------------------------------------- communication
     def expected_comm(self, batch_shape: tuple[int, int] | None = None, *,

@@ -9,15 +9,17 @@
   (``bucket_mb``, :mod:`funcpar.shard.buckets`), started from the backward's hooks as soon as
   the bucket's last gradient completes (stages 1-2 gather the updated parts in the same
   buckets);
-* stage 3: also the parameters: ``state.params`` holds each rank's part. A block's leaves
-  (the elements of the model's outermost ``nn.ModuleList``, as FSDP wraps transformer blocks)
-  are all-gathered when the block's forward starts and released when it ends; the backward
-  does not keep them but gathers them again when it needs them (saved-tensor hooks), and each
-  gathered leaf's gradient is reduce-scattered. So at most one block is whole at a time, plus
-  the leaves outside every block (embeddings, final norm, head), whole during the forward.
-  When a block starts, the next block's gathers are launched asynchronously (prefetch), so
-  they travel while this block computes (the order of the blocks is the order of the model's
-  ``nn.ModuleList``).
+* stage 3: also the parameters: ``state.params`` holds each rank's part. The leaves travel in
+  *groups* (:func:`gather_groups`): each block's (the elements of the model's outermost
+  ``nn.ModuleList``, as FSDP wraps transformer blocks) and the leaves outside every block
+  (embeddings, final norm, head). A group is one all-gather per dtype: a block's when it
+  starts, released when it ends, with the next ``prefetch`` blocks' gathers launched then so
+  they travel while it computes; the leaves outside the blocks whole for the forward. The
+  backward keeps none of them: the first use of a saved leaf gathers its whole group again
+  (saved-tensor hooks) and launches the ``prefetch`` groups before it, and the group's
+  gradients are reduce-scattered in one collective when its backward is done. So
+  ``1 + prefetch`` blocks, plus the leaves outside them, are whole at a time, and a step
+  issues three collectives per group where per-leaf collectives issued three per leaf.
 
 **How a leaf is partitioned.** Each leaf is cut along one dim, the longest of its local
 (tensor-parallel) shape that is not a blocked split and has at least as many entries as ranks,
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -81,6 +84,7 @@ class ZeroPlan:
     layouts: tuple[Layout, ...]  # of the parts (the base layout where the leaf is whole)
     shapes: tuple[tuple[int, ...], ...] = ()  # the local (tensor-parallel) whole shapes
     buckets: tuple[tuple[int, ...], ...] = ()  # flat leaf indices per bucket (shard/buckets)
+    prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the one computing
 
     def _pieces(self, i: int) -> list[int]:
         return comm.chunk_sizes(self.lengths[i], self.mesh.size(self.axis))
@@ -223,7 +227,8 @@ class ZeroPlan:
 
 
 def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: int,
-                   axis: str = "dp", bucket_bytes: int = 25 << 20) -> ZeroPlan:
+                   axis: str = "dp", bucket_bytes: int = 25 << 20, prefetch: int = 1
+                   ) -> ZeroPlan:
     """Choose each leaf's cut dim (see the module docstring) and the buckets its collectives
     travel in (:func:`~funcpar.shard.buckets.bucket_indices`, ``bucket_bytes`` each)."""
     n = mesh.size(axis)
@@ -246,7 +251,8 @@ def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: 
     buckets = bucket_indices([x.numel() * x.element_size() for x in leaves],
                              [x.dtype for x in leaves], bucket_bytes)
     return ZeroPlan(stage, mesh, axis, tuple(names), tuple(dims), tuple(lengths), tuple(parts),
-                    tuple(tuple(x.shape) for x in leaves), tuple(tuple(b) for b in buckets))
+                    tuple(tuple(x.shape) for x in leaves), tuple(tuple(b) for b in buckets),
+                    prefetch)
 
 
 class _GatherGroup(torch.autograd.Function):
@@ -353,13 +359,19 @@ def _partitioned(inner: GradientTransformation, plan: ZeroPlan) -> GradientTrans
 
 
 def zero_partition(
-    stage: int, mesh: DeviceMesh, *, axis: str = "dp", bucket_mb: float = 25.0
+    stage: int, mesh: DeviceMesh, *, axis: str = "dp", bucket_mb: float = 25.0,
+    prefetch: int = 1,
 ) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
     """The ZeRO transform of ``stage`` (1, 2 or 3) over mesh axis ``axis``; the gradients'
     reduce-scatters and the updated parameters' all-gathers travel in buckets of at most
-    ``bucket_mb`` MiB (:func:`~funcpar.shard.buckets.bucket_indices`)."""
+    ``bucket_mb`` MiB (:func:`~funcpar.shard.buckets.bucket_indices`). At stage 3,
+    ``prefetch`` blocks are gathered ahead of the one computing, in the forward and the
+    backward (0: each block when it starts; more hides more latency and holds that many more
+    blocks whole)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_partition stage must be 1, 2 or 3, got {stage!r}")
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     if not bucket_mb > 0:
         raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
     if axis not in mesh.axis_names:
@@ -373,7 +385,7 @@ def zero_partition(
             raise ValueError(f"data_parallel is over {step.dp_axis!r} but zero_partition over "
                              f"{axis!r}: they must share the axis")
         plan = plan_partition(state.params, step.layouts, mesh, stage, axis,
-                              int(bucket_mb * 2**20))
+                              int(bucket_mb * 2**20), prefetch)
         part_layouts = plan.part_layouts(state.params)
         opt = _partitioned(step.optimizer, plan)
         changes: dict[str, Any] = {"optimizer": opt, "partition": plan}
@@ -435,8 +447,8 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
     the next block's gathers launched then (prefetch); the leaves outside every block are whole
     for the forward. What the backward saved of a group is gathered again, the whole group at
     its first use, kept until the group's gradients are reduce-scattered
-    (:class:`_GatherGroup`) and the group before it prefetched meanwhile, so at most two
-    blocks (and the leaves outside them) are whole at a time."""
+    (:class:`_GatherGroup`) and the ``plan.prefetch`` groups before it prefetched meanwhile,
+    so at most ``1 + prefetch`` blocks (and the leaves outside them) are whole at a time."""
     module = apply_fn.module
     blocks, _ = _units(module, plan.names)
     groups = gather_groups(module, plan)
@@ -448,7 +460,10 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
     def apply(params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> Any:
         parts, spec = tree_flatten(params)
         detached = [p.detach() for p in parts]
-        live: dict[int, tuple[Tensor, int, int]] = {}  # id(whole) -> (whole, group, i)
+        # id(whole) -> (weakref to it, group, i): the saved-tensor hooks outlive the forward
+        # (the graph keeps them), so a strong reference here would keep every gathered leaf
+        # whole through the backward.
+        live: dict[int, tuple[weakref.ref, int, int]] = {}
         inflight: dict[int, list[_Leaves]] = {}  # group -> its gathers on their way
         regathered: dict[int, dict[int, Tensor]] = {}  # group -> the backward's wholes
 
@@ -479,7 +494,7 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
             wholes = _GatherGroup.apply(plan, idx, label, pending, release(g),
                                         *(parts[i] for i in idx))
             for i, w in zip(idx, wholes):
-                live[id(w)] = (w, g, i)
+                live[id(w)] = (weakref.ref(w), g, i)
             return dict(zip(idx, wholes))
 
         def enter(k: int, idx: list[int]) -> Callable:
@@ -488,7 +503,8 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
                 for i in idx:
                     owner, attr = owners[i]
                     owner._parameters[attr] = wholes.get(i, parts[i])
-                prefetch(k + 2, "zero3 param gather")
+                for g in range(k + 2, k + 2 + plan.prefetch):
+                    prefetch(g, "zero3 param gather")
             return hook
 
         def leave(idx: list[int]) -> Callable:
@@ -502,7 +518,7 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
         def pack(t: Tensor) -> Any:
             base = t if t._base is None else t._base
             hit = live.get(id(base))
-            if hit is None or hit[0] is not base:
+            if hit is None or hit[0]() is not base:
                 return t
             view = None if base is t else (tuple(t.shape), t.stride(), t.storage_offset())
             return _Regather(hit[1], hit[2], view)
@@ -516,15 +532,18 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
                         x.group, "zero3 regather for backward"):
                     wholes.update(p.wait())
                 regathered[x.group] = wholes
-                if x.group > 1:  # the block before it, whose backward comes next
-                    prefetch(x.group - 1, "zero3 regather for backward")
+                # The blocks before it, whose backward comes next (group 0, outside the blocks,
+                # is gathered when first used: its first use opened the backward).
+                for g in range(x.group - 1, max(0, x.group - 1 - plan.prefetch), -1):
+                    prefetch(g, "zero3 regather for backward")
             # The gather is contiguous, as the forward's was, so a view's strides carry over.
             whole = regathered[x.group][x.i]
             return whole if x.view is None else whole.as_strided(*x.view)
 
         outside = gather(0)
         tree = tree_unflatten(spec, [outside.get(i, p) for i, p in enumerate(parts)])
-        prefetch(1, "zero3 param gather")
+        for g in range(1, 1 + plan.prefetch):
+            prefetch(g, "zero3 param gather")
         handles = []
         for k, (m, idx) in enumerate(blocks):
             handles.append(m.register_forward_pre_hook(enter(k, idx)))

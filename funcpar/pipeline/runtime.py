@@ -139,6 +139,7 @@ class Pipeline:
         stage_leaves = {s: [n for n in plan.names[s] if live[n].requires_grad]
                         for s in plan.stages_of(self.rank)}
         grads: dict[str, Tensor | None] = dict.fromkeys(params)
+        owned: set[str] = set()  # gradients that are sums made here (not autograd's outputs)
         held: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         inbox: dict[tuple[str, int, int], comm.Pending | Tensor] = {}
         local: dict[tuple[str, int, int], Tensor] = {}  # hand-overs between stages of a rank
@@ -258,8 +259,18 @@ class Pipeline:
                 got = torch.autograd.grad(targets, wanted, grad_outputs=g_outs,
                                           allow_unused=True)
                 for n, g in zip(names, got):
-                    if g is not None:
-                        grads[n] = g if grads[n] is None else grads[n] + g
+                    if g is None:
+                        continue
+                    if grads[n] is None:
+                        grads[n] = g
+                    elif n in owned:
+                        # A sum this step made: added in place (the same bits), where a new
+                        # leaf-sized tensor per micro-batch cost an allocation (fresh pages
+                        # on CPU) each time.
+                        grads[n].add_(g)
+                    else:
+                        grads[n] = grads[n] + g
+                        owned.add(n)
                 if a.stage > 0:
                     dx = got[-1] if want_x else None
                     local[("dx", a.stage, a.mb)] = (torch.zeros_like(x) if dx is None else dx)

@@ -83,6 +83,7 @@ from funcpar.train.outputs import check_writable
 from funcpar.train.resume_args import ArgChange, compare_run_args
 from funcpar.train.step import make_train_step
 from funcpar.transforms import (
+    accumulate_grads,
     amp_cast,
     compose,
     data_parallel,
@@ -172,7 +173,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=200)
-    run.add_argument("--batch-size", type=int, default=16)
+    run.add_argument("--batch-size", type=int, default=16,
+                     help="sequences per micro-batch (global over dp); a step takes "
+                          "--grad-accum of them")
+    run.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                     help="gradient accumulation: K micro-batches of --batch-size per optimizer "
+                          "step, gradients summed inside the step and reduced once over dp "
+                          "(accumulate_grads); the same step as --batch-size x K")
     run.add_argument("--seq-len", type=int, default=128)
     run.add_argument("--seed", type=int, default=0, help="model init, data order and RNG state")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -294,7 +301,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # Every count flag (--seed is not a count): a negative one is a typo, never silently used.
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
                  "pp", "ep", "top_k", "moe_every", "galore_rank", "galore_gap", "corpus_bytes",
-                 "max_nonfinite"):
+                 "max_nonfinite", "grad_accum"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("threads", "dp", "kv_heads", "microbatches", "virtual_stages"):  # None: derived
@@ -406,9 +413,13 @@ def manual_transforms(args: argparse.Namespace, mesh: DeviceMesh, cfg: LlamaConf
     """The transforms the flags ask for, in the documented order."""
     transforms = []
     if args.pp > 1:  # first: the transforms below then apply within each stage
-        transforms.append(pipeline_split(mesh, microbatches=args.microbatches,
+        # Gradient accumulation under a pipeline: K times as many pipeline micro-batches.
+        transforms.append(pipeline_split(mesh,
+                                         microbatches=args.microbatches * args.grad_accum,
                                          schedule=args.schedule,
                                          virtual_stages=args.virtual_stages))
+    elif args.grad_accum > 1:
+        transforms.append(accumulate_grads(args.grad_accum))
     if mesh.size("tp") > 1:
         # MoE blocks: every expert's ffn split over tp (style "experts"), router replicated.
         transforms.append(shard_params(llama_rules_for(cfg), mesh,
@@ -442,7 +453,8 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
     """``--preset``: the Colossal-AI-named preset over this run's mesh, as a transform (the
     optimizer already clips, so no max_norm)."""
     common = {"precision": args.precision, "mesh": mesh, "plan": args.plan,
-              "batch_shape": (args.batch_size, args.seq_len)}
+              "batch_shape": (args.batch_size * args.grad_accum, args.seq_len),
+              "grad_accum": args.grad_accum}
     if args.preset == "hybrid":
         return hybrid_parallel(tp_size=mesh.size("tp"), pp_size=args.pp, zero_stage=args.zero,
                                microbatches=args.microbatches if args.pp > 1 else None,
@@ -466,7 +478,8 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
     read ``datasets``' cache, rather than all ranks tokenizing the same files at once."""
     def load():
         return text_batches(
-            args.corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+            args.corpus, batch_size=args.batch_size * args.grad_accum, seq_len=args.seq_len,
+            seed=args.seed,
             cache_dir=args.data_cache, pattern=args.corpus_glob, max_bytes=args.corpus_bytes,
             device=device, on_binary=args.binary_files,
         )
@@ -487,7 +500,8 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
 MODEL_ARGS = ("dim", "layers", "heads", "kv_heads", "experts", "top_k", "moe_every",
               "capacity_factor", "dtype", "optim", "galore_rank")
 HYPER_ARGS = ("lr", "warmup", "steps", "weight_decay", "clip", "galore_gap")
-DATA_ARGS = ("seed", "batch_size", "seq_len", "corpus", "corpus_glob", "corpus_bytes")
+DATA_ARGS = ("seed", "batch_size", "grad_accum", "seq_len", "corpus", "corpus_glob",
+             "corpus_bytes")
 
 
 def apply_changes(changes: list[ArgChange], args: argparse.Namespace, state: Any,

@@ -60,8 +60,10 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _HEADER = 10  # ndim, up to 8 sizes, dtype code
 
 
-def split_microbatches(batch: Any, m: int) -> list[Any]:
-    """``batch`` cut into ``m`` equal micro-batches along dim 0 of every tensor."""
+def split_microbatches(batch: Any, m: int, who: str = "pipeline",
+                       flag: str = "microbatches") -> list[Any]:
+    """``batch`` cut into ``m`` equal micro-batches along dim 0 of every tensor (``who`` and
+    ``flag`` name the caller and its count in the error)."""
     leaves, spec = tree_flatten(batch)
     cut = []
     for x in leaves:
@@ -69,9 +71,9 @@ def split_microbatches(batch: Any, m: int) -> list[Any]:
             cut.append([x] * m)
             continue
         if x.dim() == 0 or x.shape[0] % m:
-            raise ValueError(f"pipeline: a batch tensor of shape {tuple(x.shape)} does not "
+            raise ValueError(f"{who}: a batch tensor of shape {tuple(x.shape)} does not "
                              f"split into {m} equal micro-batches along dim 0 (the batch on "
-                             f"this rank must be a multiple of microbatches={m})")
+                             f"this rank must be a multiple of {flag}={m})")
         cut.append(list(x.chunk(m)))
     return [tree_unflatten(spec, [c[i] for c in cut]) for i in range(m)]
 

@@ -118,9 +118,16 @@ class Pipeline:
 
     # ------------------------------------------------------------------------------ the step
     def loss_and_grads(self, step: Any, params: Tree, buffers: Tree, batch: Any,
-                       loss_scale: Tensor | None = None) -> tuple[Tensor, Tree, Tree]:
+                       loss_scale: Tensor | None = None, *,
+                       backward: bool = True) -> tuple[Tensor, Tree | None, Tree]:
         """``(loss, grads, new_buffers)`` of the pipelined forward/backward over ``batch``
-        (this rank's stages' leaves only)."""
+        (this rank's stages' leaves only).
+
+        ``backward=False`` (evaluation, :mod:`funcpar.train.eval`): the schedule's forwards and
+        their transfers alone, in the schedule's order (a subsequence of a deadlock-free
+        order whose sends do not block is one too), without autograd; the loss is the last
+        stage's mean micro-batch loss (no side losses: they are training terms), and the
+        gradients come back None."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError("a batch must be a pair (inputs, targets); inputs may be a tuple "
                             "of tensors")
@@ -130,10 +137,14 @@ class Pipeline:
         inputs, targets = batch
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         m, plan = self.m, self.plan
+        train = backward
+        actions = self.actions if train else [
+            a for a in self.actions if a.kind in ("F", "SEND_F", "RECV_F")]
         mb_args = split_microbatches(args, m)
         mb_targets = split_microbatches(targets, m)
         last = plan.n_stages - 1
-        live = {n: x.detach().requires_grad_(x.is_floating_point() or x.is_complex())
+        live = {n: x.detach().requires_grad_(train and (x.is_floating_point()
+                                                         or x.is_complex()))
                 for n, x in params.items()}
         device = next((x.device for x in params.values() if torch.is_tensor(x)),
                       torch.device("cpu"))
@@ -206,7 +217,7 @@ class Pipeline:
                 inbox[key] = got[i].wait()
             pending_comm.clear()
 
-        for a in self.actions:
+        for a in actions:
             if a.kind not in COMPUTE:
                 pending_comm.append(a)
                 continue
@@ -220,10 +231,10 @@ class Pipeline:
                     x = inbox.pop(("x", a.stage, a.mb))
                 else:
                     x = local.pop(("y", a.stage - 1, a.mb))
-                if x is not None and (x.is_floating_point() or x.is_complex()):
+                if train and x is not None and (x.is_floating_point() or x.is_complex()):
                     x = x.detach().requires_grad_()
                 _seed_draws(device, entry, a.stage, a.mb)
-                with torch.enable_grad():
+                with torch.enable_grad() if train else torch.no_grad():
                     out, new_buffers = step.apply_fn(live, new_buffers, a.stage, x,
                                                      *mb_args[a.mb])
                     if a.stage == last:
@@ -231,7 +242,7 @@ class Pipeline:
                         loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
                     else:
                         out = _checked_stage_output(out, a.stage)
-                        if isinstance(out, SideLoss):
+                        if isinstance(out, SideLoss) and train:
                             side = out.loss.detach().double()
                             side_sum = side if side_sum is None else side_sum + side
                 held[(a.stage, a.mb)] = (x, out)
@@ -272,6 +283,11 @@ class Pipeline:
         for w in sent:
             w.wait()
         _seed_draws(device, entry, "after the step")  # the same on every rank
+        if not train:  # the forwards' outputs were kept for their sends only
+            if inbox:
+                raise RuntimeError(f"pipeline forwards left {sorted(inbox)} received on rank "
+                                   f"{self.rank}")
+            return self._loss_everywhere(loss_sum, None), None, new_buffers
         if held or inbox:
             raise RuntimeError(f"pipeline schedule left work undone on rank {self.rank}: "
                                f"held {sorted(held)}, received {sorted(inbox)}")

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -78,6 +79,7 @@ from funcpar.state import (
 )
 from funcpar.state import save as save_checkpoint
 from funcpar.train.cli import add_debug_flag, run_cli
+from funcpar.train.eval import evaluate, make_eval_step
 from funcpar.train.logger import Logger
 from funcpar.train.outputs import check_writable
 from funcpar.train.resume_args import ArgChange, compare_run_args
@@ -297,21 +299,43 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     log.add_argument("--print-every", type=int, default=50,
                      help="a plain log line every N steps when stdout is not a terminal")
     add_debug_flag(log)
+    ev = p.add_argument_group("evaluation and samples")
+    ev.add_argument("--eval-every", type=int, default=0, metavar="N",
+                    help="evaluate on held-out batches every N steps (and at the end): eval/loss "
+                         "and eval/ppl in TensorBoard, eval_loss and eval_ppl in the JSONL file "
+                         "and the progress line; 0: off (nothing held out)")
+    ev.add_argument("--eval-batches", type=int, default=4, metavar="K",
+                    help="held-out batches per evaluation (the same K each time)")
+    ev.add_argument("--eval-fraction", type=float, default=0.05,
+                    help="with --eval-every: the tail of the token stream held out of training "
+                         "(no position in both; 0 is recorded when --eval-every is 0)")
+    ev.add_argument("--keep-best", action="store_true",
+                    help="with --eval-every: write a checkpoint of the state with the lowest "
+                         "eval loss so far to --ckpt-dir/best (resumable, and "
+                         "examples/generate.py --ckpt loads it)")
     args = p.parse_args(argv)
     # Every count flag (--seed is not a count): a negative one is a typo, never silently used.
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
                  "pp", "ep", "top_k", "moe_every", "galore_rank", "galore_gap", "corpus_bytes",
-                 "max_nonfinite", "grad_accum"):
+                 "max_nonfinite", "grad_accum", "eval_batches"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("threads", "dp", "kv_heads", "microbatches", "virtual_stages"):  # None: derived
         value = getattr(args, name)
         if value is not None and value <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in ("save_every", "experts", "remat", "comm_report", "give_up_after"):  # 0: off
+    for name in ("save_every", "experts", "remat", "comm_report", "give_up_after",
+                 "eval_every"):  # 0: off
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (0: off), got "
                     f"{getattr(args, name)}")
+    if args.keep_best and not args.eval_every:
+        p.error("--keep-best keeps the checkpoint with the best eval loss: it needs --eval-every")
+    if args.eval_every:
+        if not 0 < args.eval_fraction < 1:
+            p.error(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
+    else:
+        args.eval_fraction = 0.0  # nothing held out: the training stream is the whole corpus
     if args.warmup is None:
         args.warmup = default_warmup(args.steps)
     elif not 0 <= args.warmup < args.steps:
@@ -481,7 +505,7 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
             args.corpus, batch_size=args.batch_size * args.grad_accum, seq_len=args.seq_len,
             seed=args.seed,
             cache_dir=args.data_cache, pattern=args.corpus_glob, max_bytes=args.corpus_bytes,
-            device=device, on_binary=args.binary_files,
+            device=device, on_binary=args.binary_files, held_out=args.eval_fraction,
         )
 
     if mesh.world_size == 1:
@@ -495,13 +519,28 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
     return loader if loader is not None else load()
 
 
+def held_out_batches(args: argparse.Namespace, loader: Any) -> list:
+    """The ``--eval-batches`` held-out batches (the first of the held-out stream's order, the
+    same at every evaluation), shaped like a training step's batch so that every layout that
+    takes one takes them."""
+    held = loader.held_out
+    if held is None or held.batches_per_epoch < args.eval_batches:
+        have = 0 if held is None else held.batches_per_epoch
+        raise SystemExit(f"error: --eval-fraction {args.eval_fraction} holds out "
+                         f"{0 if held is None else held.tokens.numel():,} tokens: {have} "
+                         f"batch(es) of {loader.batch_size} x {args.seq_len}, fewer than "
+                         f"--eval-batches {args.eval_batches}; raise --eval-fraction or lower "
+                         "--eval-batches")
+    return [held.batch(i) for i in range(args.eval_batches)]
+
+
 # How resume treats each saved argument (funcpar.train.resume_args); the others (layout,
 # logging, paths) may change: a checkpoint loads into any layout.
 MODEL_ARGS = ("dim", "layers", "heads", "kv_heads", "experts", "top_k", "moe_every",
               "capacity_factor", "dtype", "optim", "galore_rank")
 HYPER_ARGS = ("lr", "warmup", "steps", "weight_decay", "clip", "galore_gap")
 DATA_ARGS = ("seed", "batch_size", "grad_accum", "seq_len", "corpus", "corpus_glob",
-             "corpus_bytes")
+             "corpus_bytes", "eval_fraction")
 
 
 def apply_changes(changes: list[ArgChange], args: argparse.Namespace, state: Any,
@@ -579,6 +618,9 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     else:
         step, state = compose(*manual_transforms(args, mesh, cfg))(step, state)
     step, state = compose(*nonfinite_guard(args, mesh))(step, state)
+    # Evaluation runs the parts the transforms rewrote (sharded, gathered, pipelined).
+    eval_step = make_eval_step(step) if args.eval_every else None
+    eval_data = held_out_batches(args, loader) if args.eval_every else []
     # Resuming: the state is loaded into this run's layout (resharded from the saved global
     # slices); the loader is deterministic from the seed, so the data position (batches
     # consumed, kept in the checkpoint's metadata) restores the data order.
@@ -624,7 +666,9 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     run_id = run_id or new_run_id()
     ckpt_lock = (claim_checkpoint_dir(args.ckpt_dir, run_id, resumed=args.resume is not None,
                                       allow_other_run=args.allow_other_run)
-                 if args.save_every else None)
+                 if args.save_every or args.keep_best else None)
+    evals: list[dict[str, float]] = []
+    best = math.inf
     comm_log.clear()
     # Collectives are recorded only when a report is asked for (a long run would pile them up).
     capture = comm_log.capture() if args.comm_report else contextlib.nullcontext([])
@@ -634,6 +678,17 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         for i, batch in zip(range(start_step, args.steps), loader.batches(start=data_pos)):
             comm_log.begin_step(i + 1)
             state, metrics = step(state, batch)
+            if args.eval_every and ((i + 1) % args.eval_every == 0 or i + 1 == args.steps):
+                with log.paused():  # not in the step's throughput
+                    ev = evaluate(eval_step, state, eval_data)
+                    if args.keep_best and ev["loss"] < best:
+                        best = ev["loss"]
+                        save_checkpoint(state, os.path.join(args.ckpt_dir, "best"), step=step,
+                                        extra_meta={"data_pos": data_pos + i + 1 - start_step,
+                                                    "args": vars(args), "run_id": run_id,
+                                                    "eval_loss": ev["loss"]})
+                evals.append({"step": i + 1, **ev})
+                metrics = {**metrics, "eval_loss": ev["loss"], "eval_ppl": ev["ppl"]}
             log.log(i + 1, metrics, tokens=loader.tokens_per_batch)
             if args.save_every and ((i + 1) % args.save_every == 0 or i + 1 == args.steps):
                 save_checkpoint(state, os.path.join(args.ckpt_dir, f"step_{i + 1:08d}"),
@@ -649,7 +704,9 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         f"({args.steps * loader.tokens_per_batch / elapsed:,.0f} tok/s) | "
         f"loss first {first:.4f} last {last:.4f} (mean of last {len(tail)}: {tail_mean:.4f})"
         + (f" | {int(state.extras['skipped_steps'])} step(s) skipped on inf/nan gradients"
-           if int(state.extras.get("skipped_steps", 0)) else ""),
+           if int(state.extras.get("skipped_steps", 0)) else "")
+        + (f" | eval loss {evals[-1]['loss']:.4f} (ppl {evals[-1]['ppl']:.2f}), best "
+           f"{min(e['loss'] for e in evals):.4f}" if evals else ""),
         flush=True)
     if args.comm_report:
         shown = [r for r in comm_records if r.step is not None and r.step <= args.comm_report]
@@ -672,7 +729,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         torch.save({k: v.detach().cpu() for k, v in whole.items()}, args.save)
         say(f"saved {len(whole)} whole parameter tensors to {args.save}", flush=True)
     return {"first_loss": first, "last_loss": last, "history": history, "state": state,
-            "params": whole}
+            "params": whole, "evals": evals}
 
 
 if __name__ == "__main__":

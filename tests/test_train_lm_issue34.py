@@ -35,3 +35,58 @@ def test_grad_accum_equals_the_larger_batch(tmp_path, data_cache):
     for name, p in want["params"].items():
         err = (got["params"][name] - p).abs().max() / p.abs().max()
         assert err <= 1e-12, name
+
+
+def test_eval_flags_log_and_keep_best(tmp_path, data_cache):
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from funcpar.state import read_index
+
+    ckpt = tmp_path / "ckpt"
+    out = train_lm.main(_small(tmp_path, data_cache, 4, "--eval-every", "2", "--eval-batches",
+                               "2", "--keep-best", "--ckpt-dir", str(ckpt)))
+    assert [e["step"] for e in out["evals"]] == [2, 4]
+    assert all(e["tokens"] == 2 * 8 * 32 for e in out["evals"])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    with_eval = [r["step"] for r in rows if "eval_loss" in r]
+    assert with_eval == [2, 4]
+    assert rows[1]["eval_ppl"] == pytest.approx(__import__("math").exp(rows[1]["eval_loss"]))
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert {"eval/loss", "eval/ppl"} <= set(acc.Tags()["scalars"])
+    index = read_index(str(ckpt / "best"), verify_files=False)
+    best = min(out["evals"], key=lambda e: e["loss"])
+    assert index["step"] == best["step"]
+    assert index["extra_meta"]["eval_loss"] == best["loss"]
+
+
+def test_keep_best_needs_eval(tmp_path, data_cache, capsys):
+    with pytest.raises(SystemExit):
+        train_lm.main(_small(tmp_path, data_cache, 2, "--keep-best"))
+    assert "--keep-best" in capsys.readouterr().err
+
+
+def test_held_out_split_is_disjoint_from_training():
+    import torch
+
+    from funcpar.data import PackedBatches, held_out_split
+
+    tokens = torch.arange(10_000, dtype=torch.int64)  # a token is its own position
+    train, held = held_out_split(tokens, 0.1)
+    assert train.numel() + held.numel() == tokens.numel()
+    seen = {}
+    for name, stream in (("train", train), ("held", held)):
+        loader = PackedBatches(stream, batch_size=4, seq_len=16, seed=3)
+        positions = set()
+        for k in range(2 * loader.batches_per_epoch):  # two epochs: every block
+            x, y = loader.batch(k)
+            positions |= set(x.flatten().tolist()) | set(y.flatten().tolist())
+        seen[name] = positions
+    assert seen["train"] and seen["held"]
+    assert not seen["train"] & seen["held"]
+    # Deterministic: the same cut every time.
+    again = held_out_split(tokens, 0.1)
+    assert torch.equal(again[0], train) and torch.equal(again[1], held)

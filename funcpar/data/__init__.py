@@ -6,7 +6,7 @@ packing and corpus discovery work without it.
 """
 
 from funcpar.data.corpus import DEFAULT_STDLIB_BYTES, corpus_files, stdlib_files, text_only
-from funcpar.data.packing import DataPosition, PackedBatches
+from funcpar.data.packing import DataPosition, PackedBatches, held_out_split
 from funcpar.data.text import BYTE_VOCAB_SIZE, Tokenizer, byte_tokenize, load_tokens, text_batches
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "Tokenizer",
     "byte_tokenize",
     "corpus_files",
+    "held_out_split",
     "load_tokens",
     "stdlib_files",
     "text_batches",

@@ -58,6 +58,7 @@ import torch
 
 from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, text_batches
 from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
+from funcpar.models.generate import generate, logits_gatherer
 from funcpar.optim import chain, clip_by_global_norm, matrices_only, set_hyperparams, warmup_cosine
 from funcpar.optim.base import GradientTransformation
 from funcpar.presets import Preset, ddp, gemini, hybrid_parallel, low_level_zero, moe_hybrid
@@ -71,6 +72,7 @@ from funcpar.state import (
     check_one_run,
     claim_checkpoint_dir,
     functionalize,
+    generator_state,
     init_state,
     latest_checkpoint,
     load,
@@ -78,6 +80,7 @@ from funcpar.state import (
     read_index,
 )
 from funcpar.state import save as save_checkpoint
+from funcpar.state.tree import leaves_device, tree_flatten
 from funcpar.train.cli import add_debug_flag, run_cli
 from funcpar.train.eval import evaluate, make_eval_step
 from funcpar.train.logger import Logger
@@ -160,6 +163,14 @@ def build_optimizer(args: argparse.Namespace, params: Tree) -> GradientTransform
     # The cosine ends at a tenth of the peak, not at zero: the last steps still learn.
     lr = warmup_cosine(peak, args.warmup, args.steps, end=0.1 * peak)
     return chain(clip_by_global_norm(args.clip), factory(lr=lr, **spec.kwargs(args, params)))
+
+
+def model_config(args: argparse.Namespace) -> LlamaConfig:
+    """The model the flags describe (examples/generate.py rebuilds it from a checkpoint's)."""
+    return LlamaConfig(vocab_size=BYTE_VOCAB_SIZE, dim=args.dim, n_layers=args.layers,
+                       n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq_len,
+                       n_experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
+                       capacity_factor=args.capacity_factor or None)
 
 
 def default_warmup(steps: int) -> int:
@@ -313,11 +324,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="with --eval-every: write a checkpoint of the state with the lowest "
                          "eval loss so far to --ckpt-dir/best (resumable, and "
                          "examples/generate.py --ckpt loads it)")
+    ev.add_argument("--sample-every", type=int, default=0, metavar="N",
+                    help="print a short sample every N steps (and at the end): "
+                         "--sample-tokens bytes after --sample-prompt, drawn with a KV cache "
+                         "(funcpar.models.generate) at --temperature, top-k 40; 0: off")
+    ev.add_argument("--sample-prompt", default="def ", help="the prompt of --sample-every")
+    ev.add_argument("--sample-tokens", type=int, default=64, help="bytes per sample")
+    ev.add_argument("--temperature", type=float, default=0.8,
+                    help="sampling temperature of --sample-every (0: greedy)")
     args = p.parse_args(argv)
     # Every count flag (--seed is not a count): a negative one is a typo, never silently used.
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
                  "pp", "ep", "top_k", "moe_every", "galore_rank", "galore_gap", "corpus_bytes",
-                 "max_nonfinite", "grad_accum", "eval_batches"):
+                 "max_nonfinite", "grad_accum", "eval_batches", "sample_tokens"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("threads", "dp", "kv_heads", "microbatches", "virtual_stages"):  # None: derived
@@ -325,10 +344,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if value is not None and value <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     for name in ("save_every", "experts", "remat", "comm_report", "give_up_after",
-                 "eval_every"):  # 0: off
+                 "eval_every", "sample_every"):  # 0: off
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (0: off), got "
                     f"{getattr(args, name)}")
+    if args.sample_every:
+        if args.pp > 1:
+            p.error("--sample-every does not work with --pp > 1: a pipeline rank holds its "
+                    "stages only (sample from a checkpoint with examples/generate.py)")
+        if args.sequence_parallel:
+            p.error("--sample-every does not work with --sequence-parallel (its attention "
+                    "regions are swapped for the split sequence)")
+        need = len(args.sample_prompt.encode()) + args.sample_tokens
+        if not args.sample_prompt or need > args.seq_len:
+            p.error(f"--sample-prompt ({len(args.sample_prompt.encode())} bytes, not empty) "
+                    f"plus --sample-tokens {args.sample_tokens} must fit --seq-len "
+                    f"{args.seq_len}, the longest sequence the model was built for")
+        if args.experts and args.capacity_factor:
+            p.error("--sample-every with --experts needs a dropless model (--capacity-factor "
+                    "0): a capacity routes per sequence, which token-by-token decoding changes")
     if args.keep_best and not args.eval_every:
         p.error("--keep-best keeps the checkpoint with the best eval loss: it needs --eval-every")
     if args.eval_every:
@@ -519,6 +553,18 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
     return loader if loader is not None else load()
 
 
+def sample_text(args: argparse.Namespace, step: Any, state: Any,
+                gather_logits: Callable | None, *, seed: int) -> str:
+    """``--sample-tokens`` bytes after ``--sample-prompt`` from the state (a collective under
+    tp or ZeRO-3: every rank draws the same bytes from the same seed), decoded as UTF-8."""
+    device = leaves_device(tree_flatten(state.params)[0])
+    prompt = torch.tensor([list(args.sample_prompt.encode())], device=device)
+    tokens, _ = generate(step.apply_fn, state.params, state.buffers, prompt, args.sample_tokens,
+                         temperature=args.temperature, top_k=40,
+                         rng=generator_state(device, seed), gather_logits=gather_logits)
+    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+
+
 def held_out_batches(args: argparse.Namespace, loader: Any) -> list:
     """The ``--eval-batches`` held-out batches (the first of the held-out stream's order, the
     same at every evaluation), shaped like a training step's batch so that every layout that
@@ -597,10 +643,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     # Under torchrun each rank's device comes from the mesh (cuda:LOCAL_RANK with NCCL).
     device = torch.device(args.device) if mesh.world_size == 1 else mesh.device
     loader = load_batches(args, mesh, device)
-    cfg = LlamaConfig(vocab_size=BYTE_VOCAB_SIZE, dim=args.dim, n_layers=args.layers,
-                      n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq_len,
-                      n_experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
-                      capacity_factor=args.capacity_factor or None)
+    cfg = model_config(args)
     # Every rank builds the same whole model from the seed; shard_params then keeps its slices.
     model = Llama(cfg, seed=args.seed, device=device, dtype=DTYPES[args.dtype])
     apply_fn, params, buffers = functionalize(model, release=True)  # the trees own the memory
@@ -621,6 +664,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     # Evaluation runs the parts the transforms rewrote (sharded, gathered, pipelined).
     eval_step = make_eval_step(step) if args.eval_every else None
     eval_data = held_out_batches(args, loader) if args.eval_every else []
+    gather_logits = logits_gatherer(step) if args.sample_every else None
     # Resuming: the state is loaded into this run's layout (resharded from the saved global
     # slices); the loader is deterministic from the seed, so the data position (batches
     # consumed, kept in the checkpoint's metadata) restores the data order.
@@ -690,6 +734,10 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
                 evals.append({"step": i + 1, **ev})
                 metrics = {**metrics, "eval_loss": ev["loss"], "eval_ppl": ev["ppl"]}
             log.log(i + 1, metrics, tokens=loader.tokens_per_batch)
+            if args.sample_every and ((i + 1) % args.sample_every == 0 or i + 1 == args.steps):
+                with log.paused():
+                    text = sample_text(args, step, state, gather_logits, seed=args.seed + i + 1)
+                say(f"sample at step {i + 1}: {text!r}", flush=True)
             if args.save_every and ((i + 1) % args.save_every == 0 or i + 1 == args.steps):
                 save_checkpoint(state, os.path.join(args.ckpt_dir, f"step_{i + 1:08d}"),
                                 step=step, extra_meta={"data_pos": data_pos + i + 1 - start_step,

@@ -90,3 +90,39 @@ def test_held_out_split_is_disjoint_from_training():
     # Deterministic: the same cut every time.
     again = held_out_split(tokens, 0.1)
     assert torch.equal(again[0], train) and torch.equal(again[1], held)
+
+
+generate_example = load_example("generate.py", "generate_issue34")
+
+
+def test_sample_every_and_generate_from_the_checkpoint(tmp_path, data_cache, capsys):
+    import torch
+
+    from funcpar.models import Llama
+    from funcpar.state import functionalize
+
+    ckpt = tmp_path / "ckpt"
+    out = train_lm.main(_small(tmp_path, data_cache, 4, "--sample-every", "2",
+                               "--sample-tokens", "8", "--save-every", "4", "--ckpt-dir",
+                               str(ckpt)))
+    printed = capsys.readouterr().out
+    assert "sample at step 2: 'def " in printed and "sample at step 4: 'def " in printed
+    got = generate_example.main(["--ckpt", str(ckpt), "--prompt", "def ", "--temperature", "0",
+                                 "--max-new-tokens", "12"])
+    # Greedy by full recomputation from the run's own final parameters.
+    run = argparse_namespace(got["ckpt_args"])
+    model = Llama(train_lm.model_config(run), seed=run.seed)
+    model.load_state_dict(out["params"])
+    apply_fn, params, buffers = functionalize(model)
+    tokens = torch.tensor([list(b"def ")])
+    for _ in range(12):
+        logits, _ = apply_fn(params, buffers, tokens)
+        tokens = torch.cat((tokens, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(got["tokens"], tokens)
+    assert got["text"].startswith("def ")
+
+
+def argparse_namespace(d):
+    import argparse
+
+    return argparse.Namespace(**d)

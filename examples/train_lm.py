@@ -36,6 +36,13 @@ recomputes every K-th block's activations in the backward instead of keeping the
 an MoE model into stages like a dense one, every stage's router losses reaching the loss
 (mesh ``pp x ep x dp x tp``).
 
+``--eval-every N`` evaluates held-out batches (the tail of the corpus, never trained on) with
+:func:`funcpar.train.make_eval_step` of the composed step, so under every layout;
+``--keep-best`` checkpoints the best; ``--sample-every N`` prints a KV-cache sample
+(:mod:`funcpar.models.generate`; ``examples/generate.py`` samples from a checkpoint).
+``--grad-accum K``: K micro-batches of ``--batch-size`` per step, reduced once
+(:func:`~funcpar.transforms.accumulate_grads`).
+
 ``--preset {hybrid,zero,ddp,gemini,moe}`` composes through :mod:`funcpar.presets` (Colossal-AI's
 plugin names: ``hybrid_parallel``, ``low_level_zero``, ``ddp``, ``gemini``, ``moe_hybrid``:
 ``MoeHybridParallelPlugin``, with ``--experts`` and ``--ep``) instead of listing

@@ -118,3 +118,20 @@ def test_tensor_parallel_generates_as_one_process():
     for greedy, sampled in run_ranks(_tp_generate, 2, backend=None, timeout=120):
         assert torch.equal(greedy, want_greedy)
         assert torch.equal(sampled, want_sampled)
+
+
+def test_hf_model_decodes_through_its_own_cache():
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).eval()
+    apply_fn, params, buffers = functionalize(model)
+    prompt = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(2))
+    got, _ = generate(apply_fn, params, buffers, prompt, 6, temperature=0)
+    tokens = prompt
+    for _ in range(6):  # recomputation, no cache
+        with torch.no_grad():
+            logits = model(tokens, use_cache=False).logits
+        tokens = torch.cat((tokens, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(got, tokens)

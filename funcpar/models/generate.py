@@ -21,7 +21,8 @@ expert capacity (routing is per sequence, so the capacity of a one-token step di
 prefix's: dropless, ``capacity_factor=None``, decodes exactly).
 
 A Hugging Face causal LM (``transformers.PreTrainedModel``) decodes through its own cache
-(``past_key_values``, ``use_cache=True``); the sampling is the same.
+(``cache``, ``past_key_values`` before transformers 5.x, with ``use_cache=True``); the
+sampling is the same.
 
 Sampling (the logits of the last position, in float32 at least): ``temperature == 0`` is
 greedy (argmax; ties to the lowest id); otherwise ``softmax(logits / temperature)`` restricted
@@ -35,6 +36,7 @@ tokens and a caller threads the returned one on, as with a training step.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -152,9 +154,13 @@ def decode(
             logits, _ = apply_fn(params, buffers, tokens)
         return logits, tuple(new)
     if _is_hf(module):
+        # transformers 5.x names the cache argument and output ``cache`` (``past_key_values``
+        # before, deprecated since).
+        key = ("cache" if "cache" in inspect.signature(module.forward).parameters
+               else "past_key_values")
         with torch.no_grad():
-            out, _ = apply_fn(params, buffers, tokens, past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
+            out, _ = apply_fn(params, buffers, tokens, use_cache=True, **{key: cache})
+        return out.logits, out[key]
     raise TypeError(f"generate: no cached decoding for {type(module).__name__}; funcpar's "
                     "Llama and Hugging Face causal LMs have one")
 

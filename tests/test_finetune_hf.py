@@ -40,14 +40,14 @@ def _check_round_trip(out, params):
     """transformers loads ``out``; its logits equal those of ``params`` in the model."""
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     reference = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
-    missing, unexpected = reference.load_state_dict(params, strict=False)
+    _, unexpected = reference.load_state_dict(params, strict=False)
     assert not unexpected
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         a = loaded(ids).logits
         from funcpar.state import functionalize
 
-        apply_fn, p, b = functionalize(reference)
+        apply_fn, _, b = functionalize(reference)
         got, _ = apply_fn(params, b, ids)
     err = float((a - got.logits).abs().max() / a.abs().max())
     assert err <= 1e-5, err

@@ -63,7 +63,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, text_batches
+from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, rank0_first, text_batches
 from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
 from funcpar.models.generate import generate, logits_gatherer
 from funcpar.optim import chain, clip_by_global_norm, matrices_only, set_hyperparams, warmup_cosine
@@ -538,7 +538,7 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
     return gemini(offload="cpu", tp_size=mesh.size("tp"), **common)
 
 
-def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device):
+def load_batches(args: argparse.Namespace, device: torch.device):
     """The global batches, the same on every rank. Rank 0 tokenizes first and the others then
     read ``datasets``' cache, rather than all ranks tokenizing the same files at once."""
     def load():
@@ -549,15 +549,7 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
             device=device, on_binary=args.binary_files, held_out=args.eval_fraction,
         )
 
-    if mesh.world_size == 1:
-        return load()
-    import torch.distributed as dist
-
-    loader = load() if mesh.rank() == 0 else None
-    # Rank 0 has tokenized. Had it failed, its error ends the run: torchrun (or run_ranks)
-    # stops the ranks waiting here.
-    dist.barrier()
-    return loader if loader is not None else load()
+    return rank0_first(load)
 
 
 def sample_text(args: argparse.Namespace, step: Any, state: Any,
@@ -649,7 +641,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
                     ("--metrics-jsonl", args.metrics_jsonl, False)])
     # Under torchrun each rank's device comes from the mesh (cuda:LOCAL_RANK with NCCL).
     device = torch.device(args.device) if mesh.world_size == 1 else mesh.device
-    loader = load_batches(args, mesh, device)
+    loader = load_batches(args, device)
     cfg = model_config(args)
     # Every rank builds the same whole model from the seed; shard_params then keeps its slices.
     model = Llama(cfg, seed=args.seed, device=device, dtype=DTYPES[args.dtype])

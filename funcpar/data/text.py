@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from jaxtyping import Int
@@ -30,9 +31,11 @@ from funcpar.data.corpus import (
 )
 from funcpar.data.packing import PackedBatches, held_out_split
 
-__all__ = ["BYTE_VOCAB_SIZE", "Tokenizer", "byte_tokenize", "load_tokens", "text_batches"]
+__all__ = ["BYTE_VOCAB_SIZE", "Tokenizer", "byte_tokenize", "load_tokens", "rank0_first",
+           "text_batches"]
 
 Tokenizer = Callable[[str], list[int]]
+T = TypeVar("T")
 
 #: Byte-level tokens are the 256 byte values.
 BYTE_VOCAB_SIZE = 256
@@ -182,3 +185,17 @@ def text_batches(
                            rank=rank, world_size=world_size, device=device)
     loader.held_out = held
     return loader
+
+
+def rank0_first(load: Callable[[], T]) -> T:
+    """``load()`` on every rank of the default process group, rank 0 first: the others wait
+    at a barrier until it is done and then read ``datasets``' cache, rather than every rank
+    tokenizing the same files at once. Without a group (one process), just ``load()``. Had
+    rank 0 failed, its error ends the run (torchrun stops the ranks waiting here)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return load()
+    out = load() if dist.get_rank() == 0 else None
+    dist.barrier()
+    return out if out is not None else load()

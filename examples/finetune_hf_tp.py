@@ -32,7 +32,13 @@ from typing import Any
 
 import torch
 
-from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, byte_tokenize, text_batches
+from funcpar.data import (
+    BYTE_VOCAB_SIZE,
+    DEFAULT_STDLIB_BYTES,
+    byte_tokenize,
+    rank0_first,
+    text_batches,
+)
 from funcpar.models import lm_loss
 from funcpar.optim import adamw, chain, clip_by_global_norm, matrices_only, warmup_cosine
 from funcpar.shard import DeviceMesh, gpt2_rules, unshard_tree
@@ -141,13 +147,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"error: --batch-size {args.batch_size} does not split over dp "
                          f"{mesh.size('dp')}")
 
-    if mesh.world_size > 1 and not rank0:
-        torch.distributed.barrier()  # rank 0 tokenizes first; the others read datasets' cache
-    loader = text_batches(args.corpus, batch_size=args.batch_size, seq_len=args.seq_len,
-                          seed=args.seed, tokenizer=tokenizer, cache_dir=args.data_cache,
-                          pattern=args.corpus_glob, max_bytes=args.corpus_bytes)
-    if mesh.world_size > 1 and rank0:
-        torch.distributed.barrier()
+    loader = rank0_first(lambda: text_batches(  # rank 0 tokenizes, the others read the cache
+        args.corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+        tokenizer=tokenizer, cache_dir=args.data_cache, pattern=args.corpus_glob,
+        max_bytes=args.corpus_bytes))
 
     apply_fn, params, buffers = functionalize(model)
     lr = warmup_cosine(args.lr, args.warmup, args.steps, end=0.1 * args.lr)

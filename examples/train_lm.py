@@ -36,6 +36,13 @@ recomputes every K-th block's activations in the backward instead of keeping the
 an MoE model into stages like a dense one, every stage's router losses reaching the loss
 (mesh ``pp x ep x dp x tp``).
 
+``--eval-every N`` evaluates held-out batches (the tail of the corpus, never trained on) with
+:func:`funcpar.train.make_eval_step` of the composed step, so under every layout;
+``--keep-best`` checkpoints the best; ``--sample-every N`` prints a KV-cache sample
+(:mod:`funcpar.models.generate`; ``examples/generate.py`` samples from a checkpoint).
+``--grad-accum K``: K micro-batches of ``--batch-size`` per step, reduced once
+(:func:`~funcpar.transforms.accumulate_grads`).
+
 ``--preset {hybrid,zero,ddp,gemini,moe}`` composes through :mod:`funcpar.presets` (Colossal-AI's
 plugin names: ``hybrid_parallel``, ``low_level_zero``, ``ddp``, ``gemini``, ``moe_hybrid``:
 ``MoeHybridParallelPlugin``, with ``--experts`` and ``--ep``) instead of listing
@@ -48,6 +55,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -55,8 +63,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, text_batches
+from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, rank0_first, text_batches
 from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
+from funcpar.models.generate import generate, logits_gatherer
 from funcpar.optim import chain, clip_by_global_norm, matrices_only, set_hyperparams, warmup_cosine
 from funcpar.optim.base import GradientTransformation
 from funcpar.presets import Preset, ddp, gemini, hybrid_parallel, low_level_zero, moe_hybrid
@@ -70,6 +79,7 @@ from funcpar.state import (
     check_one_run,
     claim_checkpoint_dir,
     functionalize,
+    generator_state,
     init_state,
     latest_checkpoint,
     load,
@@ -77,12 +87,15 @@ from funcpar.state import (
     read_index,
 )
 from funcpar.state import save as save_checkpoint
+from funcpar.state.tree import leaves_device, tree_flatten
 from funcpar.train.cli import add_debug_flag, run_cli
+from funcpar.train.eval import evaluate, make_eval_step
 from funcpar.train.logger import Logger
 from funcpar.train.outputs import check_writable
 from funcpar.train.resume_args import ArgChange, compare_run_args
 from funcpar.train.step import make_train_step
 from funcpar.transforms import (
+    accumulate_grads,
     amp_cast,
     compose,
     data_parallel,
@@ -159,6 +172,14 @@ def build_optimizer(args: argparse.Namespace, params: Tree) -> GradientTransform
     return chain(clip_by_global_norm(args.clip), factory(lr=lr, **spec.kwargs(args, params)))
 
 
+def model_config(args: argparse.Namespace) -> LlamaConfig:
+    """The model the flags describe (examples/generate.py rebuilds it from a checkpoint's)."""
+    return LlamaConfig(vocab_size=BYTE_VOCAB_SIZE, dim=args.dim, n_layers=args.layers,
+                       n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq_len,
+                       n_experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
+                       capacity_factor=args.capacity_factor or None)
+
+
 def default_warmup(steps: int) -> int:
     """10% of the run, at most 20 steps: a 5-step smoke run warms up for 0 steps."""
     return min(20, steps // 10)
@@ -172,7 +193,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=200)
-    run.add_argument("--batch-size", type=int, default=16)
+    run.add_argument("--batch-size", type=int, default=16,
+                     help="sequences per micro-batch (global over dp); a step takes "
+                          "--grad-accum of them")
+    run.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                     help="gradient accumulation: K micro-batches of --batch-size per optimizer "
+                          "step, gradients summed inside the step and reduced once over dp "
+                          "(accumulate_grads); the same step as --batch-size x K")
     run.add_argument("--seq-len", type=int, default=128)
     run.add_argument("--seed", type=int, default=0, help="model init, data order and RNG state")
     run.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -290,21 +317,66 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     log.add_argument("--print-every", type=int, default=50,
                      help="a plain log line every N steps when stdout is not a terminal")
     add_debug_flag(log)
+    ev = p.add_argument_group("evaluation and samples")
+    ev.add_argument("--eval-every", type=int, default=0, metavar="N",
+                    help="evaluate on held-out batches every N steps (and at the end): eval/loss "
+                         "and eval/ppl in TensorBoard, eval_loss and eval_ppl in the JSONL file "
+                         "and the progress line; 0: off (nothing held out)")
+    ev.add_argument("--eval-batches", type=int, default=4, metavar="K",
+                    help="held-out batches per evaluation (the same K each time)")
+    ev.add_argument("--eval-fraction", type=float, default=0.05,
+                    help="with --eval-every: the tail of the token stream held out of training "
+                         "(no position in both; 0 is recorded when --eval-every is 0)")
+    ev.add_argument("--keep-best", action="store_true",
+                    help="with --eval-every: write a checkpoint of the state with the lowest "
+                         "eval loss so far to --ckpt-dir/best (resumable, and "
+                         "examples/generate.py --ckpt loads it)")
+    ev.add_argument("--sample-every", type=int, default=0, metavar="N",
+                    help="print a short sample every N steps (and at the end): "
+                         "--sample-tokens bytes after --sample-prompt, drawn with a KV cache "
+                         "(funcpar.models.generate) at --temperature, top-k 40; 0: off")
+    ev.add_argument("--sample-prompt", default="def ", help="the prompt of --sample-every")
+    ev.add_argument("--sample-tokens", type=int, default=64, help="bytes per sample")
+    ev.add_argument("--temperature", type=float, default=0.8,
+                    help="sampling temperature of --sample-every (0: greedy)")
     args = p.parse_args(argv)
     # Every count flag (--seed is not a count): a negative one is a typo, never silently used.
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
                  "pp", "ep", "top_k", "moe_every", "galore_rank", "galore_gap", "corpus_bytes",
-                 "max_nonfinite"):
+                 "max_nonfinite", "grad_accum", "eval_batches", "sample_tokens"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("threads", "dp", "kv_heads", "microbatches", "virtual_stages"):  # None: derived
         value = getattr(args, name)
         if value is not None and value <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in ("save_every", "experts", "remat", "comm_report", "give_up_after"):  # 0: off
+    for name in ("save_every", "experts", "remat", "comm_report", "give_up_after",
+                 "eval_every", "sample_every"):  # 0: off
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0 (0: off), got "
                     f"{getattr(args, name)}")
+    if args.sample_every:
+        if args.pp > 1:
+            p.error("--sample-every does not work with --pp > 1: a pipeline rank holds its "
+                    "stages only (sample from a checkpoint with examples/generate.py)")
+        if args.sequence_parallel:
+            p.error("--sample-every does not work with --sequence-parallel (its attention "
+                    "regions are swapped for the split sequence)")
+        need = len(args.sample_prompt.encode()) + args.sample_tokens
+        if not args.sample_prompt or need > args.seq_len:
+            p.error(f"--sample-prompt ({len(args.sample_prompt.encode())} bytes, not empty) "
+                    f"plus --sample-tokens {args.sample_tokens} must fit --seq-len "
+                    f"{args.seq_len}, the longest sequence the model was built for")
+        if args.experts and args.capacity_factor:
+            p.error("--sample-every with --experts needs a dropless model (--capacity-factor "
+                    "0): a capacity routes per sequence, which token-by-token decoding changes")
+    if args.keep_best and not args.eval_every:
+        p.error("--keep-best keeps the checkpoint with the best eval loss: it needs --eval-every")
+    if args.eval_every:
+        if not 0 < args.eval_fraction < 1:
+            p.error(f"--eval-fraction must be in (0, 1), got {args.eval_fraction}")
+    else:
+        args.eval_fraction = 0.0  # nothing held out: the training stream is the whole corpus
     if args.warmup is None:
         args.warmup = default_warmup(args.steps)
     elif not 0 <= args.warmup < args.steps:
@@ -406,9 +478,13 @@ def manual_transforms(args: argparse.Namespace, mesh: DeviceMesh, cfg: LlamaConf
     """The transforms the flags ask for, in the documented order."""
     transforms = []
     if args.pp > 1:  # first: the transforms below then apply within each stage
-        transforms.append(pipeline_split(mesh, microbatches=args.microbatches,
+        # Gradient accumulation under a pipeline: K times as many pipeline micro-batches.
+        transforms.append(pipeline_split(mesh,
+                                         microbatches=args.microbatches * args.grad_accum,
                                          schedule=args.schedule,
                                          virtual_stages=args.virtual_stages))
+    elif args.grad_accum > 1:
+        transforms.append(accumulate_grads(args.grad_accum))
     if mesh.size("tp") > 1:
         # MoE blocks: every expert's ffn split over tp (style "experts"), router replicated.
         transforms.append(shard_params(llama_rules_for(cfg), mesh,
@@ -442,7 +518,8 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
     """``--preset``: the Colossal-AI-named preset over this run's mesh, as a transform (the
     optimizer already clips, so no max_norm)."""
     common = {"precision": args.precision, "mesh": mesh, "plan": args.plan,
-              "batch_shape": (args.batch_size, args.seq_len)}
+              "batch_shape": (args.batch_size * args.grad_accum, args.seq_len),
+              "grad_accum": args.grad_accum}
     if args.preset == "hybrid":
         return hybrid_parallel(tp_size=mesh.size("tp"), pp_size=args.pp, zero_stage=args.zero,
                                microbatches=args.microbatches if args.pp > 1 else None,
@@ -461,25 +538,45 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
     return gemini(offload="cpu", tp_size=mesh.size("tp"), **common)
 
 
-def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device):
+def load_batches(args: argparse.Namespace, device: torch.device):
     """The global batches, the same on every rank. Rank 0 tokenizes first and the others then
     read ``datasets``' cache, rather than all ranks tokenizing the same files at once."""
     def load():
         return text_batches(
-            args.corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+            args.corpus, batch_size=args.batch_size * args.grad_accum, seq_len=args.seq_len,
+            seed=args.seed,
             cache_dir=args.data_cache, pattern=args.corpus_glob, max_bytes=args.corpus_bytes,
-            device=device, on_binary=args.binary_files,
+            device=device, on_binary=args.binary_files, held_out=args.eval_fraction,
         )
 
-    if mesh.world_size == 1:
-        return load()
-    import torch.distributed as dist
+    return rank0_first(load)
 
-    loader = load() if mesh.rank() == 0 else None
-    # Rank 0 has tokenized. Had it failed, its error ends the run: torchrun (or run_ranks)
-    # stops the ranks waiting here.
-    dist.barrier()
-    return loader if loader is not None else load()
+
+def sample_text(args: argparse.Namespace, step: Any, state: Any,
+                gather_logits: Callable | None, *, seed: int) -> str:
+    """``--sample-tokens`` bytes after ``--sample-prompt`` from the state (a collective under
+    tp or ZeRO-3: every rank draws the same bytes from the same seed), decoded as UTF-8."""
+    device = leaves_device(tree_flatten(state.params)[0])
+    prompt = torch.tensor([list(args.sample_prompt.encode())], device=device)
+    tokens, _ = generate(step.apply_fn, state.params, state.buffers, prompt, args.sample_tokens,
+                         temperature=args.temperature, top_k=40,
+                         rng=generator_state(device, seed), gather_logits=gather_logits)
+    return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
+
+
+def held_out_batches(args: argparse.Namespace, loader: Any) -> list:
+    """The ``--eval-batches`` held-out batches (the first of the held-out stream's order, the
+    same at every evaluation), shaped like a training step's batch so that every layout that
+    takes one takes them."""
+    held = loader.held_out
+    if held is None or held.batches_per_epoch < args.eval_batches:
+        have = 0 if held is None else held.batches_per_epoch
+        raise SystemExit(f"error: --eval-fraction {args.eval_fraction} holds out "
+                         f"{0 if held is None else held.tokens.numel():,} tokens: {have} "
+                         f"batch(es) of {loader.batch_size} x {args.seq_len}, fewer than "
+                         f"--eval-batches {args.eval_batches}; raise --eval-fraction or lower "
+                         "--eval-batches")
+    return [held.batch(i) for i in range(args.eval_batches)]
 
 
 # How resume treats each saved argument (funcpar.train.resume_args); the others (layout,
@@ -487,7 +584,8 @@ def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.devic
 MODEL_ARGS = ("dim", "layers", "heads", "kv_heads", "experts", "top_k", "moe_every",
               "capacity_factor", "dtype", "optim", "galore_rank")
 HYPER_ARGS = ("lr", "warmup", "steps", "weight_decay", "clip", "galore_gap")
-DATA_ARGS = ("seed", "batch_size", "seq_len", "corpus", "corpus_glob", "corpus_bytes")
+DATA_ARGS = ("seed", "batch_size", "grad_accum", "seq_len", "corpus", "corpus_glob",
+             "corpus_bytes", "eval_fraction")
 
 
 def apply_changes(changes: list[ArgChange], args: argparse.Namespace, state: Any,
@@ -543,11 +641,8 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
                     ("--metrics-jsonl", args.metrics_jsonl, False)])
     # Under torchrun each rank's device comes from the mesh (cuda:LOCAL_RANK with NCCL).
     device = torch.device(args.device) if mesh.world_size == 1 else mesh.device
-    loader = load_batches(args, mesh, device)
-    cfg = LlamaConfig(vocab_size=BYTE_VOCAB_SIZE, dim=args.dim, n_layers=args.layers,
-                      n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq_len,
-                      n_experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
-                      capacity_factor=args.capacity_factor or None)
+    loader = load_batches(args, device)
+    cfg = model_config(args)
     # Every rank builds the same whole model from the seed; shard_params then keeps its slices.
     model = Llama(cfg, seed=args.seed, device=device, dtype=DTYPES[args.dtype])
     apply_fn, params, buffers = functionalize(model, release=True)  # the trees own the memory
@@ -565,6 +660,10 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     else:
         step, state = compose(*manual_transforms(args, mesh, cfg))(step, state)
     step, state = compose(*nonfinite_guard(args, mesh))(step, state)
+    # Evaluation runs the parts the transforms rewrote (sharded, gathered, pipelined).
+    eval_step = make_eval_step(step) if args.eval_every else None
+    eval_data = held_out_batches(args, loader) if args.eval_every else []
+    gather_logits = logits_gatherer(step) if args.sample_every else None
     # Resuming: the state is loaded into this run's layout (resharded from the saved global
     # slices); the loader is deterministic from the seed, so the data position (batches
     # consumed, kept in the checkpoint's metadata) restores the data order.
@@ -610,7 +709,9 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     run_id = run_id or new_run_id()
     ckpt_lock = (claim_checkpoint_dir(args.ckpt_dir, run_id, resumed=args.resume is not None,
                                       allow_other_run=args.allow_other_run)
-                 if args.save_every else None)
+                 if args.save_every or args.keep_best else None)
+    evals: list[dict[str, float]] = []
+    best = math.inf
     comm_log.clear()
     # Collectives are recorded only when a report is asked for (a long run would pile them up).
     capture = comm_log.capture() if args.comm_report else contextlib.nullcontext([])
@@ -620,7 +721,22 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         for i, batch in zip(range(start_step, args.steps), loader.batches(start=data_pos)):
             comm_log.begin_step(i + 1)
             state, metrics = step(state, batch)
+            if args.eval_every and ((i + 1) % args.eval_every == 0 or i + 1 == args.steps):
+                with log.paused():  # not in the step's throughput
+                    ev = evaluate(eval_step, state, eval_data)
+                    if args.keep_best and ev["loss"] < best:
+                        best = ev["loss"]
+                        save_checkpoint(state, os.path.join(args.ckpt_dir, "best"), step=step,
+                                        extra_meta={"data_pos": data_pos + i + 1 - start_step,
+                                                    "args": vars(args), "run_id": run_id,
+                                                    "eval_loss": ev["loss"]})
+                evals.append({"step": i + 1, **ev})
+                metrics = {**metrics, "eval_loss": ev["loss"], "eval_ppl": ev["ppl"]}
             log.log(i + 1, metrics, tokens=loader.tokens_per_batch)
+            if args.sample_every and ((i + 1) % args.sample_every == 0 or i + 1 == args.steps):
+                with log.paused():
+                    text = sample_text(args, step, state, gather_logits, seed=args.seed + i + 1)
+                say(f"sample at step {i + 1}: {text!r}", flush=True)
             if args.save_every and ((i + 1) % args.save_every == 0 or i + 1 == args.steps):
                 save_checkpoint(state, os.path.join(args.ckpt_dir, f"step_{i + 1:08d}"),
                                 step=step, extra_meta={"data_pos": data_pos + i + 1 - start_step,
@@ -638,7 +754,9 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         + (f" | blocked in collectives {blocked:.2f}s ({blocked / elapsed:.0%})"
            if mesh.world_size > 1 else "")
         + (f" | {int(state.extras['skipped_steps'])} step(s) skipped on inf/nan gradients"
-           if int(state.extras.get("skipped_steps", 0)) else ""),
+           if int(state.extras.get("skipped_steps", 0)) else "")
+        + (f" | eval loss {evals[-1]['loss']:.4f} (ppl {evals[-1]['ppl']:.2f}), best "
+           f"{min(e['loss'] for e in evals):.4f}" if evals else ""),
         flush=True)
     if args.comm_report:
         shown = [r for r in comm_records if r.step is not None and r.step <= args.comm_report]
@@ -661,8 +779,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         torch.save({k: v.detach().cpu() for k, v in whole.items()}, args.save)
         say(f"saved {len(whole)} whole parameter tensors to {args.save}", flush=True)
     return {"first_loss": first, "last_loss": last, "history": history, "state": state,
-            "comm_blocked_s": blocked,
-            "params": whole}
+            "comm_blocked_s": blocked, "params": whole, "evals": evals}
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def test_binary_corpus_files_are_skipped_by_default(ckpts):
     tmp, _, _ = ckpts
     args = train_lm.parse_args(_tiny(tmp, "--corpus", str(tmp / "corpus_with_binary")))
     with pytest.warns(UserWarning, match=r"skipped 1 corpus file\(s\).*image\.txt"):
-        loader = train_lm.load_batches(args, train_lm.build_mesh(args), torch.device("cpu"))
+        loader = train_lm.load_batches(args, torch.device("cpu"))
     assert bytes(loader.tokens.tolist()) == b"some text\n" * 200
 
 

@@ -16,6 +16,7 @@ and the only data state a checkpoint needs is the :class:`DataPosition`.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-__all__ = ["DataPosition", "PackedBatches"]
+__all__ = ["DataPosition", "PackedBatches", "held_out_split"]
 
 
 class DataPosition(NamedTuple):
@@ -83,6 +84,8 @@ class PackedBatches:
                 f"of {seq_len + 1}, a batch needs {batch_size} (at least {need} tokens)"
             )
         self._starts = torch.arange(seq_len + 1)
+        #: The held-out batches of the same corpus (``text_batches(held_out=...)``), or None.
+        self.held_out: PackedBatches | None = None
         self._epoch, self._order = -1, torch.empty(0, dtype=torch.int64)
 
     @property
@@ -139,3 +142,20 @@ class PackedBatches:
                     "resuming would read different batches"
                 )
         return int(pos.consumed)
+
+
+def held_out_split(tokens: Int[Tensor, " n"],
+                   fraction: float) -> tuple[Int[Tensor, " n_train"], Int[Tensor, " n_held"]]:
+    """``(train, held_out)``: the stream cut at ``n - ceil(fraction * n)``, the tail held out.
+
+    A contiguous tail rather than sampled blocks: packed blocks of neighbouring text overlap in
+    content (and consecutive blocks share a boundary token), so blocks drawn from one stream
+    would leak training text into the evaluation. Cut here, no token position is in both: the
+    training blocks read positions ``[0, cut)`` and the held-out ones ``[cut, n)``. A pure
+    function of the stream and ``fraction``, so every rank and every resumed run cuts alike.
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"held-out fraction must be in (0, 1), got {fraction!r}")
+    n = tokens.numel()
+    cut = n - math.ceil(fraction * n)
+    return tokens[:cut], tokens[cut:]

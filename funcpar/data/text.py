@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from jaxtyping import Int
@@ -28,11 +29,13 @@ from funcpar.data.corpus import (
     stdlib_files,
     text_only,
 )
-from funcpar.data.packing import PackedBatches
+from funcpar.data.packing import PackedBatches, held_out_split
 
-__all__ = ["BYTE_VOCAB_SIZE", "Tokenizer", "byte_tokenize", "load_tokens", "text_batches"]
+__all__ = ["BYTE_VOCAB_SIZE", "Tokenizer", "byte_tokenize", "load_tokens", "rank0_first",
+           "text_batches"]
 
 Tokenizer = Callable[[str], list[int]]
+T = TypeVar("T")
 
 #: Byte-level tokens are the 256 byte values.
 BYTE_VOCAB_SIZE = 256
@@ -155,6 +158,7 @@ def text_batches(
     world_size: int = 1,
     device: torch.device | str | None = None,
     on_binary: OnBinary = "skip",
+    held_out: float = 0.0,
 ) -> PackedBatches:
     """Corpus to batches in one call.
 
@@ -163,9 +167,35 @@ def text_batches(
     of files. The remaining arguments are those of :func:`load_tokens` (``on_binary``: skip a
     file that is not text, with a warning, or refuse it) and
     :class:`~funcpar.data.packing.PackedBatches`.
+
+    ``held_out`` > 0: that fraction of the token stream, its tail, is kept out of training
+    (:func:`~funcpar.data.packing.held_out_split`: no token position in both) and packed as
+    the returned loader's ``held_out`` (a :class:`PackedBatches` of the same shapes and seed,
+    every rank's rows whole); 0 keeps the whole stream for training (``held_out`` None).
     """
     files = stdlib_files(max_bytes) if corpus is None else corpus_files(corpus, pattern)
     tokens = load_tokens(files, tokenizer=tokenizer, eos_id=eos_id, cache_dir=cache_dir,
                          on_binary=on_binary)
-    return PackedBatches(tokens, batch_size=batch_size, seq_len=seq_len, seed=seed, rank=rank,
-                         world_size=world_size, device=device)
+    held = None
+    if held_out:
+        tokens, rest = held_out_split(tokens, held_out)
+        held = PackedBatches(rest, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                             device=device)
+    loader = PackedBatches(tokens, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                           rank=rank, world_size=world_size, device=device)
+    loader.held_out = held
+    return loader
+
+
+def rank0_first(load: Callable[[], T]) -> T:
+    """``load()`` on every rank of the default process group, rank 0 first: the others wait
+    at a barrier until it is done and then read ``datasets``' cache, rather than every rank
+    tokenizing the same files at once. Without a group (one process), just ``load()``. Had
+    rank 0 failed, its error ends the run (torchrun stops the ranks waiting here)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return load()
+    out = load() if dist.get_rank() == 0 else None
+    dist.barrier()
+    return out if out is not None else load()

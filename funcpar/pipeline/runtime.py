@@ -60,8 +60,10 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _HEADER = 10  # ndim, up to 8 sizes, dtype code
 
 
-def split_microbatches(batch: Any, m: int) -> list[Any]:
-    """``batch`` cut into ``m`` equal micro-batches along dim 0 of every tensor."""
+def split_microbatches(batch: Any, m: int, who: str = "pipeline",
+                       flag: str = "microbatches") -> list[Any]:
+    """``batch`` cut into ``m`` equal micro-batches along dim 0 of every tensor (``who`` and
+    ``flag`` name the caller and its count in the error)."""
     leaves, spec = tree_flatten(batch)
     cut = []
     for x in leaves:
@@ -69,9 +71,9 @@ def split_microbatches(batch: Any, m: int) -> list[Any]:
             cut.append([x] * m)
             continue
         if x.dim() == 0 or x.shape[0] % m:
-            raise ValueError(f"pipeline: a batch tensor of shape {tuple(x.shape)} does not "
+            raise ValueError(f"{who}: a batch tensor of shape {tuple(x.shape)} does not "
                              f"split into {m} equal micro-batches along dim 0 (the batch on "
-                             f"this rank must be a multiple of microbatches={m})")
+                             f"this rank must be a multiple of {flag}={m})")
         cut.append(list(x.chunk(m)))
     return [tree_unflatten(spec, [c[i] for c in cut]) for i in range(m)]
 
@@ -116,9 +118,16 @@ class Pipeline:
 
     # ------------------------------------------------------------------------------ the step
     def loss_and_grads(self, step: Any, params: Tree, buffers: Tree, batch: Any,
-                       loss_scale: Tensor | None = None) -> tuple[Tensor, Tree, Tree]:
+                       loss_scale: Tensor | None = None, *,
+                       backward: bool = True) -> tuple[Tensor, Tree | None, Tree]:
         """``(loss, grads, new_buffers)`` of the pipelined forward/backward over ``batch``
-        (this rank's stages' leaves only)."""
+        (this rank's stages' leaves only).
+
+        ``backward=False`` (evaluation, :mod:`funcpar.train.eval`): the schedule's forwards and
+        their transfers alone, in the schedule's order (a subsequence of a deadlock-free
+        order whose sends do not block is one too), without autograd; the loss is the last
+        stage's mean micro-batch loss (no side losses: they are training terms), and the
+        gradients come back None."""
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError("a batch must be a pair (inputs, targets); inputs may be a tuple "
                             "of tensors")
@@ -128,10 +137,14 @@ class Pipeline:
         inputs, targets = batch
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         m, plan = self.m, self.plan
+        train = backward
+        actions = self.actions if train else [
+            a for a in self.actions if a.kind in ("F", "SEND_F", "RECV_F")]
         mb_args = split_microbatches(args, m)
         mb_targets = split_microbatches(targets, m)
         last = plan.n_stages - 1
-        live = {n: x.detach().requires_grad_(x.is_floating_point() or x.is_complex())
+        live = {n: x.detach().requires_grad_(train and (x.is_floating_point()
+                                                         or x.is_complex()))
                 for n, x in params.items()}
         device = next((x.device for x in params.values() if torch.is_tensor(x)),
                       torch.device("cpu"))
@@ -205,7 +218,7 @@ class Pipeline:
                 inbox[key] = got[i].wait()
             pending_comm.clear()
 
-        for a in self.actions:
+        for a in actions:
             if a.kind not in COMPUTE:
                 pending_comm.append(a)
                 continue
@@ -219,10 +232,10 @@ class Pipeline:
                     x = inbox.pop(("x", a.stage, a.mb))
                 else:
                     x = local.pop(("y", a.stage - 1, a.mb))
-                if x is not None and (x.is_floating_point() or x.is_complex()):
+                if train and x is not None and (x.is_floating_point() or x.is_complex()):
                     x = x.detach().requires_grad_()
                 _seed_draws(device, entry, a.stage, a.mb)
-                with torch.enable_grad():
+                with torch.enable_grad() if train else torch.no_grad():
                     out, new_buffers = step.apply_fn(live, new_buffers, a.stage, x,
                                                      *mb_args[a.mb])
                     if a.stage == last:
@@ -230,7 +243,7 @@ class Pipeline:
                         loss_sum = out.detach() if loss_sum is None else loss_sum + out.detach()
                     else:
                         out = _checked_stage_output(out, a.stage)
-                        if isinstance(out, SideLoss):
+                        if isinstance(out, SideLoss) and train:
                             side = out.loss.detach().double()
                             side_sum = side if side_sum is None else side_sum + side
                 held[(a.stage, a.mb)] = (x, out)
@@ -281,6 +294,11 @@ class Pipeline:
         for w in sent:
             w.wait()
         _seed_draws(device, entry, "after the step")  # the same on every rank
+        if not train:  # the forwards' outputs were kept for their sends only
+            if inbox:
+                raise RuntimeError(f"pipeline forwards left {sorted(inbox)} received on rank "
+                                   f"{self.rank}")
+            return self._loss_everywhere(loss_sum, None), None, new_buffers
         if held or inbox:
             raise RuntimeError(f"pipeline schedule left work undone on rank {self.rank}: "
                                f"held {sorted(held)}, received {sorted(inbox)}")

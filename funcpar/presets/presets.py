@@ -65,6 +65,7 @@ from funcpar.shard.rules import (
 from funcpar.state.functional import functionalize
 from funcpar.state.train_state import TrainState, init_state
 from funcpar.train.step import TrainStep, make_train_step
+from funcpar.transforms.accumulate_grads import accumulate_grads
 from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.compose import require_fresh
 from funcpar.transforms.data_parallel import data_parallel
@@ -200,7 +201,11 @@ class Preset:
     per step; ``pp_style`` the schedule ("1f1b", "gpipe" or "interleaved" with
     ``num_model_chunks`` stages per rank). ``batch_shape`` ``(batch, seq)`` of the
     global batch: lets the plan give the activation collectives in bytes. ``plan``: print the
-    plan on rank 0 when composing.
+    plan on rank 0 when composing. ``grad_accum``: gradient accumulation over that many
+    micro-batches of each step's batch, reduced once per step
+    (:func:`~funcpar.transforms.accumulate_grads`; HF Trainer's
+    ``gradient_accumulation_steps``); with a pipeline, ``grad_accum`` times ``microbatches``
+    pipeline micro-batches (the same sum of gradients).
     """
 
     name: str = "preset"
@@ -227,10 +232,11 @@ class Preset:
     pp_style: str = "1f1b"
     num_model_chunks: int = 1
     ep_size: int = 1
+    grad_accum: int = 1
 
     def __post_init__(self) -> None:
         who = self.name
-        for field in ("tp_size", "pp_size", "num_model_chunks", "ep_size"):
+        for field in ("tp_size", "pp_size", "num_model_chunks", "ep_size", "grad_accum"):
             v = getattr(self, field)
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{who}: {field} must be an int >= 1, got {v!r}")
@@ -267,7 +273,7 @@ class Preset:
             if self.pp_size == 1:
                 raise ValueError(f"{who}: microbatches={self.microbatches} are pipeline "
                                  "micro-batches: they need pp_size > 1 (for gradient "
-                                 "accumulation use funcpar.optim.accumulate)")
+                                 "accumulation use grad_accum=)")
         if self.pp_size > 1 and self.microbatches is None:
             raise ValueError(f"{who}: pp_size={self.pp_size} needs microbatches= (Colossal-AI's "
                              "num_microbatches): how many micro-batches the pipeline runs per "
@@ -344,6 +350,9 @@ class Preset:
         out: list[tuple[str, Transform]] = []
         if self.pp_size > 1:
             out.append(self._pipeline(mesh))
+        elif self.grad_accum > 1:
+            out.append((f"accumulate_grads({self.grad_accum})",
+                        accumulate_grads(self.grad_accum)))
         if self.tp_size > 1:
             module = getattr(step.apply_fn, "module", None)
             if module is None:
@@ -387,9 +396,11 @@ class Preset:
     def _pipeline(self, mesh: DeviceMesh) -> tuple[str, Transform]:
         chunks = "" if self.num_model_chunks == 1 else \
             f", virtual_stages={self.num_model_chunks}"
-        text = (f"pipeline_split(mesh, microbatches={self.microbatches}, "
+        # Gradient accumulation under a pipeline is more pipeline micro-batches.
+        m = self.microbatches * self.grad_accum
+        text = (f"pipeline_split(mesh, microbatches={m}, "
                 f"schedule={self.pp_style!r}{chunks})")
-        return text, pipeline_split(mesh, microbatches=self.microbatches,
+        return text, pipeline_split(mesh, microbatches=m,
                                     schedule=self.pp_style,
                                     virtual_stages=self.num_model_chunks)
 
@@ -509,6 +520,7 @@ def hybrid_parallel(
     growth_interval: int = 2000,
     batch_shape: tuple[int, int] | None = None,
     plan: bool = False,
+    grad_accum: int = 1,
     params: Any = None,
     buffers: Any = None,
     seed: int = 0,
@@ -532,6 +544,7 @@ def hybrid_parallel(
         initial_scale=initial_scale, growth_factor=growth_factor,
         backoff_factor=backoff_factor, growth_interval=growth_interval,
         batch_shape=batch_shape, plan=plan, pp_style=pp_style, num_model_chunks=num_model_chunks,
+        grad_accum=grad_accum,
     )
 
 
@@ -555,6 +568,7 @@ def moe_hybrid(
     bucket_mb: float = 25.0,
     batch_shape: tuple[int, int] | None = None,
     plan: bool = False,
+    grad_accum: int = 1,
     params: Any = None,
     buffers: Any = None,
     seed: int = 0,
@@ -582,7 +596,7 @@ def moe_hybrid(
         ep_size=ep_size, tp_size=tp_size, pp_size=pp_size, dp_size=dp_size, zero_stage=zero_stage,
         precision=precision, microbatches=microbatches, pp_style=pp_style,
         num_model_chunks=num_model_chunks, mesh=mesh, max_norm=max_norm, keep_fp32=keep_fp32,
-        bucket_mb=bucket_mb, batch_shape=batch_shape, plan=plan,
+        bucket_mb=bucket_mb, batch_shape=batch_shape, plan=plan, grad_accum=grad_accum,
     )
 
 
@@ -603,6 +617,7 @@ def low_level_zero(
     growth_interval: int = 2000,
     batch_shape: tuple[int, int] | None = None,
     plan: bool = False,
+    grad_accum: int = 1,
     params: Any = None,
     buffers: Any = None,
     seed: int = 0,
@@ -622,6 +637,7 @@ def low_level_zero(
         offload="cpu" if cpu_offload else None, bucket_mb=bucket_mb, initial_scale=initial_scale,
         growth_factor=growth_factor, backoff_factor=backoff_factor,
         growth_interval=growth_interval, batch_shape=batch_shape, plan=plan,
+        grad_accum=grad_accum,
     )
 
 
@@ -637,6 +653,7 @@ def ddp(
     initial_scale: float = 2.0**16,
     batch_shape: tuple[int, int] | None = None,
     plan: bool = False,
+    grad_accum: int = 1,
     params: Any = None,
     buffers: Any = None,
     seed: int = 0,
@@ -649,7 +666,8 @@ def ddp(
     [amp_cast(precision)])``."""
     return _preset("ddp", model, loss_fn, optimizer, params, buffers, seed, compile, donate,
                    precision=precision, mesh=mesh, max_norm=max_norm, bucket_mb=bucket_mb,
-                   initial_scale=initial_scale, batch_shape=batch_shape, plan=plan)
+                   initial_scale=initial_scale, batch_shape=batch_shape, plan=plan,
+                   grad_accum=grad_accum)
 
 
 def gemini(
@@ -667,6 +685,7 @@ def gemini(
     initial_scale: float = 2.0**16,
     batch_shape: tuple[int, int] | None = None,
     plan: bool = False,
+    grad_accum: int = 1,
     params: Any = None,
     buffers: Any = None,
     seed: int = 0,
@@ -695,7 +714,8 @@ def gemini(
     return _preset("gemini", model, loss_fn, optimizer, params, buffers, seed, compile, donate,
                    tp_size=tp_size, zero_stage=3, precision=precision, mesh=mesh,
                    max_norm=max_norm, offload=offload, offload_path=offload_path,
-                   initial_scale=initial_scale, batch_shape=batch_shape, plan=plan)
+                   initial_scale=initial_scale, batch_shape=batch_shape, plan=plan,
+                   grad_accum=grad_accum)
 
 
 def titan_parallelize(
@@ -714,6 +734,7 @@ def titan_parallelize(
     mesh: DeviceMesh | None = None,
     batch_shape: tuple[int, int] | None = None,
     plan: bool = False,
+    grad_accum: int = 1,
     params: Any = None,
     buffers: Any = None,
     seed: int = 0,
@@ -745,4 +766,4 @@ def titan_parallelize(
                    donate,
                    tp_size=tp, pp_size=pp, dp_size=dp, zero_stage=stage, precision=precision,
                    mesh=mesh, max_norm=max_norm, batch_shape=batch_shape, plan=plan,
-                   microbatches=microbatches, pp_style=pp_schedule)
+                   microbatches=microbatches, pp_style=pp_schedule, grad_accum=grad_accum)

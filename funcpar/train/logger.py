@@ -3,18 +3,20 @@
 A step's metrics arrive as a dict of 0-d tensors (possibly on the GPU, possibly still being
 computed); :meth:`Logger.log` moves them to the host in one transfer per device, which is the
 step's only synchronisation point, and derives the throughput from the wall time between two
-calls. TensorBoard tags are ``train/<name>`` for the step's metrics, ``perf/tokens_per_s`` and,
+calls. TensorBoard tags are ``train/<name>`` for the step's metrics, ``perf/tokens_per_s``,
+``eval/<name>`` for a metric ``eval_<name>`` (a held-out evaluation logged with the step) and,
 on CUDA, ``memory/allocated_gib`` and ``memory/peak_gib``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -122,6 +124,16 @@ class Logger:
         """Start the throughput clock now (e.g. after data loading, before the first step)."""
         self._last_time = time.perf_counter()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent in the block (an evaluation, a sample) is left out of the next step's
+        throughput."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._last_time += time.perf_counter() - start
+
     def log(
         self, step: int, metrics: Mapping[str, Tensor | float | int], *, tokens: int | None = None
     ) -> dict[str, float]:
@@ -151,7 +163,7 @@ class Logger:
             self._jsonl.flush()
         if self.progress:
             self._draw_bar(step, values)
-        elif self.print_every and step % self.print_every == 0:
+        elif self.print_every and (step % self.print_every == 0 or "eval_loss" in values):
             self.stream.write(_summary(step, self.total_steps, values) + "\n")
             self.stream.flush()
         return record
@@ -216,6 +228,8 @@ def _tag(name: str) -> str:
         return "perf/tokens_per_s"
     if name.startswith("memory_"):
         return "memory/" + name[len("memory_"):]
+    if name.startswith("eval_"):  # a held-out evaluation (examples/train_lm.py --eval-every)
+        return "eval/" + name[len("eval_"):]
     return "train/" + name
 
 
@@ -230,4 +244,6 @@ def _summary(step: int, total: int | None, values: dict[str, float]) -> str:
         parts.append(f"{values['tokens_per_s']:,.0f} tok/s")
     if "memory_peak_gib" in values:
         parts.append(f"peak {values['memory_peak_gib']:.2f} GiB")
+    if "eval_loss" in values:
+        parts.append(f"eval loss {values['eval_loss']:.4f} ppl {values['eval_ppl']:.2f}")
     return " | ".join(parts)

@@ -7,7 +7,7 @@ import contextvars
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -25,7 +25,8 @@ from funcpar.train.in_backward import check_in_backward, loss_and_update
 from funcpar.train.member_grads import grads_at_vmap_level
 from funcpar.train.whole_step import NotTraceable, WholeStep, applies, select
 
-__all__ = ["GradSync", "LossScaler", "TrainStep", "loss_and_grads", "make_train_step"]
+__all__ = ["GradSync", "LossScaler", "MicroBatches", "TrainStep", "loss_and_grads",
+           "make_train_step"]
 
 LossFn = Callable[[Any, Any], Tensor]
 
@@ -37,9 +38,19 @@ FIRST_ORDER_GRADS: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "funcpar_first_order_grads", default=False)
 
 
+class MicroBatches(NamedTuple):
+    """A batch that one step computes as ``len(batches)`` micro-batches in turn (gradient
+    accumulation, :func:`funcpar.transforms.accumulate_grads`): what a ``local_batch`` hook
+    returns to have :func:`loss_and_grads` sum the micro-batches' gradients inside the step.
+    A pytree node (a NamedTuple), so a later ``local_batch`` (data or expert parallelism)
+    splits every micro-batch alike."""
+
+    batches: tuple[Any, ...]
+
+
 def loss_and_grads(
-    apply_fn: ApplyFn, loss_fn: LossFn, params: Tree, buffers: Tree, batch: tuple[Any, Any],
-    on_grad: Callable[[int, Tensor], None] | None = None,
+    apply_fn: ApplyFn, loss_fn: LossFn, params: Tree, buffers: Tree,
+    batch: tuple[Any, Any] | MicroBatches, on_grad: Callable[[int, Tensor], None] | None = None,
     loss_scale: Tensor | None = None,
 ) -> tuple[Tensor, Tree, Tree]:
     """``(loss, grads, new_buffers)`` of ``loss_fn(apply_fn(params, buffers, inputs), targets)``.
@@ -52,7 +63,12 @@ def loss_and_grads(
     Built on ``functional_call`` + ``torch.autograd.grad`` rather than ``torch.func.grad``: on a
     GPU the latter costs ~9 % more eagerly and fails under ``torch.compile`` with cuDNN
     attention (shared/PEERS.md), while this path is as fast as ``loss.backward()``.
+
+    A :class:`MicroBatches` batch of ``K`` micro-batches ``b_1..b_K`` gives the loss
+    ``sum_j loss(b_j) / K`` and its gradients (:func:`_accumulated`).
     """
+    if isinstance(batch, MicroBatches):
+        return _accumulated(apply_fn, loss_fn, params, buffers, batch, on_grad, loss_scale)
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise TypeError(
             "a batch must be a pair (inputs, targets); inputs may be a tuple of tensors"
@@ -89,6 +105,47 @@ def loss_and_grads(
         g = next(grads) if p.requires_grad else None
         flat.append(torch.zeros_like(p) if g is None else g)
     return loss.detach(), tree_unflatten(spec, flat), new_buffers
+
+
+def _accumulated(apply_fn, loss_fn, params, buffers, batch: MicroBatches, on_grad, loss_scale):
+    """:func:`loss_and_grads` of the mean of ``K`` micro-batch losses, one backward each.
+
+    Micro-batch ``j``'s loss enters as ``loss_j / K`` (as a pipeline's micro-batches do), so
+    the running sum of the gradients is the mean's gradient and, for a loss that is a mean over
+    equal micro-batches, that of the ``K``-times-larger batch (gradient accumulation). Only the
+    last backward calls ``on_grad``, with the sum so far: a data-parallel or ZeRO reduction
+    sees each leaf's whole gradient once per step, not once per micro-batch. Buffers pass from
+    one micro-batch to the next, as over ``K`` steps.
+    """
+    k = len(batch.batches)
+    if k == 0:
+        raise ValueError("MicroBatches holds no micro-batch")
+
+    def part(out: Any, targets: Any) -> Tensor:
+        return _checked_loss(loss_fn(out, targets)) / k
+
+    loss = acc = None
+    summed: dict[int, Tensor] = {}
+    for j, mb in enumerate(batch.batches):
+        hook = None
+        if on_grad is not None and j == k - 1:
+            prior = None if acc is None else tree_flatten(acc)[0]
+
+            def hook(i: int, g: Tensor, prior=prior) -> None:
+                summed[i] = s = g if prior is None else prior[i] + g
+                on_grad(i, s)
+
+        part_loss, grads, buffers = loss_and_grads(apply_fn, part, params, buffers, mb,
+                                                   on_grad=hook, loss_scale=loss_scale)
+        loss = part_loss if loss is None else loss + part_loss
+        if acc is None:
+            acc = grads
+            continue
+        flat, spec = tree_flatten(grads)
+        prior_flat = tree_flatten(acc)[0]
+        acc = tree_unflatten(spec, [summed[i] if i in summed else p + g
+                                    for i, (p, g) in enumerate(zip(prior_flat, flat))])
+    return loss, acc, buffers
 
 
 def _func_loss_and_grads(apply_fn, loss_fn, leaves, spec, buffers, args, targets, loss_scale):

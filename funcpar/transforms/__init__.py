@@ -1,6 +1,7 @@
 """Transforms of a (step, state) pair: each returns a new pair computing the same training."""
 
 from funcpar.init.lazy import materialize
+from funcpar.transforms.accumulate_grads import accumulate_grads
 from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.compose import compose
 from funcpar.transforms.data_parallel import data_parallel
@@ -13,6 +14,7 @@ from funcpar.transforms.skip_nonfinite import skip_nonfinite
 from funcpar.transforms.zero_partition import zero_partition
 
 __all__ = [
+    "accumulate_grads",
     "amp_cast",
     "compose",
     "data_parallel",

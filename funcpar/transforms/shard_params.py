@@ -180,6 +180,10 @@ def _vocab_parallel_loss(loss_fn: Callable, head: ModulePlan, plan: ShardingPlan
         )
         return ce if extra is None else ce + extra(output).to(ce.dtype)
 
+    # What it declares, as the loss it replaces did (evaluation reads them: funcpar.train.eval).
+    loss.ignore_index = ignore_index
+    if extra is not None:
+        loss.extra_loss = extra
     return loss
 
 

@@ -23,7 +23,10 @@ the ``dp x tp`` mesh of the torchrun world:
 (``funcpar.models.generate``). At the end the whole parameters (gathered from the shards)
 go back into the module and ``save_pretrained(--out)`` writes the Hugging Face directory
 (``--max-shard-size`` to shard it), which ``AutoModelForCausalLM.from_pretrained`` loads with
-the logits the trained state computes.
+the logits the trained state computes. ``--save-every N`` also writes funcpar checkpoints
+(``--ckpt-dir/step_N``, each rank its shards); ``--export-from CKPT --out DIR`` trains nothing
+and writes such a checkpoint, saved under any layout, as a Hugging Face directory (run it in
+one process, or under any layout: the checkpoint is resharded on load).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from funcpar.optim import adamw, chain, clip_by_global_norm, matrices_only, warm
 from funcpar.shard import DeviceMesh, unshard_tree
 from funcpar.shard.agree import check_ranks_agree
 from funcpar.shard.rules import hf_rules
-from funcpar.state import functionalize, generator_state, init_state
+from funcpar.state import functionalize, generator_state, init_state, load, save
 from funcpar.train import Logger, evaluate, make_eval_step, make_train_step
 from funcpar.train.cli import add_debug_flag, positive_int, run_cli
 from funcpar.transforms import compose, data_parallel, logits_of, shard_params, zero_partition
@@ -127,11 +130,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics-jsonl", default=None)
     p.add_argument("--print-every", type=positive_int, default=10)
     p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--ckpt-dir", default="checkpoints/finetune_hf",
+                   help="where --save-every writes funcpar checkpoints (step_N)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="save a funcpar checkpoint every N steps and at the end; 0: off")
+    p.add_argument("--export-from", default=None, metavar="CKPT",
+                   help="train nothing: load this funcpar checkpoint (saved under any layout) "
+                        "and write it to --out")
     add_debug_flag(p)
     args = p.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup ({args.warmup}) must be in [0, --steps ({args.steps}))")
-    for flag in ("eval_every", "sample_every"):
+    for flag in ("eval_every", "sample_every", "save_every"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0 (0: off)")
     if args.eval_every and not 0 < args.eval_fraction < 1:
@@ -202,6 +212,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     say(f"{type(model).__name__} {n_params / 1e6:.2f}M params | {loader.tokens.numel():,} "
         f"tokens | world {mesh.world_size}: tp {mesh.size('tp')} x dp {mesh.size('dp')}"
         + (f" + ZeRO-{args.zero}" if args.zero else ""), flush=True)
+    if args.export_from is not None:
+        return _export(args, model, step, state, mesh, say)
     evals = []
     with Logger(args.logdir if rank0 else None, jsonl=args.metrics_jsonl if rank0 else None,
                 total_steps=args.steps, progress=False,
@@ -223,21 +235,40 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                                          rng=generator_state("cpu", args.seed + i + 1),
                                          gather_logits=gather)
                 say(f"sample at step {i + 1}: {tokens[0].tolist()}", flush=True)
+            if args.save_every and ((i + 1) % args.save_every == 0 or last):
+                save(state, os.path.join(args.ckpt_dir, f"step_{i + 1:08d}"), step=step)
     losses = [r["loss"] for r in log.history]
+    whole = _write_hf(args, model, step, state, rank0)
+    say(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}; wrote {args.out}", flush=True)
+    return {"losses": losses, "evals": evals, "params": whole}
+
+
+def _write_hf(args: argparse.Namespace, model: torch.nn.Module, step: Any, state: Any,
+              rank0: bool) -> dict[str, torch.Tensor]:
+    """The whole parameters (gathered from the shards: a collective) into the module (a tied
+    head follows its embedding), then ``save_pretrained(--out)`` by rank 0."""
     whole = state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
     if rank0:
-        # The gathered tensors into the module (a tied head follows its embedding), then the
-        # Hugging Face format.
         missing, unexpected = model.load_state_dict(whole, strict=False)
         tied = set(getattr(model, "_tied_weights_keys", None) or ())
         if [k for k in missing if k not in tied] or unexpected:
             raise RuntimeError(f"the state does not fit the model: missing {missing}, "
                                f"unexpected {unexpected}")
         model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
-        say(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}; wrote {args.out}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank leaves once rank 0 has written
-    return {"losses": losses, "evals": evals, "params": whole}
+    return whole
+
+
+def _export(args: argparse.Namespace, model: torch.nn.Module, step: Any, state: Any,
+            mesh: DeviceMesh, say: Callable[..., None]) -> dict[str, Any]:
+    """``--export-from``: the checkpoint, resharded from whatever layout saved it into this
+    run's (``funcpar.state.load``), written as a Hugging Face directory."""
+    state = load(args.export_from, state, step=step)
+    whole = _write_hf(args, model, step, state, mesh.rank() == 0)
+    say(f"done: exported {args.export_from} (step {int(state.step)}) to {args.out}",
+        flush=True)
+    return {"losses": [], "evals": [], "params": whole}
 
 
 if __name__ == "__main__":

@@ -88,3 +88,38 @@ def test_round_trip_parallel(tmp_path, family, world, extra, dtype, tol):
         err = float((got[0][name] - p).abs().max() / p.abs().max())
         assert err <= tol, (name, err)
     _check_round_trip(tmp_path / "out", got[0])
+
+
+def _export_args(model, out, cache, ckpt):
+    return _args(model, out, cache, "--export-from", str(ckpt))
+
+
+def test_export_from_a_checkpoint_one_process(tmp_path):
+    """``--save-every`` writes funcpar checkpoints; ``--export-from`` writes one of them as a
+    Hugging Face directory with the logits of the trained state."""
+    model = _tiny(tmp_path / "in")
+    trained = finetune_hf.main(_args(model, tmp_path / "out", tmp_path / "cache",
+                                     "--save-every", "3", "--ckpt-dir", str(tmp_path / "ck")))
+    out = finetune_hf.main(_export_args(model, tmp_path / "exported", tmp_path / "cache",
+                                        tmp_path / "ck" / "step_00000003"))
+    assert out["losses"] == []
+    for k, v in trained["params"].items():
+        assert torch.equal(out["params"][k], v), k
+    _check_round_trip(tmp_path / "exported", trained["params"])
+
+
+@pytest.mark.slow
+def test_export_from_a_tp2xdp2_zero2_checkpoint(tmp_path):
+    """A checkpoint saved under tp2 x dp2 + ZeRO-2 (4 ranks, float64), exported in one process:
+    transformers loads it with the logits of the 4-rank run's trained parameters."""
+    model = _tiny(tmp_path / "in")
+    extra = ("--tp", "2", "--zero", "2", "--dtype", "float64", "--save-every", "3",
+             "--ckpt-dir", str(tmp_path / "ck"))
+    got = run_ranks(_ranked, 4, model, tmp_path / "out", tmp_path / "cache", extra,
+                    backend=None, timeout=600)[0]
+    out = finetune_hf.main(_export_args(model, tmp_path / "exported", tmp_path / "cache",
+                                        tmp_path / "ck" / "step_00000003")
+                           + ["--dtype", "float64"])
+    for k, v in got.items():
+        assert torch.equal(out["params"][k], v), k
+    _check_round_trip(tmp_path / "exported", got)

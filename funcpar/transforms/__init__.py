@@ -2,6 +2,7 @@
 
 from funcpar.init.lazy import materialize
 from funcpar.transforms.amp_cast import amp_cast
+from funcpar.transforms.check_rules import check_rules
 from funcpar.transforms.compose import compose
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.expert_parallel import expert_parallel
@@ -14,6 +15,7 @@ from funcpar.transforms.zero_partition import zero_partition
 
 __all__ = [
     "amp_cast",
+    "check_rules",
     "compose",
     "data_parallel",
     "expert_parallel",

@@ -26,20 +26,29 @@ from funcpar.state import functionalize, init_state
 from funcpar.testing import run_ranks
 from funcpar.testing.hf_families import build
 from funcpar.train import make_train_step
-from funcpar.transforms import check_rules, compose, data_parallel, shard_params, zero_partition
+from funcpar.transforms import (
+    check_rules,
+    compose,
+    data_parallel,
+    expert_parallel,
+    shard_params,
+    zero_partition,
+)
 from funcpar.transforms.check_rules import token_loss
 
 GEMMAS = ("gemma", "gemma2", "vaultgemma")
 
 
-def _train(family, tp, dp=1, zero=0, steps=3):
-    mesh = DeviceMesh.from_env(dp=dp, tp=tp)
+def _train(family, tp, dp=1, zero=0, steps=3, ep=1):
+    mesh = DeviceMesh.from_env(dp=dp, ep=ep, tp=tp)
     model = build(family)
     apply_fn, params, buffers = functionalize(model)
     opt = fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(lr=1e-2, weight_decay=0.1))
     step = make_train_step(apply_fn, token_loss, opt)
     state = init_state(params, buffers, opt)
     transforms = [shard_params(hf_rules(model), mesh)] if tp > 1 else []
+    if ep > 1:
+        transforms.append(expert_parallel(mesh))
     if dp > 1:
         transforms.append(zero_partition(zero, mesh) if zero else data_parallel(mesh))
     step, state = compose(*transforms)(step, state)
@@ -62,8 +71,8 @@ def _compare(ref, got, tol):
     assert ref_losses[-1] < ref_losses[0]  # the comparison is of training, not of a constant
 
 
-def _train_all(families, tp, dp=1, zero=0):
-    return {f: _train(f, tp, dp, zero) for f in families}
+def _train_all(families, tp, dp=1, zero=0, ep=1):
+    return {f: _train(f, tp, dp, zero, ep=ep) for f in families}
 
 
 def test_gemma_family_trains_like_one_process():
@@ -196,6 +205,28 @@ def test_moe_experts_layout_splits_gate_and_up_per_half():
     assert lay.global_shape == (4, 96, 32) and lay.local_shape() == (4, 48, 32)
     assert lay.dim_blocks == (1, 2, 1)  # rank 1: gate rows 24..47, then up rows 72..95
     assert plan.layouts["model.layers.0.mlp.experts.down_proj"].local_shape() == (4, 32, 24)
+
+
+# ----------------------------------------------------------------- experts over ep
+def _train_ep(family):
+    return {family: _train(family, 1, steps=2, ep=2)}
+
+
+def test_hf_experts_under_ep2_train_like_one_process():
+    """expert_parallel recognises transformers 5's packed experts (gate_up_proj [E, 2F, D]):
+    Mixtral under ep2, 2 AdamW steps (index_add order differs: 1e-12)."""
+    ref = _train("mixtral", 1, steps=2)
+    for res in run_ranks(_train_ep, 2, "mixtral", backend=None, timeout=240):
+        _compare(ref, res["mixtral"], 1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"])
+def test_hf_experts_tp2_ep2(family):
+    """tp inside the experts (packed_experts) and the experts over ep, together."""
+    ref = _train(family, 1)
+    for res in run_ranks(_train_all, 4, (family,), 2, 1, 0, 2, backend=None, timeout=480):
+        _compare(ref, res[family], 1e-12)
 
 
 # ------------------------------------------------------------------------------- slow

@@ -41,7 +41,7 @@ from funcpar.state import functionalize, init_state
 from funcpar.train.step import loss_and_grads, make_train_step
 from funcpar.transforms.shard_params import logits_of, shard_params
 
-__all__ = ["RulesCheck", "check_rules", "token_loss"]
+__all__ = ["RulesCheck", "check_rules", "rel_err", "token_loss"]
 
 
 def token_loss(output: Any, targets: Tensor) -> Tensor:
@@ -128,7 +128,7 @@ def check_rules(
         tp_grads = step.sync_grads(tp_grads)
     whole = unshard_tree(tp_grads, step.layouts)
     top = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
-    errs = {n: _rel_err(whole[n], g, top) for n, g in grads.items()}
+    errs = {n: rel_err(whole[n], g, top) for n, g in grads.items()}
     floor = _noise_floor(apply_fn, loss_fn, params, buffers, batch, grads, top)
     res = RulesCheck(float(loss), abs(float(tp_loss) - float(loss)) / max(abs(float(loss)),
                                                                           1e-300),
@@ -140,9 +140,10 @@ def check_rules(
     return res
 
 
-def _rel_err(a: Tensor, b: Tensor, top: float) -> float:
-    """max |a - b| relative to max |b|; a gradient that is ~0 everywhere (a key bias under
-    softmax) is measured against the largest gradient of the model instead."""
+def rel_err(a: Tensor, b: Tensor, top: float) -> float:
+    """``max |a - b| / max |b|``, where ``max |b|`` is at least ``1e-6 * top`` (``top``: the
+    largest entry of the whole tree): a leaf that is ~0 everywhere (a key bias, whose gradient
+    softmax cancels) is measured against the tree's scale, not against its own round-off."""
     if a.shape != b.shape:
         return float("inf")
     if not b.numel():
@@ -167,7 +168,7 @@ def _noise_floor(apply_fn: Callable, loss_fn: Callable, params: Any, buffers: An
         return 0.0
     flip = tuple(t.flip(0) for t in x) if isinstance(x, (tuple, list)) else x.flip(0)
     _, again, _ = loss_and_grads(apply_fn, loss_fn, params, buffers, (flip, y.flip(0)))
-    return max((_rel_err(again[n], g, top) for n, g in grads.items()), default=0.0)
+    return max((rel_err(again[n], g, top) for n, g in grads.items()), default=0.0)
 
 
 def _random_batch(model: nn.Module, batch_size: int, seq_len: int, seed: int

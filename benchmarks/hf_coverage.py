@@ -105,14 +105,16 @@ def _on_ranks(families: list[str], tp: int, ep: int) -> dict[str, Any]:
 
 
 def _err(ref: tuple[list[float], dict], got: tuple[list[float], dict]) -> float:
-    """The largest relative error of the losses and of the parameters (a parameter near 0,
-    OPT's key biases that softmax cancels, against 1e-6 of the largest: check_rules' rule)."""
+    """The largest relative error of the losses and of the parameters. A parameter below 1e-3
+    of the largest is measured against that: OPT's key biases, whose gradient softmax cancels,
+    hold round-off that AdamW's normalisation magnifies to ~1e-5 (their error, 1e-14, is
+    1e-9 of that, and means nothing)."""
     from funcpar.transforms.check_rules import rel_err
 
     (rl, rp), (gl, gp) = ref, got
     top = max(float(b.abs().max()) for b in rp.values())
     e = max(abs(a - b) / abs(b) for a, b in zip(gl, rl))
-    return max([e, *(rel_err(gp[k], b, top) for k, b in rp.items())])
+    return max([e, *(rel_err(gp[k], b, top, floor=1e-3) for k, b in rp.items())])
 
 
 def _refusal(family: str) -> str | None:

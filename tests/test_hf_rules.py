@@ -177,6 +177,14 @@ def test_family_without_plan_is_refused_with_reason(family, why):
         hf_rules(build(family, dtype=None))
 
 
+def test_t5_is_refused_with_reason():
+    import transformers as tf
+
+    cfg = tf.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=24, num_layers=1, num_heads=4)
+    with pytest.raises(ValueError, match="model_type 't5'.*relative attention bias"):
+        hf_rules(tf.T5ForConditionalGeneration(cfg))
+
+
 class _OwnLinear(nn.Linear):
     def forward(self, x):
         return super().forward(x) * 2
@@ -237,3 +245,28 @@ def test_tp2_dp2_zero2_equals_one_process(family):
     ref = _train(family, 1)
     for res in run_ranks(_train_all, 4, (family,), 2, 2, 2, backend=None, timeout=480):
         _compare(ref, res[family], 1e-10)
+
+
+def _verdicts(text):
+    """family -> its verdict's first word, from the coverage table's rows."""
+    rows = [r.split("|") for r in text.splitlines() if r.startswith("| ") and "---" not in r]
+    return {r[1].strip(): r[-2].strip().split(" ")[0].strip("*:") for r in rows[1:]}
+
+
+@pytest.mark.slow
+def test_coverage_table_matches_docs():
+    """benchmarks/hf_coverage.py reproduces docs/HF_MODELS.md's table: every family exact or
+    refused, none wrong (about 2.5 minutes)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("hf_coverage",
+                                                  root / "benchmarks" / "hf_coverage.py")
+    cov = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cov)
+    got = _verdicts(cov.main([]))
+    doc = (root / "docs" / "HF_MODELS.md").read_text()
+    want = _verdicts(doc[doc.index(cov.BEGIN):doc.index(cov.END)])
+    assert got == want
+    assert set(got.values()) <= {"exact", "refused"}, got

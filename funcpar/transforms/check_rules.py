@@ -140,15 +140,15 @@ def check_rules(
     return res
 
 
-def rel_err(a: Tensor, b: Tensor, top: float) -> float:
-    """``max |a - b| / max |b|``, where ``max |b|`` is at least ``1e-6 * top`` (``top``: the
+def rel_err(a: Tensor, b: Tensor, top: float, floor: float = 1e-6) -> float:
+    """``max |a - b| / max |b|``, where ``max |b|`` is at least ``floor * top`` (``top``: the
     largest entry of the whole tree): a leaf that is ~0 everywhere (a key bias, whose gradient
     softmax cancels) is measured against the tree's scale, not against its own round-off."""
     if a.shape != b.shape:
         return float("inf")
     if not b.numel():
         return 0.0
-    scale = max(float(b.abs().max()), 1e-6 * top, 1e-300)
+    scale = max(float(b.abs().max()), floor * top, 1e-300)
     return float((a - b).abs().max()) / scale
 
 

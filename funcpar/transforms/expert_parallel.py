@@ -130,9 +130,35 @@ def _n_experts(m: torch.nn.Module) -> int:
     return m.n_experts if isinstance(m, MoE) else m.gate_up_proj.shape[0]
 
 
+def _exchange(x: Tensor, token: Tensor, expert: Tensor, gate: Tensor, local: int,
+              mesh: DeviceMesh, axis: str, who: str,
+              run: Callable[[Tensor, Tensor], Tensor], *, promote: bool = False) -> Tensor:
+    """Assignments ``(token, expert, gate)`` of rows of ``x`` to experts held ``local`` per
+    rank: each row sent to its expert's owner with the expert's index, ``run(rows, experts)``
+    there (unscaled outputs), sent back, scaled by its gate and added to its token, as the
+    one-process code does it: funcpar's ``combine`` casts the gate to ``x``'s dtype first;
+    transformers (``promote``) multiplies in the promoted dtype (float32 gates times bf16
+    outputs in float32), then casts."""
+    ep = mesh.size(axis)
+    # Assignments in expert order, so each destination's rows are contiguous (and each
+    # token's contributions are added in the one-process order: by expert).
+    order = torch.argsort(expert, stable=True)
+    token, expert, gate = token[order], expert[order], gate[order]
+    send = torch.bincount(torch.div(expert, local, rounding_mode="floor"), minlength=ep)
+    recv = comm.all_to_all(send[:, None], mesh, axis, [1] * ep, [1] * ep,
+                           purpose=f"{who}: token counts")[:, 0]
+    send_l, recv_l = send.tolist(), recv.tolist()
+    rows = _AllToAll.apply(x[token], mesh, axis, send_l, recv_l, f"{who}: tokens")
+    got = comm.all_to_all(expert, mesh, axis, send_l, recv_l, purpose=f"{who}: expert ids")
+    back = _AllToAll.apply(run(rows, got), mesh, axis, recv_l, send_l,
+                           f"{who}: expert outputs")
+    scaled = (back * gate[:, None]).to(x.dtype) if promote else back * gate[:, None].to(x.dtype)
+    return torch.zeros_like(x).index_add(0, token, scaled)
+
+
 def _dispatch(mesh: DeviceMesh, axis: str, who: str) -> Callable[..., Tensor]:
     """The expert-parallel replacement of :func:`~funcpar.models.moe.combine`."""
-    ep, rank = mesh.size(axis), mesh.rank(axis)
+    rank = mesh.rank(axis)
 
     def dispatch(
         experts: Experts,
@@ -142,19 +168,8 @@ def _dispatch(mesh: DeviceMesh, axis: str, who: str) -> Callable[..., Tensor]:
         gate: Float[Tensor, " a"],
     ) -> Float[Tensor, "n dim"]:
         local = experts.gate_proj.shape[0]
-        # Assignments in expert order, so each destination's rows are contiguous (and each
-        # token's contributions are added in the one-process order: by expert).
-        order = torch.argsort(expert, stable=True)
-        token, expert, gate = token[order], expert[order], gate[order]
-        send = torch.bincount(torch.div(expert, local, rounding_mode="floor"), minlength=ep)
-        recv = comm.all_to_all(send[:, None], mesh, axis, [1] * ep, [1] * ep,
-                               purpose=f"{who}: token counts")[:, 0]
-        send_l, recv_l = send.tolist(), recv.tolist()
-        rows = _AllToAll.apply(x[token], mesh, axis, send_l, recv_l, f"{who}: tokens")
-        got = comm.all_to_all(expert, mesh, axis, send_l, recv_l, purpose=f"{who}: expert ids")
-        y = expert_outputs(experts, rows, got, first=rank * local)
-        back = _AllToAll.apply(y, mesh, axis, recv_l, send_l, f"{who}: expert outputs")
-        return torch.zeros_like(x).index_add(0, token, back * gate[:, None].to(x.dtype))
+        return _exchange(x, token, expert, gate, local, mesh, axis, who,
+                         lambda rows, got: expert_outputs(experts, rows, got, first=rank * local))
 
     return dispatch
 
@@ -162,7 +177,7 @@ def _dispatch(mesh: DeviceMesh, axis: str, who: str) -> Callable[..., Tensor]:
 def _hf_dispatch(m: torch.nn.Module, mesh: DeviceMesh, axis: str, who: str
                  ) -> Callable[..., Tensor]:
     """The expert-parallel forward of a Hugging Face experts module (module docstring)."""
-    ep, rank = mesh.size(axis), mesh.rank(axis)
+    rank = mesh.rank(axis)
     own = type(m).forward
 
     def forward(
@@ -171,26 +186,19 @@ def _hf_dispatch(m: torch.nn.Module, mesh: DeviceMesh, axis: str, who: str
         local = m.gate_up_proj.shape[0]  # this rank's experts (functional_call's shard)
         k = top_k_index.shape[-1]
         token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
-        expert, gate = top_k_index.reshape(-1), top_k_weights.reshape(-1)
-        # By expert (stable), so each destination's rows are contiguous and each token's
-        # outputs are added in the one-process order (transformers loops over the experts).
-        order = torch.argsort(expert, stable=True)
-        token, expert, gate = token[order], expert[order], gate[order]
-        send = torch.bincount(torch.div(expert, local, rounding_mode="floor"), minlength=ep)
-        recv = comm.all_to_all(send[:, None], mesh, axis, [1] * ep, [1] * ep,
-                               purpose=f"{who}: token counts")[:, 0]
-        send_l, recv_l = send.tolist(), recv.tolist()
-        rows = _AllToAll.apply(x[token], mesh, axis, send_l, recv_l, f"{who}: tokens")
-        got = comm.all_to_all(expert, mesh, axis, send_l, recv_l, purpose=f"{who}: expert ids")
-        whole = m.num_experts
-        m.num_experts = local  # the module's own routing masks count its local experts
-        try:
-            ones = torch.ones(rows.shape[0], 1, dtype=gate.dtype, device=rows.device)
-            y = own(m, rows, (got - rank * local)[:, None], ones)
-        finally:
-            m.num_experts = whole
-        back = _AllToAll.apply(y, mesh, axis, recv_l, send_l, f"{who}: expert outputs")
-        return torch.zeros_like(x).index_add(0, token, (back * gate[:, None]).to(x.dtype))
+
+        def run(rows: Tensor, got: Tensor) -> Tensor:
+            whole = m.num_experts
+            m.num_experts = local  # the module's own routing masks count its local experts
+            try:
+                ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype,
+                                  device=rows.device)
+                return own(m, rows, (got - rank * local)[:, None], ones)
+            finally:
+                m.num_experts = whole
+
+        return _exchange(x, token, top_k_index.reshape(-1), top_k_weights.reshape(-1), local,
+                         mesh, axis, who, run, promote=True)
 
     return forward
 

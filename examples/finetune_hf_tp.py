@@ -5,6 +5,7 @@
     python examples/finetune_hf_tp.py --tp 1                            # one process
     torchrun --nproc_per_node 2 examples/finetune_hf_tp.py --model-dir ./my-gpt2 \\
         --corpus my_texts/ --save-dir ./my-gpt2-tuned
+    torchrun --nproc_per_node 2 examples/finetune_hf_tp.py --check-rules   # verify rules first
 
 The model is ``transformers.GPT2LMHeadModel``: read from ``--model-dir`` (a local checkpoint
 directory saved with ``save_pretrained``; nothing is downloaded) or, by default, built from a
@@ -21,6 +22,11 @@ Data: local text through ``funcpar.data.text_batches`` (Hugging Face ``datasets`
 Python's standard library by default, byte-level tokens unless ``--model-dir`` holds a
 tokenizer (then ``AutoTokenizer.from_pretrained(model_dir)``'s ``encode``). ``--save-dir``
 writes the fine-tuned whole model (gathered from the shards) with ``save_pretrained``.
+
+``--check-rules`` runs ``funcpar.transforms.check_rules`` before training: one forward and
+backward of a float64 copy of the model under the tensor-parallel rules against the whole
+copy, on a random batch; rules that would be silently wrong stop the run with the worst
+parameters named (docs/HF_MODELS.md).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from funcpar.shard.agree import check_ranks_agree
 from funcpar.state import functionalize, init_state
 from funcpar.train import Logger, make_train_step
 from funcpar.train.cli import add_debug_flag, positive_int, run_cli
-from funcpar.transforms import compose, data_parallel, logits_of, shard_params
+from funcpar.transforms import check_rules, compose, data_parallel, logits_of, shard_params
 
 
 def gpt2_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -117,6 +123,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--print-every", type=positive_int, default=10)
     p.add_argument("--save-dir", default=None, help="save_pretrained the tuned model here")
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads per process")
+    p.add_argument("--check-rules", action="store_true",
+                   help="before training, check the tp rules against the whole model (float64)")
     add_debug_flag(p)
     args = p.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
@@ -158,10 +166,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 adamw(lr=lr, weight_decay=args.weight_decay, weight_decay_mask=matrices_only))
     step = make_train_step(apply_fn, gpt2_loss, opt)
     state = init_state(params, buffers, opt, seed=args.seed)
-    head_dim = cfg.n_embd // cfg.n_head
+    rules = gpt2_rules(cfg.n_embd // cfg.n_head)
+    if args.check_rules and mesh.size("tp") > 1:
+        # Raises (one line via run_cli) when the rules are not exact for this model.
+        res = check_rules(model, rules, mesh, loss_fn=gpt2_loss, seq_len=min(16, args.seq_len))
+        if rank0:
+            print(f"check_rules: exact under tp {mesh.size('tp')}: {res.report(top=1)}",
+                  flush=True)
     transforms = []
     if mesh.size("tp") > 1:
-        transforms.append(shard_params(gpt2_rules(head_dim), mesh))
+        transforms.append(shard_params(rules, mesh))
     if mesh.size("dp") > 1:
         transforms.append(data_parallel(mesh))
     step, state = compose(*transforms)(step, state)

@@ -216,8 +216,9 @@ def test_finetune_hf_tp2_matches_one_process(tmp_path, data_cache):
         torch.set_num_threads(threads)
     out = _run([script, "--tp", "2", *common, "--logdir", str(tmp_path / "tb2"),
                 "--metrics-jsonl", str(tmp_path / "tp2.jsonl"),
-                "--save-dir", str(tmp_path / "tp2")], tmp_path, torchrun=2)
+                "--save-dir", str(tmp_path / "tp2"), "--check-rules"], tmp_path, torchrun=2)
     assert "tp 2 x dp 1" in out, out
+    assert "check_rules: exact under tp 2" in out, out
     losses = {k: [json.loads(line)["loss"]
                   for line in (tmp_path / f"{k}.jsonl").read_text().splitlines()]
               for k in ("tp1", "tp2")}

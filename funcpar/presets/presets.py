@@ -150,8 +150,10 @@ def pick_rules(model: nn.Module, *, vocab_parallel_loss: bool = True) -> list[Ru
 
     funcpar's :class:`~funcpar.models.Llama` -> ``llama_rules_for`` (with its MoE blocks'
     experts); Hugging Face's ``GPT2LMHeadModel``/``GPT2Model`` -> ``gpt2_rules``;
-    ``BertForMaskedLM``/``BertModel`` -> ``bert_rules``; any other Hugging Face model with a
-    ``tp_plan`` -> ``hf_rules``. Anything else is a ValueError asking for ``rules=``.
+    ``BertForMaskedLM``/``BertModel`` -> ``bert_rules``; any other Hugging Face model (a
+    ``config.model_type``) -> ``hf_rules`` (its ``tp_plan``, funcpar's rules for a family
+    without one, or a refusal with the reason). Anything else is a ValueError asking for
+    ``rules=``.
     ``vocab_parallel_loss``: keep the LM head's logits split and compute the loss vocab-parallel
     (the loss must then be token-mean cross-entropy, ``funcpar.models.lm_loss`` or
     ``moe_lm_loss``).
@@ -172,7 +174,7 @@ def pick_rules(model: nn.Module, *, vocab_parallel_loss: bool = True) -> list[Ru
         return list(bert_rules(_head_dim(cfg), vocab_parallel_loss=vpl))
     if name == "BertModel":
         return list(bert_rules(_head_dim(cfg), prefix="", mlm_head=False))
-    if getattr(model, "tp_plan", None):
+    if getattr(model, "tp_plan", None) or getattr(cfg, "model_type", None):
         return list(hf_rules(model, vocab_parallel_loss=vpl))
     raise ValueError(
         f"no tensor-parallel rules are known for {type(model).__module__}.{name}: pass "

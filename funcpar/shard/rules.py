@@ -16,6 +16,17 @@ style                    what the module computes on its shard            weight
 ``experts``              stacked SwiGLU experts (MoE), each rank an ffn   gate/up Shard(1),
                          slice of every expert; input entered once,       down Shard(2)
                          partial outputs summed once (Megatron's MLP)
+``rowwise_split_input``  the input is whole (replicated): each rank takes  Shard(in), Replicate
+                         its slice of the last dim (backward: the slices'
+                         gradients all-gathered), then as ``rowwise``
+``grad_sum``             whole parameters acting on this rank's heads      Replicate
+                         only (Qwen3's q/k norms): the gradients are
+                         partial, summed over the axis after the backward
+``packed_experts``       Hugging Face's stacked experts (transformers 5:   gate_up Shard(1) in
+                         ``gate_up_proj [E, 2 ffn, dim]`` = [gate; up],    2 blocks, down
+                         ``down_proj [E, dim, ffn]``): an ffn slice of     Shard(2)
+                         every expert's gate and of its up; the input and
+                         the routing weights entered, the output summed
 =======================  ===============================================  ==================
 
 ``nn.Linear`` stores ``(out, in)``; Hugging Face's ``Conv1D`` (GPT-2) stores ``(in, out)``: the
@@ -26,6 +37,13 @@ checked before any compute. A rule may carry ``blocks`` for a fused projection (
 :class:`~funcpar.shard.layout.Layout`), so every rank gets its heads of q, of k and of v. A model
 that cuts such an output by a stored width (GPT-2's ``split_size``) names that attribute with a
 :class:`LocalAttr`: inside the sharded forward it holds the local width.
+
+An ``nn.Embedding`` or ``nn.Linear`` whose class overrides ``forward`` is refused (the sharded
+forward replaces the module's, so whatever the override adds would be lost), except an
+embedding that scales its lookup by an ``embed_scale`` attribute (Gemma's
+``GemmaTextScaledWordEmbedding``, BART's ``BartScaledWordEmbedding``:
+``lookup(ids) * embed_scale``): the vocab-parallel lookup is scaled the same way, and when the
+weights are real (not meta) a probe of a few ids checks the module computes exactly that.
 
 The ``experts`` style applies to :class:`funcpar.models.moe.Experts` (``gate_proj``/``up_proj``
 ``[E, ffn, dim]``, ``down_proj`` ``[E, dim, ffn]``): each expert is split as the dense MLP is,
@@ -43,7 +61,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from funcpar.shard.layout import Layout, Shard
 from funcpar.shard.mesh import DeviceMesh
@@ -58,9 +78,11 @@ __all__ = [
     "gpt2_rules",
     "hf_rules",
     "is_experts",
+    "is_packed_experts",
     "llama_rules",
     "llama_rules_for",
     "plan_sharding",
+    "scale_embedding",
 ]
 
 STYLES = (
@@ -71,7 +93,14 @@ STYLES = (
     "colwise_gather_output",
     "replicate",
     "experts",
+    "rowwise_split_input",
+    "grad_sum",
+    "packed_experts",
 )
+
+#: Styles whose module may be of any type: they read or change no weight layout of their own
+#: (``grad_sum``) or a stack of experts recognised by its parameters.
+_ANY_MODULE = ("grad_sum", "experts", "packed_experts")
 
 
 @dataclass(frozen=True)
@@ -90,8 +119,9 @@ class Rule:
         if self.blocks < 1:
             raise ValueError(f"rule {self.pattern!r}: blocks must be >= 1, got {self.blocks}")
         if self.blocks > 1 and self.style != "colwise":
+            # (a gathered output would come back rank-major, not block-major)
             raise ValueError(f"rule {self.pattern!r}: blocks apply to the 'colwise' style only")
-        if self.style == "experts" and self.unit is not None:
+        if self.style in _ANY_MODULE and self.unit is not None:
             raise ValueError(f"rule {self.pattern!r}: unit does not apply to the 'experts' style "
                              "(the ffn dim is split evenly)")
 
@@ -123,9 +153,10 @@ class ModulePlan:
     module: nn.Module
     style: str
     rule: Rule
-    kind: str  # "linear", "conv1d", "embedding" or "experts"
-    weight_name: str  # the weight's parameter name (a tied weight has its first name; experts:
-    # gate_proj's)
+    kind: str  # "linear", "conv1d", "embedding", "experts", "packed_experts" or "params"
+    weight_name: str | None  # the weight's parameter name (a tied weight has its first name;
+    # experts: gate_proj's, packed experts: gate_up_proj's; None for grad_sum)
+    embed_scale: bool = False  # an embedding whose own forward scales the lookup by embed_scale
 
 
 @dataclass(frozen=True)
@@ -138,6 +169,7 @@ class ShardingPlan:
     layouts: dict[str, Layout]  # by parameter name, every parameter
     matched_by: dict[str, str]  # parameter name -> rule pattern (or "(no rule)")
     local_attrs: tuple[tuple[nn.Module, str, int], ...] = ()  # (module, attr, local value)
+    grad_sum: tuple[str, ...] = ()  # the grad_sum modules' parameters: whole, partial grads
 
     @property
     def vocab_parallel_head(self) -> ModulePlan | None:
@@ -153,25 +185,62 @@ class ShardingPlan:
 
 
 def _kind(name: str, module: nn.Module) -> str:
-    if isinstance(module, nn.Linear):
-        return "linear"
-    if isinstance(module, nn.Embedding):
-        return "embedding"
+    for base, kind in ((nn.Linear, "linear"), (nn.Embedding, "embedding")):
+        if isinstance(module, base):
+            if type(module).forward is not base.forward and not (
+                    kind == "embedding" and hasattr(module, "embed_scale")):
+                raise TypeError(
+                    f"sharding rule for {name!r}: {type(module).__qualname__} overrides "
+                    f"{base.__name__}.forward, which the sharded forward would replace (losing "
+                    "what the override adds); write the rule for a plain module, or leave it "
+                    "unsharded")
+            return kind
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
         return "conv1d"
     raise TypeError(f"sharding rule for {name!r}: {type(module).__name__} is not supported "
                     "(nn.Linear, nn.Embedding or transformers' Conv1D)")
 
 
+def _scaled_embedding(name: str, module: nn.Embedding) -> bool:
+    """Whether ``module`` is an embedding whose forward is ``lookup(ids) * embed_scale``
+    (Gemma's, BART's), checked on a few ids when its weight is real; else a ValueError."""
+    if type(module).forward is nn.Embedding.forward:
+        return False
+    w = module.weight
+    if w.is_meta or w.numel() == 0:
+        return True  # nothing to probe (lazy init): the shape of the class is all we have
+    ids = torch.arange(min(w.shape[0], 4), device=w.device)
+    with torch.no_grad():
+        got = module(ids)
+        want = _scale(F.embedding(ids, w, module.padding_idx), module)
+    if got.shape != want.shape or not torch.equal(got, want):
+        raise ValueError(
+            f"{name!r}: {type(module).__qualname__} overrides nn.Embedding.forward and has an "
+            "embed_scale, but its output is not lookup(ids) * embed_scale; funcpar's "
+            "vocab-parallel lookup cannot reproduce it: leave it unsharded")
+    return True
+
+
+def _scale(out: Tensor, module: nn.Module) -> Tensor:
+    """``out * module.embed_scale`` as Gemma computes it (a tensor scale cast to the weight's
+    dtype first, so bf16 training rounds it as the model does)."""
+    s = module.embed_scale
+    return out * (s.to(module.weight.dtype) if torch.is_tensor(s) else s)
+
+
+def scale_embedding(out: Tensor, mp: ModulePlan) -> Tensor:
+    """The lookup ``out`` of ``mp``'s embedding as its own forward returns it (scaled by its
+    ``embed_scale`` when it has one, :func:`_scaled_embedding`)."""
+    return _scale(out, mp.module) if mp.embed_scale else out
+
+
 def _weight_dims(kind: str, style: str) -> tuple[int | None, int | None]:
     """(weight dim, bias dim) split by ``style`` for a module of ``kind``; None: replicated."""
     out_dim = {"linear": 0, "conv1d": 1, "embedding": 0}[kind]
     in_dim = {"linear": 1, "conv1d": 0, "embedding": None}[kind]
-    if style in ("colwise", "colwise_gather_output"):
+    if style in ("colwise", "colwise_gather_output", "vocab_parallel"):
         return out_dim, 0
-    if style == "vocab_parallel":
-        return out_dim, 0
-    if style == "rowwise":
+    if style in ("rowwise", "rowwise_split_input"):
         return in_dim, None
     if style == "embedding_rowwise":
         return 0, None
@@ -212,6 +281,12 @@ def plan_sharding(
             used.add(n)
             if rule.style == "replicate":
                 continue
+            if rule.style == "grad_sum":
+                plans.append(ModulePlan(n, modules[n], "grad_sum", rule, "params", None))
+                continue
+            if rule.style == "packed_experts":
+                plans.append(_packed_experts_plan(n, modules[n], rule, names))
+                continue
             if rule.style == "experts" or is_experts(modules[n]):
                 plans.append(_experts_plan(n, modules[n], rule, names))
                 continue
@@ -224,20 +299,35 @@ def plan_sharding(
                 raise ValueError(f"{n!r}: vocab-parallel embedding supports neither max_norm, "
                                  "scale_grad_by_freq nor sparse")
             weight = names[id(modules[n].weight)]
-            plans.append(ModulePlan(n, modules[n], rule.style, rule, kind, weight))
+            scaled = kind == "embedding" and _scaled_embedding(n, modules[n])
+            plans.append(ModulePlan(n, modules[n], rule.style, rule, kind, weight, scaled))
 
     layouts: dict[str, Layout] = {}
     matched_by: dict[str, str] = {}
+    grad_sum: list[str] = []
     for mp in plans:
-        if mp.kind == "experts":
-            for pname, dim in _EXPERT_DIMS.items():
+        if mp.kind == "params":
+            for p in mp.module.parameters():
+                full = names[id(p)]
+                if full in matched_by:
+                    raise ValueError(f"{full!r} (of {mp.name!r}, style grad_sum) is also "
+                                     f"matched by rule {matched_by[full]!r}")
+                layouts[full] = Layout(mesh, tuple(p.shape), None, name=full)
+                matched_by[full] = mp.rule.pattern
+                grad_sum.append(full)
+            continue
+        if mp.kind in ("experts", "packed_experts"):
+            # [E, ffn, dim] / [E, dim, ffn]; the packed [E, 2 ffn, dim] is cut per half.
+            dims = _EXPERT_DIMS if mp.kind == "experts" else _PACKED_EXPERT_DIMS
+            for pname, (dim, k) in dims.items():
                 full = names[id(getattr(mp.module, pname))]
                 shape = tuple(getattr(mp.module, pname).shape)
-                if shape[dim] % size:
-                    raise ValueError(f"{full!r}: the experts' ffn dim ({dim}) of {shape[dim]} "
-                                     f"is not divisible by {axis}={size} (rule "
-                                     f"{mp.rule.pattern!r})")
-                layouts[full] = Layout(mesh, shape, {axis: Shard(dim)}, name=full)
+                if (shape[dim] // k) % size:
+                    raise ValueError(f"{full!r}: the experts' ffn dim ({dim}) of "
+                                     f"{shape[dim] // k} is not divisible by {axis}={size} "
+                                     f"(rule {mp.rule.pattern!r})")
+                layouts[full] = Layout(mesh, shape, {axis: Shard(dim)}, blocks={dim: k},
+                                       name=full)
                 matched_by[full] = mp.rule.pattern
             continue
         wdim, bdim = _weight_dims(mp.kind, mp.style)
@@ -266,11 +356,16 @@ def plan_sharding(
             layouts[n] = Layout(mesh, tuple(p.shape), None, name=n)
             matched_by[n] = "(no rule)"
     ordered = {n: layouts[n] for n, _ in module.named_parameters()}
-    return ShardingPlan(mesh, axis, tuple(plans), ordered, matched_by, tuple(local_attrs))
+    return ShardingPlan(mesh, axis, tuple(plans), ordered, matched_by, tuple(local_attrs),
+                        tuple(grad_sum))
 
 
-#: The stacked experts' leaves and their ffn dim, the one split by the ``experts`` style.
-_EXPERT_DIMS = {"gate_proj": 1, "up_proj": 1, "down_proj": 2}
+#: The stacked experts' leaves, their ffn dim (the one split by the ``experts`` style) and its
+#: number of blocks.
+_EXPERT_DIMS = {"gate_proj": (1, 1), "up_proj": (1, 1), "down_proj": (2, 1)}
+#: Hugging Face's (transformers 5) packed experts: gate_up_proj [E, 2 ffn, dim] is [gate; up]
+#: on dim 1, split per half (each rank: its ffn slice of gate, then of up).
+_PACKED_EXPERT_DIMS = {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -282,6 +377,37 @@ def is_experts(module: nn.Module) -> bool:
         return False
     g, u, d = (tuple(p.shape) for p in ps.values())
     return g == u and d == (g[0], g[2], g[1])
+
+
+def is_packed_experts(module: nn.Module) -> bool:
+    """Hugging Face's stacked experts (transformers 5) by shape: 3-dim ``gate_up_proj``
+    ``[E, 2 ffn, dim]`` (gate and up concatenated, not interleaved or transposed) and
+    ``down_proj`` ``[E, dim, ffn]``, no biases."""
+    gu, d = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gu, nn.Parameter) and isinstance(d, nn.Parameter)
+            and gu.dim() == 3 and d.dim() == 3):
+        return False
+    if (getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True)
+            or getattr(module, "has_bias", False)):
+        return False
+    e, two_f, dim = gu.shape
+    return two_f % 2 == 0 and tuple(d.shape) == (e, dim, two_f // 2)
+
+
+def _packed_experts_plan(name: str, module: nn.Module, rule: Rule,
+                         names: dict[int, str]) -> ModulePlan:
+    if not is_packed_experts(module):
+        raise ValueError(
+            f"rule {rule.pattern!r}: style 'packed_experts' applies to Hugging Face's stacked "
+            "experts (gate_up_proj [E, 2 ffn, dim] = [gate; up], down_proj [E, dim, ffn], not "
+            f"transposed, no biases), not to {name!r} ({type(module).__name__})")
+    extra = sorted(n for n, _ in module.named_parameters() if n not in _PACKED_EXPERT_DIMS)
+    if extra:
+        raise ValueError(f"rule {rule.pattern!r}: the experts {name!r} hold parameters "
+                         f"{extra} besides gate_up_proj and down_proj, which the style "
+                         "'packed_experts' does not split")
+    return ModulePlan(name, module, "packed_experts", rule, "packed_experts",
+                      names[id(module.gate_up_proj)])
 
 
 def _experts_plan(name: str, module: nn.Module, rule: Rule,
@@ -416,35 +542,10 @@ def bert_rules(head_dim: int, *, prefix: str = "bert.", mlm_head: bool = True,
     return rules
 
 
-_HF_STYLES = {
-    "colwise": "colwise",
-    "rowwise": "rowwise",
-    "embedding_rowwise": "embedding_rowwise",
-    "colwise_gather_output": "colwise_gather_output",
-    "colwise_rep": "colwise_gather_output",
-}
+def hf_rules(model: nn.Module, *, vocab_parallel_loss: bool = True) -> list[Rule | LocalAttr]:
+    """Rules for a Hugging Face model: :func:`funcpar.shard.hf_plan.hf_rules` (its own
+    ``tp_plan`` mapped style by style, funcpar's rules for some families without one, or a
+    refusal naming the style, the module and the reason)."""
+    from funcpar.shard.hf_plan import hf_rules as from_plan
 
-
-def hf_rules(model: nn.Module, *, vocab_parallel_loss: bool = True) -> list[Rule]:
-    """Rules from a Hugging Face model's own ``tp_plan`` (heads kept whole via the config).
-
-    Styles funcpar does not implement (sequence-parallel or packed variants) are an error naming
-    them. With ``vocab_parallel_loss`` the LM head's ``colwise_gather_output`` becomes
-    ``vocab_parallel`` (no logits gather; the loss must be funcpar's cross-entropy).
-    """
-    plan = getattr(model, "tp_plan", None) or {}
-    if not plan:
-        raise ValueError(f"{type(model).__name__} has no tp_plan; write rules for it by hand")
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    rules = []
-    for pattern, style in plan.items():
-        if style not in _HF_STYLES:
-            raise ValueError(f"tp_plan style {style!r} of {pattern!r} is not supported; "
-                             f"supported: {sorted(_HF_STYLES)}")
-        ours = _HF_STYLES[style]
-        if ours == "colwise_gather_output" and vocab_parallel_loss and pattern == "lm_head":
-            ours = "vocab_parallel"
-        unit = head_dim if re.search(r"(q|k|v|o)_proj$", pattern) else None
-        rules.append(Rule(pattern, ours, unit))
-    return rules
+    return from_plan(model, vocab_parallel_loss=vocab_parallel_loss)

@@ -8,6 +8,11 @@ Two conjugate autograd functions carry every tensor-parallel region:
 * :func:`exit_region` (Megatron's *g*): all-reduce forward, identity backward. A row-parallel
   product leaves each rank with a partial sum of the output.
 
+:func:`gather_last_dim` (all-gather forward, slice backward) and its conjugate
+:func:`split_last_dim` (slice forward, all-gather backward) carry Hugging Face's
+``colwise_gather_output`` / ``rowwise_split_input`` pair, where the activation between two
+linears is whole on every rank (Phi-3's fused qkv, OLMo-2's q/k norms over all heads).
+
 On top of them, vocab-parallel embedding lookup and vocab-parallel cross-entropy, which never
 gather the full logits: each rank holds the logits of its vocabulary slice, and only per-token
 maxima and sums cross the wire.
@@ -43,6 +48,7 @@ __all__ = [
     "gather_last_dim",
     "gather_seq",
     "reduce_scatter_seq",
+    "split_last_dim",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
 ]
@@ -81,6 +87,36 @@ class _GatherLast(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         # The loss is computed whole on every rank: each rank's slice of the gradient is its own.
         return grad[..., ctx.start : ctx.start + ctx.n], None, None, None, None
+
+
+class _SplitLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, mesh: DeviceMesh, axis: str, sizes: list[int], purpose: str):
+        ctx.mesh, ctx.axis, ctx.sizes, ctx.purpose = mesh, axis, sizes, purpose
+        start = sum(sizes[: mesh.rank(axis)])
+        return x[..., start : start + sizes[mesh.rank(axis)]]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        # x was whole on every rank and each rank used its slice: the true gradient of x is
+        # every rank's slice gradient side by side.
+        out = all_gather(grad.contiguous(), ctx.mesh, ctx.axis, dim=grad.dim() - 1,
+                         sizes=ctx.sizes, purpose=ctx.purpose + " (grad)")
+        return out, None, None, None, None
+
+
+def split_last_dim(
+    x: Tensor, mesh: DeviceMesh, axis: str, sizes: list[int], purpose: str = "tp split"
+) -> Tensor:
+    """This rank's slice (``sizes[rank]`` entries) of the last dim of ``x``, which is whole and
+    the same on every rank; backward, the slices' gradients are all-gathered (the conjugate of
+    :func:`gather_last_dim`)."""
+    if mesh.size(axis) == 1:
+        return x
+    if x.shape[-1] != sum(sizes):
+        raise ValueError(f"split_last_dim ({purpose}): the last dim of {tuple(x.shape)} is not "
+                         f"the {sum(sizes)} entries split as {list(sizes)}")
+    return _SplitLast.apply(x, mesh, axis, [int(s) for s in sizes], purpose)
 
 
 def gather_last_dim(

@@ -3,6 +3,7 @@
 from funcpar.init.lazy import materialize
 from funcpar.transforms.accumulate_grads import accumulate_grads
 from funcpar.transforms.amp_cast import amp_cast
+from funcpar.transforms.check_rules import check_rules
 from funcpar.transforms.compose import compose
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.expert_parallel import expert_parallel
@@ -16,6 +17,7 @@ from funcpar.transforms.zero_partition import zero_partition
 __all__ = [
     "accumulate_grads",
     "amp_cast",
+    "check_rules",
     "compose",
     "data_parallel",
     "expert_parallel",

@@ -47,6 +47,19 @@ of a pp coordinate run the same schedule, so their all_to_alls, forward and back
 tested exact, pp2 x ep2). Checkpoints reshard expert
 states like any ``Shard(0)`` layout (tested: saved under ep2 x dp2 + ZeRO-2, loaded under one
 process and under ep4).
+
+**Hugging Face experts.** transformers 5 stores a family's experts as one module holding
+``gate_up_proj [E, 2 ffn, dim]`` (gate and up concatenated) and ``down_proj [E, dim, ffn]``,
+called as ``experts(hidden [n, dim], top_k_index [n, k], top_k_weights [n, k])`` and scaling
+each output by its routing weight inside (Mixtral, OLMoE, Qwen2/3-MoE, DeepSeek-V3, ...;
+:func:`funcpar.shard.rules.is_packed_experts`). Their two leaves get ``{ep: Shard(0)}`` too,
+and for the call the module's forward is replaced by the same dispatch: the assignments
+``(token, expert, weight)`` flattened from the routing, rows sent to the experts' owners, the
+module's own forward run on them with this rank's experts (its ``num_experts`` made local for
+the call) and unit weights, outputs sent back, scaled by their weights and added to their
+tokens. Under ``shard_params`` (style ``packed_experts``: each expert's ffn split over ``tp``)
+the tensor-parallel region wraps this dispatch: the hidden states and routing weights enter it
+once, the partial outputs that come back are summed over ``tp`` once.
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ from funcpar.models.moe import Experts, MoE, expert_outputs
 from funcpar.shard import comm
 from funcpar.shard.layout import Layout, Shard, shard_tensor
 from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.rules import is_packed_experts
 from funcpar.state.train_state import TrainState
 from funcpar.train.step import TrainStep
 from funcpar.transforms.compose import require_before_partition, require_fresh
@@ -72,6 +86,7 @@ from funcpar.transforms.data_parallel import bucketed_mean, split_batch
 __all__ = ["expert_leaves", "expert_parallel"]
 
 _EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
+_HF_EXPERT_LEAVES = ("gate_up_proj", "down_proj")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -90,19 +105,60 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None, None, None
 
 
-def expert_leaves(module: torch.nn.Module) -> dict[str, MoE]:
-    """``{leaf name: its MoE block}`` for the stacked expert leaves of every MoE block."""
-    out = {}
+def expert_leaves(module: torch.nn.Module, *, hf: bool = False) -> dict[str, torch.nn.Module]:
+    """``{leaf name: its block}`` for the stacked expert leaves of every MoE block
+    (:class:`~funcpar.models.moe.MoE`), and with ``hf`` of every Hugging Face experts module
+    (the leaf's value is then the experts module itself)."""
+    out: dict[str, torch.nn.Module] = {}
     for name, m in module.named_modules():
         if isinstance(m, MoE):
             for leaf in _EXPERT_LEAVES:
                 out[f"{name}.experts.{leaf}" if name else f"experts.{leaf}"] = m
+        elif hf and is_packed_experts(m):
+            for leaf in _HF_EXPERT_LEAVES:
+                out[f"{name}.{leaf}" if name else leaf] = m
     return out
+
+
+def _blocks(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The MoE blocks and Hugging Face experts modules, by name."""
+    return {name: m for name, m in module.named_modules()
+            if isinstance(m, MoE) or is_packed_experts(m)}
+
+
+def _n_experts(m: torch.nn.Module) -> int:
+    return m.n_experts if isinstance(m, MoE) else m.gate_up_proj.shape[0]
+
+
+def _exchange(x: Tensor, token: Tensor, expert: Tensor, gate: Tensor, local: int,
+              mesh: DeviceMesh, axis: str, who: str,
+              run: Callable[[Tensor, Tensor], Tensor], *, promote: bool = False) -> Tensor:
+    """Assignments ``(token, expert, gate)`` of rows of ``x`` to experts held ``local`` per
+    rank: each row sent to its expert's owner with the expert's index, ``run(rows, experts)``
+    there (unscaled outputs), sent back, scaled by its gate and added to its token, as the
+    one-process code does it: funcpar's ``combine`` casts the gate to ``x``'s dtype first;
+    transformers (``promote``) multiplies in the promoted dtype (float32 gates times bf16
+    outputs in float32), then casts."""
+    ep = mesh.size(axis)
+    # Assignments in expert order, so each destination's rows are contiguous (and each
+    # token's contributions are added in the one-process order: by expert).
+    order = torch.argsort(expert, stable=True)
+    token, expert, gate = token[order], expert[order], gate[order]
+    send = torch.bincount(torch.div(expert, local, rounding_mode="floor"), minlength=ep)
+    recv = comm.all_to_all(send[:, None], mesh, axis, [1] * ep, [1] * ep,
+                           purpose=f"{who}: token counts")[:, 0]
+    send_l, recv_l = send.tolist(), recv.tolist()
+    rows = _AllToAll.apply(x[token], mesh, axis, send_l, recv_l, f"{who}: tokens")
+    got = comm.all_to_all(expert, mesh, axis, send_l, recv_l, purpose=f"{who}: expert ids")
+    back = _AllToAll.apply(run(rows, got), mesh, axis, recv_l, send_l,
+                           f"{who}: expert outputs")
+    scaled = (back * gate[:, None]).to(x.dtype) if promote else back * gate[:, None].to(x.dtype)
+    return torch.zeros_like(x).index_add(0, token, scaled)
 
 
 def _dispatch(mesh: DeviceMesh, axis: str, who: str) -> Callable[..., Tensor]:
     """The expert-parallel replacement of :func:`~funcpar.models.moe.combine`."""
-    ep, rank = mesh.size(axis), mesh.rank(axis)
+    rank = mesh.rank(axis)
 
     def dispatch(
         experts: Experts,
@@ -112,32 +168,54 @@ def _dispatch(mesh: DeviceMesh, axis: str, who: str) -> Callable[..., Tensor]:
         gate: Float[Tensor, " a"],
     ) -> Float[Tensor, "n dim"]:
         local = experts.gate_proj.shape[0]
-        # Assignments in expert order, so each destination's rows are contiguous (and each
-        # token's contributions are added in the one-process order: by expert).
-        order = torch.argsort(expert, stable=True)
-        token, expert, gate = token[order], expert[order], gate[order]
-        send = torch.bincount(torch.div(expert, local, rounding_mode="floor"), minlength=ep)
-        recv = comm.all_to_all(send[:, None], mesh, axis, [1] * ep, [1] * ep,
-                               purpose=f"{who}: token counts")[:, 0]
-        send_l, recv_l = send.tolist(), recv.tolist()
-        rows = _AllToAll.apply(x[token], mesh, axis, send_l, recv_l, f"{who}: tokens")
-        got = comm.all_to_all(expert, mesh, axis, send_l, recv_l, purpose=f"{who}: expert ids")
-        y = expert_outputs(experts, rows, got, first=rank * local)
-        back = _AllToAll.apply(y, mesh, axis, recv_l, send_l, f"{who}: expert outputs")
-        return torch.zeros_like(x).index_add(0, token, back * gate[:, None].to(x.dtype))
+        return _exchange(x, token, expert, gate, local, mesh, axis, who,
+                         lambda rows, got: expert_outputs(experts, rows, got, first=rank * local))
 
     return dispatch
 
 
+def _hf_dispatch(m: torch.nn.Module, mesh: DeviceMesh, axis: str, who: str
+                 ) -> Callable[..., Tensor]:
+    """The expert-parallel forward of a Hugging Face experts module (module docstring)."""
+    rank = mesh.rank(axis)
+    own = type(m).forward
+
+    def forward(
+        x: Float[Tensor, "n dim"], top_k_index: Int[Tensor, "n k"], top_k_weights: Tensor,
+    ) -> Float[Tensor, "n dim"]:
+        local = m.gate_up_proj.shape[0]  # this rank's experts (functional_call's shard)
+        k = top_k_index.shape[-1]
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(k)
+
+        def run(rows: Tensor, got: Tensor) -> Tensor:
+            whole = m.num_experts
+            m.num_experts = local  # the module's own routing masks count its local experts
+            try:
+                ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype,
+                                  device=rows.device)
+                return own(m, rows, (got - rank * local)[:, None], ones)
+            finally:
+                m.num_experts = whole
+
+        return _exchange(x, token, top_k_index.reshape(-1), top_k_weights.reshape(-1), local,
+                         mesh, axis, who, run, promote=True)
+
+    return forward
+
+
 @contextlib.contextmanager
-def _installed(blocks: dict[str, MoE], mesh: DeviceMesh, axis: str) -> Iterator[None]:
+def _installed(blocks: dict[str, torch.nn.Module], mesh: DeviceMesh, axis: str
+               ) -> Iterator[None]:
     for name, m in blocks.items():
-        m.dispatch = _dispatch(mesh, axis, name or "moe")
+        if isinstance(m, MoE):
+            m.dispatch = _dispatch(mesh, axis, name or "moe")
+        else:  # shard_params' packed_experts forward (inside this call) wraps this one
+            m.forward = _hf_dispatch(m, mesh, axis, name or "experts")
     try:
         yield
     finally:
         for m in blocks.values():
-            m.__dict__.pop("dispatch", None)
+            m.__dict__.pop("dispatch" if isinstance(m, MoE) else "forward", None)
 
 
 def expert_parallel(
@@ -156,16 +234,17 @@ def expert_parallel(
         if module is None:
             raise TypeError("expert_parallel needs a step built on functionalize(module)'s "
                             "apply_fn")
-        leaves = expert_leaves(module)
+        leaves = expert_leaves(module, hf=True)
         if not leaves:
             raise ValueError("expert_parallel: the model has no MoE block (funcpar.models.moe"
-                             ".MoE), so no expert leaf to split over "
+                             ".MoE) nor Hugging Face experts (gate_up_proj [E, 2 ffn, dim], "
+                             f"down_proj [E, dim, ffn]), so no expert leaf to split over "
                              f"{axis!r}; set LlamaConfig.n_experts > 0")
         _refuse(step, state)
-        blocks = {name: m for name, m in module.named_modules() if isinstance(m, MoE)}
+        blocks = _blocks(module)
         for name, m in blocks.items():
-            if m.n_experts % ep:
-                raise ValueError(f"expert_parallel: {name!r} has {m.n_experts} experts, not "
+            if _n_experts(m) % ep:
+                raise ValueError(f"expert_parallel: {name!r} has {_n_experts(m)} experts, not "
                                  f"divisible by {axis}={ep}")
         if step.pipeline is not None:
             # pipeline_split (applied first) left this rank its stages' leaves only: the other

@@ -93,6 +93,7 @@ from funcpar.shard.rules import (
     ShardingPlan,
     is_experts,
     plan_sharding,
+    scale_embedding,
 )
 from funcpar.shard.tp_ops import (
     enter_region,
@@ -100,6 +101,7 @@ from funcpar.shard.tp_ops import (
     gather_last_dim,
     gather_seq,
     reduce_scatter_seq,
+    split_last_dim,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
@@ -150,6 +152,11 @@ def shard_params(
         if seq is not None:
             split = [n for n in state.params if axis not in _split_axes(layouts[n])]
             sync_grads = _sum_over_axis(split, mesh, axis, step.sync_grads)
+        elif plan.grad_sum:
+            # Whole leaves that act on this rank's heads only (style grad_sum): each rank's
+            # gradient is its heads' part, the sum over the axis is the gradient.
+            sync_grads = _sum_over_axis([n for n in plan.grad_sum if n in state.params], mesh,
+                                        axis, step.sync_grads, "grad_sum")
         new_step = dataclasses.replace(
             step, apply_fn=_sharded_apply(step.apply_fn, plan, seq), loss_fn=loss_fn,
             layouts=layouts, sync_grads=sync_grads,
@@ -233,7 +240,8 @@ def _installed(plan: ShardingPlan) -> Iterator[None]:
             last[:] = [(x, enter_region(x, plan.mesh, plan.axis, f"{who}: input grad"))]
         return last[0][1]
 
-    with _swapped(plan, {mp.module: _forward(mp, plan, enter) for mp in plan.modules}):
+    with _swapped(plan, {mp.module: _forward(mp, plan, enter) for mp in plan.modules
+                         if mp.style != "grad_sum"}):  # grad_sum: the module's own forward
         yield
 
 
@@ -265,10 +273,33 @@ def _forward(mp: ModulePlan, plan: ShardingPlan, enter: Callable) -> Callable:
                                          f"{who}: output")
     if mp.style == "rowwise":
         return lambda x: add_bias(exit_region(matmul(x), mesh, axis, f"{who}: output"))
+    if mp.style == "rowwise_split_input":
+        in_dim = 0 if mp.kind == "conv1d" else 1
+        sizes = comm.chunk_sizes(plan.layouts[mp.weight_name].global_shape[in_dim],
+                                 mesh.size(axis))
+        return lambda x: add_bias(exit_region(
+            matmul(split_last_dim(x, mesh, axis, sizes, f"{who}: input")), mesh, axis,
+            f"{who}: output"))
     if mp.style == "embedding_rowwise":
         start = plan.layouts[mp.weight_name].local_slices()[0].start
-        return lambda ids: vocab_parallel_embedding(ids, m.weight, start, mesh, axis, who,
-                                                    padding_idx=m.padding_idx)
+        return lambda ids: scale_embedding(vocab_parallel_embedding(
+            ids, m.weight, start, mesh, axis, who, padding_idx=m.padding_idx), mp)
+    if mp.style == "packed_experts":
+        own = m.forward
+
+        # Hugging Face's experts(hidden, top_k_index, top_k_weights) scale each expert's
+        # output by its routing weight inside: every rank's output is the partial sum of its
+        # ffn slice, already scaled, so one all-reduce sums it (g), and the gradients of both
+        # the hidden states and the routing weights are partial on each rank (f on both).
+        # The routing weights are entered in the dtype their product with the outputs has
+        # (float32 weights times float64 outputs: float64), an exact cast, so their partial
+        # gradients are summed before the one rounding to their own dtype, as in one process.
+        def packed(x: Tensor, index: Tensor, weights: Tensor, *rest: Any, **kw: Any) -> Tensor:
+            w = weights.to(torch.promote_types(x.dtype, weights.dtype))
+            return exit_region(own(enter(x, who), index, enter(w, who), *rest, **kw),
+                               mesh, axis, f"{who}: output")
+
+        return packed
     if mp.style == "experts":
         own = m.forward  # the class's: the local weights hold each expert's ffn slice
 
@@ -286,6 +317,7 @@ def _forward(mp: ModulePlan, plan: ShardingPlan, enter: Callable) -> Callable:
 #: the transforms do not import the models.
 _SP_MODELS = frozenset({"funcpar.models.llama.Llama"})
 _HEADS = ("vocab_parallel", "colwise_gather_output")
+_NOT_SP = ("rowwise_split_input", "grad_sum", "packed_experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +349,11 @@ def _seq_plan(module: nn.Module, plan: ShardingPlan) -> _SeqPlan:
     by_style: dict[str, list[ModulePlan]] = {}
     for mp in plan.modules:
         by_style.setdefault(mp.style, []).append(mp)
+    other = [f"{mp.name!r} ({mp.style})" for mp in plan.modules if mp.style in _NOT_SP]
+    if other:
+        raise ValueError(f"sequence_parallel does not support the styles of {other[0]}"
+                         f"{f' and {len(other) - 1} more' if len(other) > 1 else ''}: only "
+                         "colwise/rowwise regions between a vocab-parallel embedding and head")
     moe = next((n for n, m in module.named_modules() if is_experts(m)), None)
     if moe is not None:
         raise ValueError(
@@ -380,9 +417,9 @@ def _seq_plan(module: nn.Module, plan: ShardingPlan) -> _SeqPlan:
 
 
 def _sum_over_axis(names: list[str], mesh: DeviceMesh, axis: str,
-                   inner: Callable | None) -> Callable:
+                   inner: Callable | None, why: str = "sequence-parallel") -> Callable:
     """``sync_grads``: ``inner``'s, then the gradients of ``names`` summed over ``axis``."""
-    purpose = "sequence-parallel grads: " + ", ".join(names)
+    purpose = f"{why} grads: " + ", ".join(names)
 
     def sync(grads: Any) -> Any:
         if inner is not None:
@@ -439,8 +476,9 @@ def _installed_seq(plan: ShardingPlan, seq: _SeqPlan) -> Iterator[None]:
                 raise ValueError(f"sequence_parallel: {mp.name!r} got a sequence of "
                                  f"{ids.shape[1]} after one of {sum(sizes[0])} in one call")
             sizes[:] = [cut]
-            return vocab_parallel_embedding(ids, m.weight, start, mesh, axis, mp.name,
-                                            padding_idx=m.padding_idx, seq_sizes=cut)
+            return scale_embedding(vocab_parallel_embedding(
+                ids, m.weight, start, mesh, axis, mp.name, padding_idx=m.padding_idx,
+                seq_sizes=cut), mp)
 
         return fwd
 

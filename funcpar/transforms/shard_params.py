@@ -117,9 +117,13 @@ def logits_of(output: Any) -> Tensor:
 
 def shard_params(
     rules: Sequence[Rule | LocalAttr], mesh: DeviceMesh, *, axis: str = "tp",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, mode: str = "1d",
 ) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
     """The tensor-parallel transform over mesh axis ``axis`` (see the module docstring).
+
+    ``mode``: ``"1d"`` (Megatron, this module) or ``"2d"`` (SUMMA on the mesh axes ``tp_row``
+    x ``tp_col``, :mod:`funcpar.transforms.tp_modes`; ``axis`` is then unused); ``"2.5d"`` and
+    ``"3d"`` are refused (not implemented).
 
     The state must be fresh from ``init_state`` (step 0) and hold whole parameters; its
     optimizer state is re-initialized on the shards (moving a trained state between layouts is
@@ -127,6 +131,15 @@ def shard_params(
     the sequence dim (module docstring, "Sequence parallelism"); uneven lengths are cut into
     ``chunk_sizes`` pieces, a sequence shorter than the axis is a ValueError.
     """
+
+    if mode != "1d":
+        from funcpar.transforms.tp_modes import check_mode, shard_params_2d
+
+        check_mode(mode)
+        if sequence_parallel:
+            raise ValueError(f"sequence_parallel is a 1D mode option; mode={mode!r} already "
+                             "splits the activations between layers")
+        return shard_params_2d(rules, mesh)
 
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
         module = getattr(step.apply_fn, "module", None)

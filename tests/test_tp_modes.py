@@ -115,3 +115,37 @@ def test_2d_layouts_and_batch_rows():
     assert state.params["lm_head.weight"].shape == (25, 16)
     with pytest.raises(ValueError, match="1 batch rows, fewer than tp_row=2"):
         step(state, (torch.zeros(1, 4, dtype=torch.long),) * 2)
+
+
+# ------------------------------------------------------------------------------ plan report
+def _records_vs_plan(model):
+    from funcpar.shard.comm import comm_log
+    from funcpar.testing.tp_modes import build
+    from funcpar.transforms.tp_modes import plan_2d, planned_collectives
+
+    step, state, data = build(model, "sgd", "2d")
+    net = step.apply_fn.module
+    rules = llama_rules(CFG.head_dim) if model == "llama" else MLP_RULES
+    plan = plan_2d(net, rules, DeviceMesh.from_env(tp_row=2, tp_col=2))
+    inputs, _ = data[0]
+    rows = (inputs.shape[0] + 1) // 2 if plan.grid.i == 0 else inputs.shape[0] // 2
+    rows *= inputs.shape[1] if model == "llama" else 1
+    planned = planned_collectives(plan, rows, torch.float64,
+                                  data_fed=("fc1",) if model == "mlp" else ())
+    with comm_log.capture() as recs:
+        step(state, data[0])
+    got = sorted((r.op, r.axis, r.nbytes, r.purpose) for r in recs
+                 if "global_norm" not in r.purpose)
+    return got, sorted((p.op, p.axis, p.nbytes, p.purpose) for p in planned)
+
+
+def _both_models():
+    return [_records_vs_plan(m) for m in ("llama", "mlp")]
+
+
+def test_2d_measured_collectives_equal_the_plan():
+    """Every collective of one step's forward and backward (all but the gradient norm's), op,
+    axis, bytes and purpose, is the plan's; the MLP's uneven blocks and batch included."""
+    for per_model in run_ranks(_both_models, 4, timeout=120):
+        for got, want in per_model:
+            assert got == want

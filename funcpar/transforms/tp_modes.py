@@ -54,8 +54,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,8 @@ from funcpar.state.train_state import TrainState
 from funcpar.train.step import TrainStep
 from funcpar.transforms.compose import require_before_partition, require_fresh
 
-__all__ = ["MODES", "Plan2D", "plan_2d", "shard_params_2d"]
+__all__ = ["MODES", "Plan2D", "Planned", "comm_plan_report", "memory_per_rank", "plan_2d",
+           "planned_collectives", "shard_params_2d"]
 
 MODES = ("1d", "2d", "2.5d", "3d")
 #: Models known to keep to the 2D contract (module docstring), by qualified name.
@@ -403,3 +405,90 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"tensor-parallel mode {mode!r} is not implemented (2.5D and 3D, "
                          "arXiv 2105.14500 / 2105.14450): use '1d' or '2d'")
 
+
+
+# ---------------------------------------------------------------------------- plan report
+class Planned(NamedTuple):
+    """One collective the 2D step issues per call of a module (forward and backward)."""
+
+    module: str
+    op: str
+    axis: str
+    nbytes: int
+    purpose: str
+
+
+def planned_collectives(plan: Plan2D, rows: int, dtype: torch.dtype, *,
+                        data_fed: Sequence[str] = ()) -> list[Planned]:
+    """The collectives of one forward and backward on this rank, module by module (each
+    called once on ``rows`` local rows, as in the Llama and the MLP), with ``comm_log``'s byte
+    convention (:mod:`funcpar.shard.comm`), then the loss's. ``data_fed``: linears whose input
+    is the model's input (no input gradient, so no ``dX`` product). The optimizer's
+    collectives (gradient norm, Adafactor's statistics, ...) are not included."""
+    g = plan.grid
+    q, j, s = g.q, g.j, torch.empty((), dtype=dtype).element_size()
+    out: list[Planned] = []
+
+    def add(who: str, op: str, axis: str, n: int, purpose: str) -> None:
+        out.append(Planned(who, op, axis, n * s, purpose))
+
+    def gather(who: str, n_whole: int, other: int, what: str) -> None:
+        # A dim cut over (tp_col, tp_row), gathered over tp_row forward, reduce-scattered back.
+        piece = max(comm.chunk_sizes(comm.chunk_sizes(n_whole, q)[j], q)) * q * other
+        add(who, "all_gather", g.row, piece, f"{who}: {what}")
+        add(who, "reduce_scatter", g.row, piece, f"{who}: {what} (grad)")
+
+    for part in plan.parts:
+        m, who = part.module, part.name
+        if part.kind == "linear":
+            kc, nc = comm.chunk_sizes(m.in_features, q), comm.chunk_sizes(m.out_features, q)
+            # Forward Y = X W^T (SUMMA AB); backward dX = dY W (ABt), dW^T = X^T dY (AtB).
+            for kk in kc:
+                add(who, "broadcast", g.col, rows * kk, f"{who} A panel")
+                add(who, "broadcast", g.row, kk * nc[j], f"{who} B panel")
+            if who not in data_fed:
+                for kk in kc:
+                    add(who, "broadcast", g.row, kk * nc[j], f"{who} (grad) B panel")
+                add(who, "reduce_scatter", g.col, max(kc) * q * rows, f"{who} (grad) partials")
+            for kk in kc:
+                add(who, "broadcast", g.col, rows * kk, f"{who} (grad) A panel")
+            add(who, "reduce_scatter", g.row, max(kc) * q * nc[j], f"{who} (grad) partials")
+            if m.bias is not None:
+                gather(who, m.out_features, 1, "bias")
+        elif part.kind == "embedding":
+            gather(who, m.embedding_dim, m.num_embeddings, "table")
+        else:
+            stats = ["sum of squares"] if part.kind == "rmsnorm" else ["sum", "sum of squares"]
+            for st in stats:
+                add(who, "all_reduce", g.col, rows, f"{who}: {st}")
+                add(who, "all_reduce", g.col, rows, f"{who}: {st} (grad)")
+            gather(who, part.size, 1, "weight")
+            if part.kind == "layernorm" and m.bias is not None:
+                gather(who, part.size, 1, "bias")
+    for what in ("max", "sum_exp", "target"):
+        add("loss", "all_reduce", g.col, rows, f"cross_entropy {what}")  # tp_ops' purposes
+    add("loss", "all_reduce", g.row, 1, "2d loss: token sum")
+    add("loss", "all_reduce", g.row, 1, "2d loss: token count")
+    return out
+
+
+def memory_per_rank(plan: Plan2D, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of this rank's parameters under the plan, next to one process's."""
+    s = torch.empty((), dtype=dtype).element_size()
+    lays = plan.layouts.values()
+    return {"params_local": sum(math.prod(lay.local_shape()) for lay in lays) * s,
+            "params_whole": sum(math.prod(lay.global_shape) for lay in lays) * s}
+
+
+def comm_plan_report(planned: Sequence[Planned]) -> str:
+    """Per module: the count and bytes of each (op, axis)."""
+    rows: dict[tuple[str, str, str], list[int]] = {}
+    for p in planned:
+        acc = rows.setdefault((p.module, p.op, p.axis), [0, 0])
+        acc[0] += 1
+        acc[1] += p.nbytes
+    lines = [f"{'module':<32} {'op':<15} {'axis':<7} {'count':>5} {'bytes':>10}"]
+    lines += [f"{m:<32} {op:<15} {ax:<7} {c:>5} {n:>10,}" for (m, op, ax), (c, n) in rows.items()]
+    lines.append(f"{'total':<32} {'':<15} {'':<7} {len(planned):>5} "
+                 f"{sum(p.nbytes for p in planned):>10,}")
+    return "\n".join(lines)

@@ -149,3 +149,35 @@ def test_2d_measured_collectives_equal_the_plan():
     for per_model in run_ranks(_both_models, 4, timeout=120):
         for got, want in per_model:
             assert got == want
+
+
+# ----------------------------------------------------------------------------------- the CLI
+@pytest.mark.slow
+def test_train_lm_tp_mode_2d_matches_one_process(tmp_path):
+    """``train_lm --tp 4 --tp-mode 2d`` (a 2 x 2 grid) on 4 ranks: the one-process losses and
+    whole parameters (float64, 1e-10), saved whole."""
+    from _examples import load_example
+    from test_example import _rank_run, _small
+
+    train_lm = load_example("train_lm.py", "train_lm")
+    cache = tmp_path / "cache"
+    steps = ["--dtype", "float64", "--print-every", "2", "--seq-len", "16", "--dim", "32",
+             "--corpus-bytes", "100000", "--warmup", "1"]
+    one = train_lm.main(_small(tmp_path / "one", cache, 4, *steps))
+    argv = _small(tmp_path / "2d", cache, 4, *steps, "--tp", "4", "--tp-mode", "2d")
+    for rank, res in enumerate(run_ranks(_rank_run, 4, argv, backend=None, timeout=300)):
+        assert loss_rel(res["losses"], [r["loss"] for r in one["history"]]) <= TOL, rank
+        assert max_rel(res["params"], one["params"]) <= TOL, rank
+
+
+def test_train_lm_tp_mode_errors(capsys):
+    from _examples import load_example
+
+    train_lm = load_example("train_lm.py", "train_lm")
+    for argv, msg in ((["--tp", "2", "--tp-mode", "2d"], "square q * q"),
+                      (["--tp", "4", "--tp-mode", "3d"], "not implemented"),
+                      (["--tp", "4", "--tp-mode", "2d", "--sequence-parallel"],
+                       "--sequence-parallel does not work with --tp-mode 2d")):
+        with pytest.raises(SystemExit):
+            train_lm.main(argv)
+        assert msg in capsys.readouterr().err

@@ -181,3 +181,38 @@ def test_train_lm_tp_mode_errors(capsys):
         with pytest.raises(SystemExit):
             train_lm.main(argv)
         assert msg in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- the preset
+def _preset_run():
+    from funcpar.presets import hybrid_parallel
+    from funcpar.testing.reference import OPTIMIZERS, batches, run
+
+    torch.manual_seed(0)
+    model = Llama(CFG).double()
+    _, params, _ = functionalize(model)
+    opt = OPTIMIZERS["adamw"](params)
+    composed = hybrid_parallel(model, lm_loss, opt, tp_size=4, tp_mode="2d", donate=False)
+    step, state = composed.step, composed.state
+    assert step.layouts["lm_head.weight"].dim_axes == (("tp_col",), ("tp_row",))
+    return run(step, state, batches())
+
+
+@pytest.mark.slow
+def test_hybrid_parallel_tp_mode_2d_matches_one_process():
+    ref = train("llama", "adamw", None)
+    for losses, params in run_ranks(_preset_run, 4, timeout=300):
+        assert loss_rel(losses, ref[0]) <= TOL and max_rel(params, ref[1]) <= TOL
+
+
+def test_hybrid_parallel_tp_mode_errors():
+    from funcpar.presets import hybrid_parallel
+
+    with pytest.raises(ValueError, match="square q \\* q >= 4, got 2"):
+        hybrid_parallel(tp_size=2, tp_mode="2d")
+    with pytest.raises(ValueError, match="does not compose with sequence_parallel"):
+        hybrid_parallel(tp_size=4, tp_mode="2d", sequence_parallel=True)
+    with pytest.raises(ValueError, match="'3d' is not implemented"):
+        hybrid_parallel(tp_size=8, tp_mode="3d")
+    with pytest.raises(ValueError, match="tp_mode=.2d. \\(axes .* axis has 4 ranks"):
+        hybrid_parallel(tp_size=4, tp_mode="2d", mesh=DeviceMesh.virtual(dp=1, tp=4))

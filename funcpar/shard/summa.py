@@ -134,75 +134,57 @@ def _atb(a: Tensor, b: Tensor, grid: Grid, m_sizes: list[int], purpose: str) -> 
                                sizes=m_sizes, purpose=purpose + " partials")
 
 
-class _AB(torch.autograd.Function):
+# Each product's forward (its function and the size list it cuts by) and the two products that
+# give its gradients: (kind, first operand, second operand) from (dC, A, B).
+_PRODUCTS = {"ab": (_ab, "k"), "abt": (_abt, "k"), "atb": (_atb, "m")}
+_GRADS = {
+    # C = A B: dA = dC B^T, dB = A^T dC (both over the inner dim k).
+    "ab": (("abt", "k", lambda dc, a, b: (dc, b)), ("atb", "k", lambda dc, a, b: (a, dc))),
+    # C = A B^T [m, k]: dA = dC B (inner dim k), dB = dC^T A (result rows k).
+    "abt": (("ab", "k", lambda dc, a, b: (dc, b)), ("atb", "k", lambda dc, a, b: (dc, a))),
+    # C = A^T B [m, n], A [k, m]: dA = B dC^T (result cols m), dB = A dC (inner dim m).
+    "atb": (("abt", "m", lambda dc, a, b: (b, dc)), ("ab", "m", lambda dc, a, b: (a, dc))),
+}
+
+
+class _Summa(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, grid, sizes, purpose):
+    def forward(ctx, a, b, grid, kind, sizes, purpose):
         ctx.save_for_backward(a, b)
-        ctx.grid, ctx.sizes, ctx.purpose = grid, sizes, purpose
-        return _ab(a, b, grid, sizes["k"], purpose)
+        ctx.grid, ctx.kind, ctx.sizes, ctx.purpose = grid, kind, sizes, purpose
+        fn, cut = _PRODUCTS[kind]
+        return fn(a, b, grid, sizes[cut], purpose)
 
     @staticmethod
     def backward(ctx, dc):
         a, b = ctx.saved_tensors
-        g, s, p = ctx.grid, ctx.sizes, ctx.purpose + " (grad)"
-        da = _abt(dc, b, g, s["k"], p) if ctx.needs_input_grad[0] else None
-        db = _atb(a, dc, g, s["k"], p) if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None
-
-
-class _ABt(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, grid, sizes, purpose):
-        ctx.save_for_backward(a, b)
-        ctx.grid, ctx.sizes, ctx.purpose = grid, sizes, purpose
-        return _abt(a, b, grid, sizes["k"], purpose)
-
-    @staticmethod
-    def backward(ctx, dc):
-        a, b = ctx.saved_tensors
-        g, s, p = ctx.grid, ctx.sizes, ctx.purpose + " (grad)"
-        # C = A B^T [m, k]: dA = dC B (inner dim k), dB = dC^T A (result rows k).
-        da = _ab(dc, b, g, s["k"], p) if ctx.needs_input_grad[0] else None
-        db = _atb(dc, a, g, s["k"], p) if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None
-
-
-class _AtB(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, grid, sizes, purpose):
-        ctx.save_for_backward(a, b)
-        ctx.grid, ctx.sizes, ctx.purpose = grid, sizes, purpose
-        return _atb(a, b, grid, sizes["m"], purpose)
-
-    @staticmethod
-    def backward(ctx, dc):
-        a, b = ctx.saved_tensors
-        g, s, p = ctx.grid, ctx.sizes, ctx.purpose + " (grad)"
-        # C = A^T B [m, n], A [k, m]: dA = B dC^T (result cols m), dB = A dC (inner dim m).
-        da = _abt(b, dc, g, s["m"], p) if ctx.needs_input_grad[0] else None
-        db = _ab(a, dc, g, s["m"], p) if ctx.needs_input_grad[1] else None
-        return da, db, None, None, None
+        grads = []
+        for needed, (kind, cut, operands) in zip(ctx.needs_input_grad, _GRADS[ctx.kind]):
+            fn = _PRODUCTS[kind][0]
+            grads.append(fn(*operands(dc, a, b), ctx.grid, ctx.sizes[cut],
+                            ctx.purpose + " (grad)") if needed else None)
+        return grads[0], grads[1], None, None, None, None
 
 
 def summa_ab(a: Float[Tensor, "m ka"], b: Float[Tensor, "kb n"], grid: Grid, k: int,
              purpose: str = "summa AB") -> Float[Tensor, "m n"]:
     """This rank's block of ``A B`` from its blocks of ``A [M, k]`` and ``B [k, N]`` (``k``:
     the global inner size; module docstring). Differentiable in both."""
-    return _AB.apply(a, b, grid, {"k": comm.chunk_sizes(k, grid.q)}, purpose)
+    return _Summa.apply(a, b, grid, "ab", {"k": comm.chunk_sizes(k, grid.q)}, purpose)
 
 
 def summa_abt(a: Float[Tensor, "m n"], b: Float[Tensor, "kb n"], grid: Grid, k: int,
               purpose: str = "summa ABt") -> Float[Tensor, "m kc"]:
     """This rank's block of ``A Bᵀ`` from its blocks of ``A [M, n]`` and ``B [k, n]`` (``k``:
     the global row count of ``B``, the result's column count)."""
-    return _ABt.apply(a, b, grid, {"k": comm.chunk_sizes(k, grid.q)}, purpose)
+    return _Summa.apply(a, b, grid, "abt", {"k": comm.chunk_sizes(k, grid.q)}, purpose)
 
 
 def summa_atb(a: Float[Tensor, "k ma"], b: Float[Tensor, "k n"], grid: Grid, m: int,
               purpose: str = "summa AtB") -> Float[Tensor, "mc n"]:
     """This rank's block of ``Aᵀ B`` from its blocks of ``A [k, m]`` and ``B [k, N]`` (``m``:
     the global column count of ``A``, the result's row count)."""
-    return _AtB.apply(a, b, grid, {"m": comm.chunk_sizes(m, grid.q)}, purpose)
+    return _Summa.apply(a, b, grid, "atb", {"m": comm.chunk_sizes(m, grid.q)}, purpose)
 
 
 class _AllReduceBoth(torch.autograd.Function):

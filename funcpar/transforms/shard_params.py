@@ -142,15 +142,7 @@ def shard_params(
         return shard_params_2d(rules, mesh)
 
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
-        module = getattr(step.apply_fn, "module", None)
-        if module is None:
-            raise TypeError("shard_params needs a step built on functionalize(module)'s apply_fn")
-        require_fresh(state, "shard_params")
-        require_before_partition(step, "shard_params", "tensor-parallel shards")
-        if step.layouts is not None:
-            raise ValueError("the step is already sharded (it has layouts): apply shard_params "
-                             "once, and before expert_parallel (which cuts the tensor-parallel "
-                             "expert shards over ep)")
+        module = sharded_module(step, state)
         plan = plan_sharding(module, rules, mesh, axis)
         seq = _seq_plan(module, plan) if sequence_parallel else None
         layouts = {n: plan.layouts[n] for n in state.params}
@@ -171,6 +163,21 @@ def shard_params(
         return new_step, state._replace(params=params, opt_state=opt_state)
 
     return transform
+
+
+def sharded_module(step: TrainStep, state: TrainState) -> nn.Module:
+    """The module under ``step`` (which every mode of ``shard_params`` rewrites), after the
+    checks each mode makes: a fresh state, no ZeRO partition yet, not sharded already."""
+    module = getattr(step.apply_fn, "module", None)
+    if module is None:
+        raise TypeError("shard_params needs a step built on functionalize(module)'s apply_fn")
+    require_fresh(state, "shard_params")
+    require_before_partition(step, "shard_params", "tensor-parallel shards")
+    if step.layouts is not None:
+        raise ValueError("the step is already sharded (it has layouts): apply shard_params "
+                         "once, and before expert_parallel (which cuts the tensor-parallel "
+                         "expert shards over ep)")
+    return module
 
 
 def _vocab_parallel_loss(loss_fn: Callable, head: ModulePlan, plan: ShardingPlan) -> Callable:

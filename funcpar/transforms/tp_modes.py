@@ -70,7 +70,6 @@ from funcpar.shard.summa import COL, ROW, Grid, all_reduce_both, summa_ab
 from funcpar.shard.tp_ops import exit_region, gather_seq, vocab_parallel_cross_entropy
 from funcpar.state.train_state import TrainState
 from funcpar.train.step import TrainStep
-from funcpar.transforms.compose import require_before_partition, require_fresh
 
 __all__ = ["MODES", "Plan2D", "Planned", "comm_plan_report", "memory_per_rank", "plan_2d",
            "planned_collectives", "shard_params_2d"]
@@ -230,15 +229,9 @@ def shard_params_2d(
     mode="2d")`` returns."""
 
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
-        module = getattr(step.apply_fn, "module", None)
-        if module is None:
-            raise TypeError("shard_params needs a step built on functionalize(module)'s apply_fn")
-        require_fresh(state, "shard_params")
-        require_before_partition(step, "shard_params", "tensor-parallel shards")
-        if step.layouts is not None:
-            raise ValueError("the step is already sharded (it has layouts): apply shard_params "
-                             "once")
-        plan = plan_2d(module, rules, mesh)
+        from funcpar.transforms.shard_params import sharded_module
+
+        plan = plan_2d(sharded_module(step, state), rules, mesh)
         loss_fn = _loss_2d(step.loss_fn, plan)
         layouts = {n: plan.layouts[n] for n in state.params}
         params = shard_tree(state.params, layouts)

@@ -241,6 +241,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      help="stages per rank for --schedule interleaved (default 2)")
     par.add_argument("--tp", type=int, default=1,
                      help="tensor-parallel size: heads, MLP width and vocabulary split")
+    par.add_argument("--tp-mode", default="1d", choices=("1d", "2d", "2.5d", "3d"),
+                     help="tensor-parallel mode: 1d Megatron over a 'tp' axis; 2d SUMMA on a "
+                          "q x q grid, --tp N = q * q ranks (axes tp_row x tp_col, "
+                          "docs/TENSOR_PARALLEL.md); 2.5d and 3d are not implemented")
     par.add_argument("--dp", type=int, default=None,
                      help="data-parallel size: global batch split (default: processes / tp)")
     par.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
@@ -383,8 +387,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--warmup ({args.warmup}) must be in [0, --steps ({args.steps}))")
     # Tensor parallelism splits attention by whole heads (query and key/value alike).
     kv = args.heads if args.kv_heads is None else args.kv_heads
+    head_split = args.tp
+    if args.tp_mode != "1d":
+        head_split = _check_tp_mode(p, args)
     for flag, heads in (("--heads", args.heads), ("--kv-heads", kv)):
-        if heads % args.tp:
+        if heads % head_split:
             p.error(f"--tp {args.tp} does not divide the number of heads {flag} {heads}: "
                     "tensor parallelism gives every rank whole heads")
     if args.sequence_parallel and args.tp == 1:
@@ -444,6 +451,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _check_tp_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--tp-mode 2d``: ``--tp`` is a square ``q * q``; what it does not compose with yet is
+    refused. Returns ``q`` (heads are split over one grid axis)."""
+    if args.tp_mode in ("2.5d", "3d"):
+        p.error(f"--tp-mode {args.tp_mode} is not implemented: use 1d or 2d")
+    q = math.isqrt(args.tp)
+    if args.tp < 4 or q * q != args.tp:
+        p.error(f"--tp-mode 2d needs --tp a square q * q >= 4 (a q x q grid), got --tp {args.tp}")
+    for flag, on in (("--sequence-parallel", args.sequence_parallel), ("--pp", args.pp > 1),
+                     ("--experts", args.experts > 0), ("--preset", args.preset is not None),
+                     ("--sample-every", args.sample_every > 0),
+                     ("--eval-every", getattr(args, "eval_every", 0) > 0)):
+        if on:
+            p.error(f"{flag} does not work with --tp-mode 2d yet")
+    return q
+
+
 def build_mesh(args: argparse.Namespace) -> DeviceMesh:
     """The ``dp x tp`` mesh of the torchrun world (a local mesh for one process).
 
@@ -455,7 +479,12 @@ def build_mesh(args: argparse.Namespace) -> DeviceMesh:
     if args.ep > 1:  # the batch is split over ep x dp; experts over ep
         axes["ep"] = args.ep
     try:
-        mesh = DeviceMesh.from_env(**axes, dp=-1 if args.dp is None else args.dp, tp=args.tp,
+        if args.tp_mode == "2d":  # a q x q grid; the 1D 'tp' axis is kept, of size 1
+            q = math.isqrt(args.tp)
+            axes.update(tp=1, tp_row=q, tp_col=q)
+        else:
+            axes["tp"] = args.tp
+        mesh = DeviceMesh.from_env(**axes, dp=-1 if args.dp is None else args.dp,
                                    backend=backend)
     except ValueError as err:
         world = os.environ.get("WORLD_SIZE", "1")
@@ -485,6 +514,8 @@ def manual_transforms(args: argparse.Namespace, mesh: DeviceMesh, cfg: LlamaConf
                                          virtual_stages=args.virtual_stages))
     elif args.grad_accum > 1:
         transforms.append(accumulate_grads(args.grad_accum))
+    if args.tp_mode == "2d":
+        transforms.append(shard_params(llama_rules_for(cfg), mesh, mode="2d"))
     if mesh.size("tp") > 1:
         # MoE blocks: every expert's ffn split over tp (style "experts"), router replicated.
         transforms.append(shard_params(llama_rules_for(cfg), mesh,

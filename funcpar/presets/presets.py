@@ -235,6 +235,7 @@ class Preset:
     num_model_chunks: int = 1
     ep_size: int = 1
     grad_accum: int = 1
+    tp_mode: str = "1d"
 
     def __post_init__(self) -> None:
         who = self.name
@@ -295,19 +296,49 @@ class Preset:
             raise ValueError(f"{who}: the plan of ep_size={self.ep_size} with tp_size="
                              f"{self.tp_size} is not modeled yet (docs/MOE.md, Not yet): drop "
                              "plan=True and measure a step with funcpar.shard.comm.comm_report")
+        if self.tp_mode != "1d":
+            self._check_tp_mode()
         if self.mesh is not None:
             self._check_mesh(self.mesh)
+
+    def _check_tp_mode(self) -> None:
+        """``tp_mode="2d"``: ``tp_size = q * q`` on mesh axes ``tp_row`` x ``tp_col``
+        (:mod:`funcpar.transforms.tp_modes`); what it does not compose with yet is refused."""
+        from funcpar.transforms.tp_modes import check_mode
+
+        check_mode(self.tp_mode)
+        q = math.isqrt(self.tp_size)
+        if self.tp_size < 4 or q * q != self.tp_size:
+            raise ValueError(f"{self.name}: tp_mode='2d' needs tp_size a square q * q >= 4, "
+                             f"got {self.tp_size}")
+        for what, on in (("sequence_parallel", self.sequence_parallel),
+                         ("pp_size > 1", self.pp_size > 1), ("ep_size > 1", self.ep_size > 1),
+                         ("plan=True", self.plan)):
+            if on:
+                raise ValueError(f"{self.name}: tp_mode='2d' does not compose with {what} yet")
+
+    def _tp_axes(self) -> dict[str, int]:
+        """The tensor-parallel mesh axes: ``tp`` (1D), or ``tp`` of size 1 and the grid."""
+        if self.tp_mode == "1d":
+            return {"tp": self.tp_size}
+        q = math.isqrt(self.tp_size)
+        return {"tp": 1, "tp_row": q, "tp_col": q}
 
     # ------------------------------------------------------------------------------- mesh
     def _check_mesh(self, mesh: DeviceMesh) -> None:
         sizes = mesh.shape
-        extra = {a: s for a, s in sizes.items() if a not in ("pp", "dp", "tp", "ep") and s > 1}
+        known = ("pp", "dp", "tp", "ep") + (("tp_row", "tp_col") if self.tp_mode != "1d" else ())
+        extra = {a: s for a, s in sizes.items() if a not in known and s > 1}
         if extra:
             raise ValueError(f"{self.name}: the mesh has axes {extra} that the preset does not "
                              "use; its axes are 'dp' and 'tp' (and 'pp')")
-        for axis, want in (("tp", self.tp_size), ("pp", self.pp_size), ("ep", self.ep_size)):
+        tp_axes = self._tp_axes()
+        for axis, want in (*tp_axes.items(), ("pp", self.pp_size), ("ep", self.ep_size)):
             if sizes.get(axis, 1) != want:
-                raise ValueError(f"{self.name}: {axis}_size={want} but the mesh's {axis!r} axis "
+                asked = (f"{axis}_size={want}" if axis in ("pp", "ep") or self.tp_mode == "1d"
+                         else f"tp_size={self.tp_size} with tp_mode={self.tp_mode!r} (axes "
+                              f"{tp_axes})")
+                raise ValueError(f"{self.name}: {asked} but the mesh's {axis!r} axis "
                                  f"has {sizes.get(axis, 1)} ranks ({mesh!r})")
         if self.dp_size is not None and sizes.get("dp", 1) != self.dp_size:
             raise ValueError(f"{self.name}: dp_size={self.dp_size} but the mesh's 'dp' axis "
@@ -315,7 +346,7 @@ class Preset:
         if "dp" not in sizes:
             raise ValueError(f"{self.name}: the mesh needs a 'dp' axis (size 1 if unused), got "
                              f"{mesh!r}")
-        if self.tp_size > 1 and "tp" not in sizes:
+        if self.tp_size > 1 and not set(tp_axes) <= set(sizes):
             raise ValueError(f"{self.name}: tp_size={self.tp_size} needs a 'tp' mesh axis")
 
     def build_mesh(self) -> DeviceMesh:
@@ -342,7 +373,7 @@ class Preset:
         axes = {"pp": self.pp_size} if self.pp_size > 1 else {}
         if self.ep_size > 1:
             axes["ep"] = self.ep_size
-        axes.update(dp=dp, tp=self.tp_size)
+        axes.update(dp=dp, **self._tp_axes())
         return DeviceMesh.from_env(**axes)
 
     # ------------------------------------------------------------------------ composition
@@ -362,8 +393,11 @@ class Preset:
                                 "functionalize(module)'s apply_fn (its modules are sharded)")
             rules = self._rules(module, step)
             sp = ", sequence_parallel=True" if self.sequence_parallel else ""
+            if self.tp_mode != "1d":
+                sp += f", mode={self.tp_mode!r}"
             out.append((f"shard_params({_rules_text(module, rules)}, mesh{sp})",
-                        shard_params(rules, mesh, sequence_parallel=self.sequence_parallel)))
+                        shard_params(rules, mesh, sequence_parallel=self.sequence_parallel,
+                                     mode=self.tp_mode)))
         if self.ep_size > 1:  # before ZeRO, which partitions the expert shards over dp
             out.append((f"expert_parallel(mesh, bucket_mb={self.bucket_mb})",
                         expert_parallel(mesh, bucket_mb=self.bucket_mb)))
@@ -419,7 +453,7 @@ class Preset:
         steps = self.transforms(step, mesh)
         module = getattr(step.apply_fn, "module", None)
         sharding = None
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.tp_mode == "1d":
             # The same resolution shard_params makes (deterministic): for the plan's numbers.
             sharding = plan_sharding(module, self._rules(module, step), mesh, "tp")
         store = None
@@ -523,6 +557,7 @@ def hybrid_parallel(
     batch_shape: tuple[int, int] | None = None,
     plan: bool = False,
     grad_accum: int = 1,
+    tp_mode: str = "1d",
     params: Any = None,
     buffers: Any = None,
     seed: int = 0,
@@ -530,6 +565,9 @@ def hybrid_parallel(
     donate: bool = True,
 ) -> Preset | Composed:
     """Colossal-AI's ``HybridParallelPlugin``: ``pp x dp x tp`` with ZeRO 0-3 over dp.
+
+    ``tp_mode``: ``"1d"`` (Megatron) or ``"2d"`` (SUMMA; ``tp_size = q * q``, mesh axes
+    ``tp_row`` x ``tp_col``, ``tp`` kept at size 1; docs/TENSOR_PARALLEL.md).
 
     ``compose([pipeline_split(mesh, microbatches=...)], shard_params(rules, mesh),
     data_parallel(mesh), zero_partition(zero_stage, mesh), [offload], [amp_cast(precision)])``
@@ -546,7 +584,7 @@ def hybrid_parallel(
         initial_scale=initial_scale, growth_factor=growth_factor,
         backoff_factor=backoff_factor, growth_interval=growth_interval,
         batch_shape=batch_shape, plan=plan, pp_style=pp_style, num_model_chunks=num_model_chunks,
-        grad_accum=grad_accum,
+        grad_accum=grad_accum, tp_mode=tp_mode,
     )
 
 

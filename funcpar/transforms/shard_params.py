@@ -119,9 +119,13 @@ def logits_of(output: Any) -> Tensor:
 
 def shard_params(
     rules: Sequence[Rule | LocalAttr], mesh: DeviceMesh, *, axis: str = "tp",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, mode: str = "1d",
 ) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
     """The tensor-parallel transform over mesh axis ``axis`` (see the module docstring).
+
+    ``mode``: ``"1d"`` (Megatron, this module) or ``"2d"`` (SUMMA on the mesh axes ``tp_row``
+    x ``tp_col``, :mod:`funcpar.transforms.tp_modes`; ``axis`` is then unused); ``"2.5d"`` and
+    ``"3d"`` are refused (not implemented).
 
     The state must be fresh from ``init_state`` (step 0) and hold whole parameters; its
     optimizer state is re-initialized on the shards (moving a trained state between layouts is
@@ -130,16 +134,17 @@ def shard_params(
     ``chunk_sizes`` pieces, a sequence shorter than the axis is a ValueError.
     """
 
+    if mode != "1d":
+        from funcpar.transforms.tp_modes import check_mode, shard_params_2d
+
+        check_mode(mode)
+        if sequence_parallel:
+            raise ValueError(f"sequence_parallel is a 1D mode option; mode={mode!r} already "
+                             "splits the activations between layers")
+        return shard_params_2d(rules, mesh)
+
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
-        module = getattr(step.apply_fn, "module", None)
-        if module is None:
-            raise TypeError("shard_params needs a step built on functionalize(module)'s apply_fn")
-        require_fresh(state, "shard_params")
-        require_before_partition(step, "shard_params", "tensor-parallel shards")
-        if step.layouts is not None:
-            raise ValueError("the step is already sharded (it has layouts): apply shard_params "
-                             "once, and before expert_parallel (which cuts the tensor-parallel "
-                             "expert shards over ep)")
+        module = sharded_module(step, state)
         plan = plan_sharding(module, rules, mesh, axis)
         seq = _seq_plan(module, plan) if sequence_parallel else None
         layouts = {n: plan.layouts[n] for n in state.params}
@@ -165,6 +170,21 @@ def shard_params(
         return new_step, state._replace(params=params, opt_state=opt_state)
 
     return transform
+
+
+def sharded_module(step: TrainStep, state: TrainState) -> nn.Module:
+    """The module under ``step`` (which every mode of ``shard_params`` rewrites), after the
+    checks each mode makes: a fresh state, no ZeRO partition yet, not sharded already."""
+    module = getattr(step.apply_fn, "module", None)
+    if module is None:
+        raise TypeError("shard_params needs a step built on functionalize(module)'s apply_fn")
+    require_fresh(state, "shard_params")
+    require_before_partition(step, "shard_params", "tensor-parallel shards")
+    if step.layouts is not None:
+        raise ValueError("the step is already sharded (it has layouts): apply shard_params "
+                         "once, and before expert_parallel (which cuts the tensor-parallel "
+                         "expert shards over ep)")
+    return module
 
 
 def _vocab_parallel_loss(loss_fn: Callable, head: ModulePlan, plan: ShardingPlan) -> Callable:

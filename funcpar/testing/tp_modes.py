@@ -1,0 +1,96 @@
+"""The reference runs of the multi-dimensional tensor-parallel modes (``shard_params(mode=...)``).
+
+Two models, trained 10 steps in float64 under a mode (spawned gloo ranks) and in one process:
+
+* ``"llama"``: :data:`funcpar.testing.reference.CFG` (vocabulary 50, MLP width 42, 8 heads, 4
+  kv heads), on :func:`funcpar.testing.reference.batches`;
+* ``"mlp"``: :class:`PlainMLP`, a classifier with biases and a LayerNorm whose every dim is
+  odd (uneven 2D blocks: 13 -> 7/6, 18 -> 9/9 -> 5/4, 11 -> 6/5) on a batch of 9 rows (5/4).
+
+:func:`train` returns (losses, whole params) on every rank; compare with :func:`train` of the
+same model and optimizer with ``mode=None`` (one process).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from funcpar.models import Llama, lm_loss
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.rules import Rule, llama_rules
+from funcpar.state import functionalize, init_state
+from funcpar.testing.reference import CFG, OPTIMIZERS, STEPS, batches, run
+from funcpar.train import make_train_step
+from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
+
+__all__ = ["MLP_RULES", "PlainMLP", "build", "class_loss", "mlp_batches", "train"]
+
+
+class PlainMLP(nn.Module):
+    """``x [batch, 13]`` to class logits ``[batch, 11]``: linear, GELU, LayerNorm, linear,
+    GELU, linear (biases everywhere)."""
+
+    supports_tp_2d = True  # per row and per feature between its modules
+
+    def __init__(self, d_in: int = 13, hidden: int = 18, classes: int = 11) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x: Float[Tensor, "batch d_in"]) -> Float[Tensor, "batch classes"]:
+        h = self.norm(F.gelu(self.fc1(x)))
+        return self.out(F.gelu(self.fc2(h)))
+
+
+def class_loss(logits: Float[Tensor, "batch classes"],
+               targets: Int[Tensor, " batch"]) -> Float[Tensor, ""]:
+    """Mean cross-entropy over the batch (declared token cross-entropy, so a tensor-parallel
+    mode may compute it on split logits)."""
+    return F.cross_entropy(logits, targets)
+
+
+class_loss.token_cross_entropy = True
+
+MLP_RULES = [Rule("out", "vocab_parallel")]
+
+
+def mlp_batches(seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 9, 13, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 11, (2, 9), generator=g)
+    return [(x[i % 2], y[i % 2]) for i in range(STEPS)]
+
+
+def build(model: str, optim: str, mode: str | None, *, dp: int = 1, zero: int = 0,
+          q: int = 2):
+    """``(step, state, batches)`` of ``model`` under ``mode`` (None: one process) x dp."""
+    torch.manual_seed(0)
+    if model == "llama":
+        net, loss, rules, data = Llama(CFG).double(), lm_loss, llama_rules(CFG.head_dim), \
+            batches()
+    else:
+        net, loss, rules, data = PlainMLP().double(), class_loss, MLP_RULES, mlp_batches()
+    apply_fn, params, buffers = functionalize(net)
+    opt = OPTIMIZERS[optim](params)
+    step, state = make_train_step(apply_fn, loss, opt), init_state(params, buffers, opt)
+    if mode is None:
+        return step, state, data
+    mesh = DeviceMesh.from_env(dp=dp, tp_row=q, tp_col=q)
+    transforms = [shard_params(rules, mesh, mode=mode)]
+    if dp > 1:
+        transforms.append(data_parallel(mesh))
+    if zero:
+        transforms.append(zero_partition(zero, mesh))
+    step, state = compose(*transforms)(step, state)
+    return step, state, data
+
+
+def train(model: str, optim: str, mode: str | None = "2d", **kw):
+    """10 steps: (losses, whole params) on this rank."""
+    step, state, data = build(model, optim, mode, **kw)
+    return run(step, state, data)

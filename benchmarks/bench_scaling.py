@@ -67,13 +67,21 @@ def run(args: argparse.Namespace, ranks: int, layout: str | None) -> dict[str, f
                "--master_port", str(free_port()), script, *common, *LAYOUTS[layout](ranks),
                "--comm-report", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
-                         cwd=ROOT)
-    text = out.stdout + out.stderr
-    m = DONE.search(text)
-    if out.returncode != 0 or m is None:
-        raise SystemExit(f"{layout or 'one process'} on {ranks} ranks failed "
-                         f"(exit {out.returncode}):\n{text[-3000:]}")
+    for attempt in (1, 2):
+        if layout is not None:
+            cmd[cmd.index("--master_port") + 1] = str(free_port())
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                             env=env, cwd=ROOT)
+        text = out.stdout + out.stderr
+        m = DONE.search(text)
+        if out.returncode == 0 and m is not None:
+            break
+        # Seen once on the loaded 2-core VM: a gloo rank aborting at exit ("terminate called
+        # without an active exception") after the run had finished; rerun it once, say so.
+        print(f"warning: {layout or 'one process'} on {ranks} ranks failed (exit "
+              f"{out.returncode}, attempt {attempt}):\n{text[-1500:]}", file=sys.stderr)
+    else:
+        raise SystemExit(f"{layout or 'one process'} on {ranks} ranks failed twice")
     steps = int(m.group(1))
     report = text[text.find("collectives issued by rank 0"):]
     return {"tok_s": float(m.group(3).replace(",", "")),

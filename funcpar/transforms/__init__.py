@@ -3,6 +3,7 @@
 from funcpar.init.lazy import materialize
 from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.compose import compose
+from funcpar.transforms.context_parallel import context_parallel
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.expert_parallel import expert_parallel
 from funcpar.transforms.offload import offload
@@ -15,6 +16,7 @@ from funcpar.transforms.zero_partition import zero_partition
 __all__ = [
     "amp_cast",
     "compose",
+    "context_parallel",
     "data_parallel",
     "expert_parallel",
     "logits_of",

@@ -18,11 +18,20 @@ import torch
 import funcpar.optim as fo
 from funcpar.models import Llama, LlamaConfig, causal_attention, lm_loss
 from funcpar.shard.comm import comm_log
+from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.rules import llama_rules
 from funcpar.state import functionalize, init_state
 from funcpar.testing import run_ranks
 from funcpar.train import make_train_step
-from funcpar.transforms import compose, context_parallel, data_parallel
+from funcpar.transforms import (
+    compose,
+    context_parallel,
+    data_parallel,
+    shard_params,
+    zero_partition,
+)
+from funcpar.transforms import remat as funcpar_remat
 from funcpar.transforms.context_parallel import (
     ring_attention,
     ulysses_attention,
@@ -139,19 +148,38 @@ def _batches(seq=SEQ, batch=4, ignore=False):
 OPTIMIZERS = {
     "sgd": lambda: fo.sgd(lr=0.2, momentum=0.9),
     "adamw": lambda: fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(lr=1e-2, weight_decay=0.1)),
+    "adafactor": lambda: fo.adafactor(lr=1e-2),
+    "came": lambda: fo.came(lr=1e-2),
+    "lamb": lambda: fo.lamb(lr=1e-2, weight_decay=0.1),
+    "galore_adamw": lambda: fo.galore_adamw(lr=1e-2, rank=2, update_proj_gap=4,
+                                            weight_decay=0.1),
 }
 
 
-def train(cp=1, mode="ring", opt="adamw", dp=1, ignore=False, records=False):
-    """10 steps; (losses, params) on every rank (and the first step's collectives)."""
+def train(cp=1, mode="ring", opt="adamw", dp=1, tp=1, sp=False, zero=0, remat=False,
+          ignore=False, records=False):
+    """10 steps; (losses, whole params) on every rank (and the first step's collectives).
+    Transforms in the documented order: shard_params, context_parallel, data_parallel,
+    zero_partition, remat."""
     model = Llama(CFG).to(torch.float64)
     apply_fn, params, buffers = functionalize(model)
     optimizer = OPTIMIZERS[opt]()
     step, state = make_train_step(apply_fn, lm_loss, optimizer), init_state(params, buffers,
                                                                             optimizer)
-    if cp * dp > 1:
-        mesh = DeviceMesh.from_env(dp=dp, cp=cp)
-        step, state = compose(context_parallel(mesh, mode=mode), data_parallel(mesh))(step, state)
+    transforms = []
+    if cp * dp * tp > 1:
+        mesh = DeviceMesh.from_env(dp=dp, tp=tp, cp=cp)
+        if tp > 1:
+            transforms.append(shard_params(llama_rules(CFG.head_dim), mesh,
+                                           sequence_parallel=sp))
+        transforms.append(context_parallel(mesh, mode=mode))
+        if dp > 1:
+            transforms.append(data_parallel(mesh))
+        if zero:
+            transforms.append(zero_partition(zero, mesh))
+    if remat:
+        transforms.append(funcpar_remat())
+    step, state = compose(*transforms)(step, state)
     losses, recs = [], []
     for i, batch in enumerate(_batches(ignore=ignore)):
         with comm_log.capture() as got:
@@ -159,7 +187,12 @@ def train(cp=1, mode="ring", opt="adamw", dp=1, ignore=False, records=False):
         if i == 0:
             recs = [(r.op, r.axis, r.nbytes, r.purpose) for r in got]
         losses.append(float(metrics["loss"]))
-    return (losses, state.params, recs) if records else (losses, state.params)
+    params = state.params
+    if step.partition is not None and zero == 3:
+        params = step.partition.gather_tree(params, "test")
+    if step.layouts is not None and tp > 1:
+        params = unshard_tree(params, step.layouts)
+    return (losses, params, recs) if records else (losses, params)
 
 
 def _max_rel(a, b):
@@ -177,7 +210,8 @@ def _check(results, ref, tol=1e-10):
 
 def _cp2_cases():
     return {(mode, opt): train(2, mode, opt) for mode in ("ring", "ulysses")
-            for opt in ("adamw",)} | {"ignore": train(2, "ring", "sgd", ignore=True)}
+            for opt in ("adamw",)} | {"ignore": train(2, "ring", "sgd", ignore=True),
+                                      "remat": train(2, "ring", remat=True)}
 
 
 def test_llama_cp2_ring_and_ulysses_match_one_process_float64():
@@ -186,3 +220,95 @@ def test_llama_cp2_ring_and_ulysses_match_one_process_float64():
     for mode in ("ring", "ulysses"):
         _check([r[(mode, "adamw")] for r in results], ref)
     _check([r["ignore"] for r in results], train(opt="sgd", ignore=True))
+    _check([r["remat"] for r in results], ref)
+
+
+def _cp2x2_cases():
+    return {
+        "tp2 sp ring": train(2, "ring", tp=2, sp=True),
+        "tp2 ulysses": train(2, "ulysses", tp=2),
+        "dp2 zero2 ulysses": train(2, "ulysses", dp=2, zero=2),
+        "dp2 zero3 ring": train(2, "ring", dp=2, zero=3),
+    }
+
+
+@pytest.mark.slow
+def test_cp2_composes_with_tp_dp_zero_float64():
+    results = run_ranks(_cp2x2_cases, 4, timeout=600)
+    ref = train()
+    for case in results[0]:
+        _check([r[case] for r in results], ref)
+
+
+def _cp4_cases(opts):
+    return {(mode, opt): train(4, mode, opt) for mode in ("ring", "ulysses") for opt in opts}
+
+
+MATRIX = ("sgd", "adamw", "adafactor", "came", "lamb", "galore_adamw")
+
+
+@pytest.mark.slow
+def test_llama_cp4_and_optimizer_matrix_float64():
+    # cp4 (heads 8 / kv 2: Ulysses repeats each kv head to 2 ranks) for every optimizer, and
+    # cp2 for the same; 2 modes x 6 optimizers x 2 sizes against one process.
+    ref = {opt: train(opt=opt) for opt in MATRIX}
+    for world in (2, 4):
+        results = run_ranks(_cp4_cases, world, MATRIX, timeout=900)
+        for case in results[0]:
+            _check([r[case] for r in results], ref[case[1]])
+
+
+# ----------------------------------------------------------------------------------- refusals
+def _step(model=None, loss_fn=lm_loss, **kw):
+    model = model or Llama(CFG)
+    apply_fn, params, buffers = functionalize(model)
+    opt = fo.sgd(lr=0.1)
+    return make_train_step(apply_fn, loss_fn, opt, **kw), init_state(params, buffers, opt)
+
+
+def test_refusals():
+    mesh = DeviceMesh.virtual(rank=0, cp=2)
+    cp = context_parallel(mesh)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        context_parallel(mesh, mode="stripe")
+    with pytest.raises(ValueError, match="no axis 'sp'"):
+        context_parallel(mesh, axis="sp")
+    with pytest.raises(ValueError, match="context_parallel and compile=True"):
+        cp(*_step(compile=True))
+    with pytest.raises(ValueError, match="token-mean loss"):
+        cp(*_step(loss_fn=lambda out, y: out.float().mean()))
+    step, state = cp(*_step())
+    with pytest.raises(ValueError, match="already applied"):
+        cp(step, state)
+    with pytest.raises(ValueError, match="apply shard_params before context_parallel"):
+        shard_params(llama_rules(CFG.head_dim), DeviceMesh.virtual(rank=0, tp=2, cp=2))(
+            *context_parallel(DeviceMesh.virtual(rank=0, tp=2, cp=2))(*_step()))
+    moe = Llama(LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_experts=2,
+                            capacity_factor=None))
+    with pytest.raises(ValueError, match=r"context_parallel and MoE blocks \(layers.0.mlp\)"):
+        cp(*_step(moe))
+
+    class Other(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    apply_fn, params, buffers = functionalize(Other())
+    with pytest.raises(ValueError, match=r"replace the attention of .*Other: supported"):
+        cp(make_train_step(apply_fn, lm_loss, fo.sgd(lr=0.1)), init_state(params, buffers,
+                                                                           fo.sgd(lr=0.1)))
+
+
+def test_pipeline_is_refused_naming_both():
+    from funcpar.transforms import pipeline_split
+
+    mesh = DeviceMesh.virtual(rank=0, pp=2, cp=2)
+    step, state = pipeline_split(mesh, microbatches=2)(*_step())
+    with pytest.raises(ValueError, match="context_parallel and pipeline_split"):
+        context_parallel(mesh)(step, state)
+
+
+def test_sequence_that_does_not_split_is_refused():
+    step, state = context_parallel(DeviceMesh.virtual(rank=0, cp=2))(*_step())
+    ids = torch.randint(0, CFG.vocab_size, (2, 7))
+    with pytest.raises(ValueError, match=r"4 equal chunks \(zigzag\), but the batch .* has 6"):
+        step(state, (ids[:, :-1], ids[:, 1:]))

@@ -161,6 +161,9 @@ def shard_params(
 
 
 def _vocab_parallel_loss(loss_fn: Callable, head: ModulePlan, plan: ShardingPlan) -> Callable:
+    if getattr(loss_fn, "context_parallel", None) is not None:
+        raise ValueError("apply shard_params before context_parallel: the vocab-parallel loss "
+                         "would replace context_parallel's token-weighted one")
     if not getattr(loss_fn, "token_cross_entropy", False):
         raise ValueError(
             f"{head.name!r} is vocab-split (rule {head.rule.pattern!r}), so the loss is computed "
@@ -180,6 +183,10 @@ def _vocab_parallel_loss(loss_fn: Callable, head: ModulePlan, plan: ShardingPlan
         )
         return ce if extra is None else ce + extra(output).to(ce.dtype)
 
+    # Still a token mean, for the transforms applied after this one (context_parallel).
+    loss.token_cross_entropy, loss.ignore_index = True, ignore_index
+    if extra is not None:
+        loss.extra_loss = extra
     return loss
 
 

@@ -23,6 +23,7 @@ from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import llama_rules
 from funcpar.state import functionalize, init_state
 from funcpar.testing import run_ranks
+from funcpar.testing.reference import OPTIMIZERS
 from funcpar.train import make_train_step
 from funcpar.transforms import (
     compose,
@@ -145,15 +146,6 @@ def _batches(seq=SEQ, batch=4, ignore=False):
     return out
 
 
-OPTIMIZERS = {
-    "sgd": lambda: fo.sgd(lr=0.2, momentum=0.9),
-    "adamw": lambda: fo.chain(fo.clip_by_global_norm(0.5), fo.adamw(lr=1e-2, weight_decay=0.1)),
-    "adafactor": lambda: fo.adafactor(lr=1e-2),
-    "came": lambda: fo.came(lr=1e-2),
-    "lamb": lambda: fo.lamb(lr=1e-2, weight_decay=0.1),
-    "galore_adamw": lambda: fo.galore_adamw(lr=1e-2, rank=2, update_proj_gap=4,
-                                            weight_decay=0.1),
-}
 
 
 def train(cp=1, mode="ring", opt="adamw", dp=1, tp=1, sp=False, zero=0, remat=False,
@@ -163,7 +155,7 @@ def train(cp=1, mode="ring", opt="adamw", dp=1, tp=1, sp=False, zero=0, remat=Fa
     zero_partition, remat."""
     model = Llama(CFG).to(torch.float64)
     apply_fn, params, buffers = functionalize(model)
-    optimizer = OPTIMIZERS[opt]()
+    optimizer = OPTIMIZERS[opt](params)
     step, state = make_train_step(apply_fn, lm_loss, optimizer), init_state(params, buffers,
                                                                             optimizer)
     transforms = []
@@ -240,8 +232,9 @@ def test_cp2_composes_with_tp_dp_zero_float64():
         _check([r[case] for r in results], ref)
 
 
-def _cp4_cases(opts):
-    return {(mode, opt): train(4, mode, opt) for mode in ("ring", "ulysses") for opt in opts}
+def _cp_cases(opts):
+    cp = torch.distributed.get_world_size()
+    return {(mode, opt): train(cp, mode, opt) for mode in ("ring", "ulysses") for opt in opts}
 
 
 MATRIX = ("sgd", "adamw", "adafactor", "came", "lamb", "galore_adamw")
@@ -253,7 +246,7 @@ def test_llama_cp4_and_optimizer_matrix_float64():
     # cp2 for the same; 2 modes x 6 optimizers x 2 sizes against one process.
     ref = {opt: train(opt=opt) for opt in MATRIX}
     for world in (2, 4):
-        results = run_ranks(_cp4_cases, world, MATRIX, timeout=900)
+        results = run_ranks(_cp_cases, world, MATRIX, timeout=900)
         for case in results[0]:
             _check([r[case] for r in results], ref[case[1]])
 
@@ -262,7 +255,7 @@ def test_llama_cp4_and_optimizer_matrix_float64():
 def _step(model=None, loss_fn=lm_loss, **kw):
     model = model or Llama(CFG)
     apply_fn, params, buffers = functionalize(model)
-    opt = fo.sgd(lr=0.1)
+    opt = OPTIMIZERS["sgd"](None)
     return make_train_step(apply_fn, loss_fn, opt, **kw), init_state(params, buffers, opt)
 
 
@@ -312,3 +305,51 @@ def test_sequence_that_does_not_split_is_refused():
     ids = torch.randint(0, CFG.vocab_size, (2, 7))
     with pytest.raises(ValueError, match=r"4 equal chunks \(zigzag\), but the batch .* has 6"):
         step(state, (ids[:, :-1], ids[:, 1:]))
+
+
+# ------------------------------------------------------------------------------ plan vs comm
+def _measured_and_planned(world_dp=1, **kw):
+    from funcpar.presets import hybrid_parallel
+    from funcpar.shard.comm import summarize
+
+    composed = hybrid_parallel(Llama(CFG).to(torch.float64), lm_loss, fo.adamw(lr=1e-2),
+                               max_norm=0.5, batch_shape=(4, SEQ), donate=False, **kw)
+    step, state = composed
+    with comm_log.capture() as recs:
+        step(state, _batches()[0])
+    measured = {(s.op, s.axis): (s.count, s.nbytes) for s in summarize(recs)}
+    sends = {r.nbytes for r in recs if r.op == "send" and "ring kv (grad)" not in r.purpose
+             and "dkv" not in r.purpose}
+    return measured, composed.plan.comm_totals(), sends, str(composed.plan)
+
+
+def _plan_cases():
+    return {mode: _measured_and_planned(sp_size=2, sequence_parallelism_mode=mode)
+            for mode in ("ring_attn", "all_to_all")}
+
+
+def test_plan_equals_comm_log_cp2():
+    for rank, cases in enumerate(run_ranks(_plan_cases, 2, timeout=120)):
+        for mode, (measured, planned, _, text) in cases.items():
+            assert measured == planned, (rank, mode, measured, planned)
+            assert "context_parallel(mesh, mode=" in text
+        # The ring's kv block: k and v of the 2 kv heads (not the 8 query heads) of this
+        # rank's 4 sequences x 8 positions x head_dim 4, float64.
+        assert cases["ring_attn"][2] == {2 * 4 * 2 * 8 * 4 * 8}
+
+
+def test_preset_sp_mode_errors():
+    from funcpar.presets import hybrid_parallel
+
+    with pytest.raises(ValueError, match="sp_size=2 needs sequence_parallelism_mode"):
+        hybrid_parallel(sp_size=2)
+    with pytest.raises(ValueError, match="Colossal-AI's 'ring' is split_gather"):
+        hybrid_parallel(sp_size=2, sequence_parallelism_mode="ring")
+    with pytest.raises(ValueError, match="'ring_attn'.* needs sp_size > 1"):
+        hybrid_parallel(sequence_parallelism_mode="ring_attn")
+    with pytest.raises(ValueError, match="context_parallel .* and pipeline_split"):
+        hybrid_parallel(sp_size=2, sequence_parallelism_mode="all_to_all", pp_size=2,
+                        microbatches=2)
+    with pytest.raises(ValueError, match="sp_size .2. must be 1 or tp_size .4."):
+        hybrid_parallel(sp_size=2, tp_size=4, sequence_parallelism_mode="split_gather")
+    assert hybrid_parallel(tp_size=2, sequence_parallelism_mode="split_gather").sequence_parallel

@@ -99,8 +99,15 @@ from funcpar.state.tree import tree_flatten, tree_unflatten
 from funcpar.train.step import TrainStep
 from funcpar.transforms.data_parallel import bucketed_mean, mean_loss
 
-__all__ = ["context_parallel", "ring_attention", "ulysses_attention", "zigzag_positions",
-           "zigzag_split"]
+__all__ = [
+    "ContextParallel",
+    "context_parallel",
+    "ring_attention",
+    "ulysses_attention",
+    "ulysses_kv_heads",
+    "zigzag_positions",
+    "zigzag_split",
+]
 
 MODES = ("ring", "ulysses")
 #: Models whose attention this transform knows how to replace, by qualified name (the
@@ -394,6 +401,49 @@ def ulysses_attention(
 
 
 # ------------------------------------------------------------------------------ the transform
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """What :func:`context_parallel` did to a step, kept on its loss function (attribute
+    ``context_parallel``) for the plan (:mod:`funcpar.presets.plan`) and the other transforms:
+    ``attention`` lists ``(name, heads, kv_heads, head_dim)`` of every attention module."""
+
+    axis: str
+    mode: str
+    overlap: bool
+    bucket_bytes: int
+    attention: tuple[tuple[str, int, int, int], ...]
+
+    def attention_comm(self, n: int, batch: int, local_seq: int, dtype: torch.dtype,
+                       tp: int = 1) -> list[tuple[str, int, str, int]]:
+        """``(op, total bytes, what, count)`` of the attention's traffic in one step over
+        ``n`` ranks: ``batch`` sequences of ``local_seq`` positions on this rank, in
+        ``dtype``, the heads cut over ``tp`` (in :mod:`funcpar.shard.comm`'s convention: a
+        send and its receive are each recorded with the buffer's bytes)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        work = torch.empty((), dtype=_work_dtype(dtype)).element_size()
+        out = []
+        for _name, heads, kv, d in self.attention:
+            h, k = heads // tp, kv // tp
+            per_head = batch * local_seq * d
+            if self.mode == "ring":
+                kv_bytes = 2 * k * per_head
+                for op in ("send", "recv"):
+                    out += [(op, (n - 1) * kv_bytes * size, "cp ring: kv blocks (forward)",
+                             n - 1),
+                            (op, (n - 1) * kv_bytes * size, "cp ring: kv blocks (backward)",
+                             n - 1),
+                            (op, n * kv_bytes * work, "cp ring: dkv accumulators (backward)",
+                             n)]
+            else:
+                repeat = ulysses_kv_heads(h, k, n)
+                sent = h + 2 * (k if repeat is None else len(repeat))
+                for what in ("forward", "backward"):
+                    out += [("all_to_all", sent * per_head * size, f"cp ulysses: qkv ({what})",
+                             1),
+                            ("all_to_all", h * per_head * size, f"cp ulysses: out ({what})", 1)]
+        return out
+
+
 def _attention_modules(module: nn.Module) -> dict[str, nn.Module]:
     want = _MODELS.get(_qualname(module))
     if want is None:
@@ -469,7 +519,9 @@ def context_parallel(
         return dataclasses.replace(
             step, apply_fn=_cp_apply(step.apply_fn, attn, module, mesh, axis, mode, overlap),
             local_batch=_cp_local_batch(step.local_batch, mesh, axis),
-            loss_fn=_cp_loss(step.loss_fn, mesh, axis),
+            loss_fn=_cp_loss(step.loss_fn, mesh, ContextParallel(
+                axis, mode, overlap, int(bucket_mb * 2**20),
+                tuple((name, m.n_heads, m.n_kv, m.head_dim) for name, m in attn.items()))),
             sync_grads=_cp_grads(step.sync_grads, mesh, axis, int(bucket_mb * 2**20)),
             sync_loss=mean_loss(step.sync_loss, mesh, axis, "cp loss"),
         ), state
@@ -511,7 +563,8 @@ def _cp_local_batch(inner: Callable | None, mesh: DeviceMesh, axis: str) -> Call
     return local_batch
 
 
-def _cp_loss(inner: Callable, mesh: DeviceMesh, axis: str) -> Callable:
+def _cp_loss(inner: Callable, mesh: DeviceMesh, info: ContextParallel) -> Callable:
+    axis = info.axis
     n = mesh.size(axis)
     ignore = getattr(inner, "ignore_index", -100)
 
@@ -524,7 +577,7 @@ def _cp_loss(inner: Callable, mesh: DeviceMesh, axis: str) -> Callable:
         # In the loss's dtype: int64 / int64 would divide in the default dtype (float32).
         return value * (mine.to(value.dtype) * n / total.to(value.dtype))
 
-    loss.context_parallel = axis
+    loss.context_parallel = info
     return loss
 
 

@@ -197,7 +197,7 @@ def _check(results, ref, tol=1e-10):
         err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         assert err <= tol, (rank, err)
         assert _max_rel(params, ref_params) <= tol, (rank, _max_rel(params, ref_params))
-    assert ref_losses[-1] < ref_losses[0] - 0.3  # it trains
+    assert ref_losses[-1] < ref_losses[0] - 0.05  # it trains
 
 
 def _cp2_cases():

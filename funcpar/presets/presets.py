@@ -345,10 +345,11 @@ class Preset:
         if extra:
             raise ValueError(f"{self.name}: the mesh has axes {extra} that the preset does not "
                              "use; its axes are 'dp' and 'tp' (and 'pp')")
-        for axis, want in (("tp", self.tp_size), ("pp", self.pp_size), ("ep", self.ep_size),
-                           ("cp", self.cp_size)):
+        for axis, name, want in (("tp", "tp_size", self.tp_size), ("pp", "pp_size", self.pp_size),
+                                 ("ep", "ep_size", self.ep_size),
+                                 ("cp", "sp_size (context-parallel modes)", self.cp_size)):
             if sizes.get(axis, 1) != want:
-                raise ValueError(f"{self.name}: {axis}_size={want} but the mesh's {axis!r} axis "
+                raise ValueError(f"{self.name}: {name}={want} but the mesh's {axis!r} axis "
                                  f"has {sizes.get(axis, 1)} ranks ({mesh!r})")
         if self.dp_size is not None and sizes.get("dp", 1) != self.dp_size:
             raise ValueError(f"{self.name}: dp_size={self.dp_size} but the mesh's 'dp' axis "

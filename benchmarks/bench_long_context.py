@@ -172,23 +172,25 @@ def main(argv=None) -> None:
         one["max_seq"] = _bisect(args, *_setup(args, 1, "ring")[:2], 1, cap)
     print(f"{'cp':>3} {'mode':<8} {'act MiB':>8} {'vs 1/cp':>8} {'peak MiB':>9} "
           f"{'max seq':>8} {'x1':>5} {'tok/s':>8} {'no overlap':>10}")
-    rows = [(1, "-", [one])]
+    _row(1, "-", [one], one, base_act)
     for cp in (int(c) for c in args.cps.split(",")):
         if cp == 1:
             continue
         for mode in args.modes.split(","):
-            rows.append((cp, mode, run_ranks(rank_main, cp, args, cp, mode, backend=backend,
-                                             timeout=args.timeout)))
-    for cp, mode, res in rows:
-        act = max(r["act"] for r in res)
-        peak = max(r["peak"] for r in res)
-        tok = min(r["overlap"] for r in res)
-        no = min((r["no overlap"] for r in res if "no overlap" in r), default=None)
-        ms = res[0].get("max_seq")
-        x1 = f"{ms / one['max_seq']:.2f}" if ms and one.get("max_seq") else "-"
-        print(f"{cp:>3} {mode:<8} {act / 2**20:>8.2f} {act / (base_act / cp):>8.2f} "
-              f"{peak / 2**20:>9.1f} {ms or '-':>8} {x1:>5} {tok:>8.0f} "
-              f"{'-' if no is None else f'{no:.0f}':>10}", flush=True)
+            res = run_ranks(rank_main, cp, args, cp, mode, backend=backend, timeout=args.timeout)
+            _row(cp, mode, res, one, base_act)
+
+
+def _row(cp: int, mode: str, res: list[dict], one: dict, base_act: int) -> None:
+    act = max(r["act"] for r in res)
+    peak = max(r["peak"] for r in res)
+    tok = min(r["overlap"] for r in res)
+    no = min((r["no overlap"] for r in res if "no overlap" in r), default=None)
+    ms = res[0].get("max_seq")
+    x1 = f"{ms / one['max_seq']:.2f}" if ms and one.get("max_seq") else "-"
+    print(f"{cp:>3} {mode:<8} {act / 2**20:>8.2f} {act / (base_act / cp):>8.2f} "
+          f"{peak / 2**20:>9.1f} {ms or '-':>8} {x1:>5} {tok:>8.0f} "
+          f"{'-' if no is None else f'{no:.0f}':>10}", flush=True)
 
 
 def _with(args: argparse.Namespace, **kw) -> argparse.Namespace:

@@ -373,3 +373,16 @@ def test_preset_sp_mode_errors():
     with pytest.raises(ValueError, match="sp_size .2. must be 1 or tp_size .4."):
         hybrid_parallel(sp_size=2, tp_size=4, sequence_parallelism_mode="split_gather")
     assert hybrid_parallel(tp_size=2, sequence_parallelism_mode="split_gather").sequence_parallel
+
+
+def test_zigzag_balances_the_causal_work():
+    # Chunk pairs each rank computes over the whole ring: 2N - 1 full ones and 2 diagonal
+    # (half) ones on every rank, so the causal attention FLOPs per rank are equal (max/min 1).
+    from funcpar.transforms.context_parallel import _pairs
+
+    for n in (2, 4, 8):
+        work = []
+        for rank in range(n):
+            pairs = [p for src in range(n) for p in _pairs(n, rank, src)]
+            work.append((sum(not diag for *_, diag in pairs), sum(diag for *_, diag in pairs)))
+        assert work == [(2 * n - 1, 2)] * n, (n, work)

@@ -23,16 +23,19 @@ Transformers", arXiv 2310.01889; Li et al. 2021, arXiv 2105.13120). Each rank ke
 queries; the key/value block (``2 x batch x kv_heads x 2c x head_dim``: the kv heads, never
 repeated to the query heads under grouped-query attention) travels around the ring by
 point-to-point sends (:func:`funcpar.shard.comm.batch_p2p`, so every send and receive is in
-:data:`~funcpar.shard.comm.comm_log`), ``N - 1`` hops. Each arriving block's partial attention
-``o_b = softmax(s_b) v_b`` with its log-sum-exp ``l_b = log sum exp s_b`` merges into the
-running ``(o, l)`` (online softmax, Milakov & Gimelshein 2018; FlashAttention, Dao et al.
-2022): ``l' = logaddexp(l, l_b)``, ``o' = o e^{l - l'} + o_b e^{l_b - l'}``, kept in float32
-(float64 for float64 inputs) whatever the inputs' dtype, so the rounding does not grow with the
-ring. Only the chunk pairs the causal mask leaves are computed, each holding a ``c x c`` score
-tile: no rank holds the sequence's ``S x S`` scores nor its whole keys and values. The backward
-(a ``torch.autograd.Function``) saves the inputs, the output and ``l``; it sends the key/value
-block around the ring again, and with it the block's gradient accumulator ``(dK, dV)`` (float32
-or float64), to which every rank adds its queries' contribution
+:data:`~funcpar.shard.comm.comm_log`), ``N - 1`` hops. Each arriving block's scores ``s_b``
+join the running softmax of each query chunk (online softmax, Milakov & Gimelshein 2018;
+FlashAttention, Dao et al. 2022): with the row maxima ``m' = max(m, max s_b)``,
+``l' = l e^{m - m'} + sum e^{s_b - m'}`` and ``acc' = acc e^{m - m'} + e^{s_b - m'} v_b``; the
+output is ``acc / l`` and its log-sum-exp ``m + log l`` at the end. All in float32 (float64 for
+float64 inputs) whatever the inputs' dtype; one rescale per block and one division at the end,
+so the rounding does not grow with the ring (measured: the float32 error against a float64
+reference is one process's at cp2 and cp4, docs/CONTEXT_PARALLEL.md). Only the chunk pairs
+the causal mask leaves are computed, each holding a ``c x c`` score tile: no rank holds the
+sequence's ``S x S`` scores nor its whole keys and values. The backward (a
+``torch.autograd.Function``) saves the inputs, the output and its log-sum-exp; it sends the
+key/value block around the ring again, and with it the block's gradient accumulator
+``(dK, dV)`` (float32 or float64), to which every rank adds its queries' contribution
 ``dS = P * (dP - rowsum(dO * O))`` (FlashAttention's backward); after ``N`` hops each
 accumulator is home, complete. ``overlap=True`` posts the next block's transfer before
 computing on the current one (``False``: after, for the benchmark's comparison).
@@ -179,15 +182,36 @@ def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
     return s
 
 
-def _block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
-           ) -> tuple[Tensor, Tensor]:
-    """``(softmax(s) v, logsumexp(s))`` of one chunk pair, as ``[b, h, cq, d]`` and
-    ``[b, h, cq]`` (grouped-query heads share their kv head without a repeat)."""
-    b, h, cq, d = q.shape
-    s = _scores(q, k, causal, scale)
-    lse = s.logsumexp(-1)
-    o = torch.exp(s - lse[..., None]) @ v
-    return o.view(b, h, cq, d), lse.view(b, h, cq)
+class _Online:
+    """The running softmax of one query chunk (FlashAttention's forward, Dao et al. 2022): the
+    row maxima ``m``, ``l = sum exp(s - m)`` and ``acc = sum exp(s - m) v`` over the key chunks
+    seen so far, rows as ``[b, kv, group * cq]`` (grouped-query heads share their kv head
+    without a repeat). Each new chunk rescales ``acc`` once; the division comes at the end."""
+
+    def __init__(self) -> None:
+        self.m: Tensor | None = None
+        self.l: Tensor | None = None
+        self.acc: Tensor | None = None
+
+    def add(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> None:
+        s = _scores(q, k, causal, scale)
+        # Every row has a finite maximum: a diagonal pair keeps its own position.
+        m = s.amax(-1) if self.m is None else torch.maximum(self.m, s.amax(-1))
+        p = torch.exp(s - m[..., None])
+        if self.m is None:
+            self.l, self.acc = p.sum(-1), p @ v
+        else:
+            alpha = torch.exp(self.m - m)
+            self.l = self.l * alpha + p.sum(-1)
+            self.acc = self.acc * alpha[..., None] + p @ v
+        self.m = m
+
+    def result(self, shape: torch.Size) -> tuple[Tensor, Tensor]:
+        """``(softmax(s) v, logsumexp(s))`` over every key seen, as ``[b, h, cq, d]`` and
+        ``[b, h, cq]``."""
+        b, h, cq, d = shape
+        out = self.acc / self.l[..., None]
+        return out.view(b, h, cq, d), (self.m + self.l.log()).view(b, h, cq)
 
 
 def _block_grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
@@ -239,8 +263,7 @@ class _Ring(torch.autograd.Function):
         c = q.shape[2] // 2
         qs = q.to(work).split(c, 2)
         kv = torch.stack([k, v]).contiguous()  # one buffer travels: the kv heads, input dtype
-        out: list[Tensor | None] = [None, None]
-        lse: list[Tensor | None] = [None, None]
+        runs = [_Online(), _Online()]
         for j in range(n):
             pend: list[comm.Pending] = []
             last = j == n - 1
@@ -248,19 +271,13 @@ class _Ring(torch.autograd.Function):
                 nxt, pend = _exchange(kv, mesh, axis, 0, f"{purpose}: ring kv")
             kw, vw = (x.split(c, 2) for x in kv.to(work))
             for a, bb, diag in _pairs(n, r, (r - j) % n):
-                o_b, l_b = _block(qs[a], kw[bb], vw[bb], diag, scale)
-                if out[a] is None:  # the first pair of each query chunk has a finite lse
-                    out[a], lse[a] = o_b, l_b
-                    continue
-                new = torch.logaddexp(lse[a], l_b)
-                out[a] = (out[a] * torch.exp(lse[a] - new)[..., None]
-                          + o_b * torch.exp(l_b - new)[..., None])
-                lse[a] = new
+                runs[a].add(qs[a], kw[bb], vw[bb], diag, scale)
             if not last:
                 if not overlap:
                     nxt, pend = _exchange(kv, mesh, axis, 0, f"{purpose}: ring kv")
                 _wait(pend)
                 kv = nxt
+        out, lse = zip(*(run.result(x.shape) for run, x in zip(runs, qs)))
         o = torch.cat(out, 2).to(q.dtype)
         ctx.save_for_backward(q, k, v, o, torch.cat(lse, 2))
         ctx.args = mesh, axis, scale, overlap, purpose

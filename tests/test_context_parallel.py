@@ -386,3 +386,25 @@ def test_zigzag_balances_the_causal_work():
             pairs = [p for src in range(n) for p in _pairs(n, rank, src)]
             work.append((sum(not diag for *_, diag in pairs), sum(diag for *_, diag in pairs)))
         assert work == [(2 * n - 1, 2)] * n, (n, work)
+
+
+def test_hugging_face_model_is_refused_by_name():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1)
+    apply_fn, params, buffers = functionalize(transformers.LlamaForCausalLM(cfg))
+    opt = OPTIMIZERS["sgd"](None)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: supported .*Hugging Face models "
+                                         "are not wired yet"):
+        context_parallel(DeviceMesh.virtual(rank=0, cp=2))(
+            make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt))
+
+
+def test_plan_under_remat_is_refused():
+    from funcpar.presets.plan import describe
+
+    mesh = DeviceMesh.virtual(rank=0, dp=1, cp=2)
+    step, state = compose(context_parallel(mesh), funcpar_remat())(*_step())
+    with pytest.raises(ValueError, match="context_parallel under remat is not modeled"):
+        describe(step, state, mesh).expected_comm((2, 16))

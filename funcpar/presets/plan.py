@@ -494,6 +494,10 @@ class Plan:
         cp = self.context_parallel
         if cp is None:
             return
+        if getattr(self.step.apply_fn, "remat", False):
+            raise ValueError("the expected communication of context_parallel under remat is not "
+                             "modeled (the recompute repeats the attention's forward traffic); "
+                             "measure a step with funcpar.shard.comm.comm_report")
         n = self.mesh.size(cp.axis)
         if batch_shape is None:
             b, t, per_token = 1, 1, True

@@ -464,8 +464,11 @@ class ContextParallel:
 def _attention_modules(module: nn.Module) -> dict[str, nn.Module]:
     want = _MODELS.get(_qualname(module))
     if want is None:
+        hf = (" (Hugging Face models are not wired yet: their attention would need the global "
+              "positions and an attention function that survives remat's recompute)"
+              if type(module).__module__.startswith("transformers.") else "")
         raise ValueError(f"context_parallel does not know how to replace the attention of "
-                         f"{_qualname(module)}: supported models are {sorted(_MODELS)}")
+                         f"{_qualname(module)}: supported models are {sorted(_MODELS)}{hf}")
     for name, m in module.named_modules():
         if _qualname(m) == _MOE:
             raise ValueError(f"context_parallel and MoE blocks ({name}): the router's "

@@ -389,17 +389,71 @@ def test_zigzag_balances_the_causal_work():
         assert work == [(2 * n - 1, 2)] * n, (n, work)
 
 
-def test_hugging_face_model_is_refused_by_name():
+def _hf_model(impl="sdpa"):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=40,
+                                   num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation=impl)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(torch.float64)
+
+
+def hf_loss(output, targets):
+    return lm_loss(output.logits, targets)
+
+
+hf_loss.token_cross_entropy = True
+
+
+def train_hf(cp=1, mode="ring", remat=False):
+    """10 float64 AdamW steps of a Hugging Face Llama (8 query / 2 kv heads, SDPA)."""
+    apply_fn, params, buffers = functionalize(_hf_model())
+    opt = OPTIMIZERS["adamw"](params)
+    step, state = make_train_step(apply_fn, hf_loss, opt), init_state(params, buffers, opt)
+    transforms = [context_parallel(DeviceMesh.from_env(cp=cp), mode=mode)] if cp > 1 else []
+    if remat:
+        transforms.append(funcpar_remat())
+    step, state = compose(*transforms)(step, state)
+    losses = []
+    for batch in _batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, state.params
+
+
+def _hf_cases():
+    return {"ring": train_hf(2, "ring"), "ulysses": train_hf(2, "ulysses"),
+            "ring+remat": train_hf(2, "ring", remat=True)}
+
+
+@pytest.mark.slow
+def test_hugging_face_llama_cp2_matches_one_process_float64():
+    pytest.importorskip("transformers")
+    results = run_ranks(_hf_cases, 2, timeout=300)
+    ref = train_hf()
+    for case in results[0]:
+        _check([r[case] for r in results], ref)
+
+
+def test_hugging_face_refusals():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
-                                   num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1)
-    apply_fn, params, buffers = functionalize(transformers.LlamaForCausalLM(cfg))
+    cp = context_parallel(DeviceMesh.virtual(rank=0, cp=2))
     opt = OPTIMIZERS["sgd"](None)
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM: supported .*Hugging Face models "
-                                         "are not wired yet"):
-        context_parallel(DeviceMesh.virtual(rank=0, cp=2))(
-            make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt))
+
+    def step_of(model):
+        apply_fn, params, buffers = functionalize(model)
+        return make_train_step(apply_fn, hf_loss, opt), init_state(params, buffers, opt)
+
+    with pytest.raises(ValueError, match="LlamaForCausalLM attends through 'eager', not "
+                                         "scaled_dot_product_attention"):
+        cp(*step_of(_hf_model("eager")))
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, attn_implementation="sdpa"))
+    with pytest.raises(ValueError, match="BertForMaskedLM: no causal self-attention module"):
+        cp(*step_of(bert))
 
 
 def test_plan_under_remat_is_refused():

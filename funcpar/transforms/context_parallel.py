@@ -67,9 +67,17 @@ however the ignored targets fall. The gradients are averaged over ``cp`` after t
 gives nan (a mean over no token), as one process would for a batch of none.
 
 **Models.** funcpar's :class:`~funcpar.models.Llama` (its ``Attention.attend`` is swapped for
-the call; remat records and reinstalls it for the recompute). Any other model is refused by
-name (Hugging Face models are not wired yet: docs/CONTEXT_PARALLEL.md). MoE blocks are refused
-(the router's load-balancing loss is a product of per-rank means, not exact under a cut).
+the call; remat records and reinstalls it for the recompute), and Hugging Face decoders that
+attend through ``scaled_dot_product_attention`` (``attn_implementation="sdpa"``): their causal
+self-attention modules (``num_key_value_groups``, ``is_causal``) get, for the call, a shallow
+copy of their config naming an attention function registered with transformers, which calls
+the cp attention on the unrepeated kv heads; the model gets ``position_ids`` (the global
+positions) and a prepared placeholder mask (so that transformers builds none: its
+packed-sequence detection would read the zigzag positions' jump as a new sequence; any other
+mask reaching the attention is a ValueError). Such a model takes only the token ids under cp.
+Eager attention, attention dropout, and models with no such module (BERT) are refused by name;
+MoE blocks are refused (the router's load-balancing loss is a product of per-rank means, not
+exact under a cut).
 
 **Composition.** ``context_parallel`` rewrites ``apply_fn``, ``local_batch``, ``loss_fn``,
 ``sync_grads`` and ``sync_loss`` by wrapping the inner ones, so it composes with
@@ -83,6 +91,7 @@ with an error naming both transforms.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
@@ -461,23 +470,107 @@ class ContextParallel:
         return out
 
 
+def _is_hf(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("transformers.")
+
+
 def _attention_modules(module: nn.Module) -> dict[str, nn.Module]:
-    want = _MODELS.get(_qualname(module))
-    if want is None:
-        hf = (" (Hugging Face models are not wired yet: their attention would need the global "
-              "positions and an attention function that survives remat's recompute)"
-              if type(module).__module__.startswith("transformers.") else "")
-        raise ValueError(f"context_parallel does not know how to replace the attention of "
-                         f"{_qualname(module)}: supported models are {sorted(_MODELS)}{hf}")
     for name, m in module.named_modules():
         if _qualname(m) == _MOE:
             raise ValueError(f"context_parallel and MoE blocks ({name}): the router's "
                              "load-balancing loss is a product of per-rank means, not exact "
                              "under a sequence cut")
+    if _is_hf(module):
+        return _hf_attention_modules(module)
+    want = _MODELS.get(_qualname(module))
+    if want is None:
+        raise ValueError(f"context_parallel does not know how to replace the attention of "
+                         f"{_qualname(module)}: supported models are {sorted(_MODELS)} and "
+                         "Hugging Face decoders attending through scaled_dot_product_attention")
     found = {name: m for name, m in module.named_modules() if _qualname(m) == want}
     if not found:
         raise ValueError(f"context_parallel: {_qualname(module)} has no {want} module")
     return found
+
+
+def _hf_attention_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """A Hugging Face decoder's causal self-attention modules (those that dispatch on
+    ``config._attn_implementation`` and carry ``num_key_value_groups``), when the model attends
+    through ``scaled_dot_product_attention`` ("sdpa") without dropout."""
+    cfg = getattr(module, "config", None)
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl != "sdpa":
+        raise ValueError(f"context_parallel: {_qualname(module)} attends through {impl!r}, "
+                         "not scaled_dot_product_attention: load it with "
+                         "attn_implementation='sdpa'")
+    if getattr(cfg, "attention_dropout", 0.0):
+        raise ValueError(f"context_parallel: {_qualname(module)} has attention dropout "
+                         f"{cfg.attention_dropout}: not supported (set attention_dropout=0)")
+    found = {name: m for name, m in module.named_modules()
+             if hasattr(m, "num_key_value_groups") and getattr(m, "is_causal", False)
+             and hasattr(m, "config") and hasattr(m, "head_dim")}
+    if not found:
+        raise ValueError(f"context_parallel does not know how to replace the attention of "
+                         f"{_qualname(module)}: no causal self-attention module dispatching "
+                         "on config._attn_implementation (num_key_value_groups, is_causal)")
+    return found
+
+
+def _heads(m: nn.Module) -> tuple[int, int, int]:
+    """(query heads, kv heads, head_dim) of an attention module (funcpar's or Hugging Face's)."""
+    if hasattr(m, "n_heads"):
+        return m.n_heads, m.n_kv, m.head_dim
+    cfg = m.config
+    return cfg.num_attention_heads, cfg.num_key_value_heads, m.head_dim
+
+
+#: The attention implementation registered with transformers for the call's duration; it
+#: reads the attention module's ``_funcpar_attend`` (set per call, recorded by remat).
+_HF_IMPL = "funcpar_context_parallel"
+
+
+def _hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                  attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                  **kwargs: Any) -> tuple[Tensor, None]:
+    attend, dummy = module.__dict__["_funcpar_attend"]
+    if attention_mask is not dummy:
+        raise ValueError("context_parallel: a Hugging Face attention got a mask it did not "
+                         "make (padding or packed sequences are not supported under cp)")
+    if dropout:
+        raise ValueError("context_parallel: attention dropout is not supported")
+    # HF passes the kv heads unrepeated: the ring sends those.
+    return attend(query, key, value, scaling).transpose(1, 2).contiguous(), None
+
+
+def _register_hf() -> None:
+    from transformers import AttentionInterface
+
+    if _HF_IMPL not in AttentionInterface._global_mapping:
+        AttentionInterface.register(_HF_IMPL, _hf_attention)
+
+
+@contextmanager
+def _installed_hf(attn: dict[str, nn.Module], make: Callable[[str], Callable], dummy: Tensor
+                  ) -> Iterator[None]:
+    """Each attention module dispatching to :func:`_hf_attention` for one call: its ``config``
+    is a shallow copy naming that implementation, its ``_funcpar_attend`` the cp attention
+    (both instance attributes, which remat records and reinstalls for its recompute)."""
+    for name, m in attn.items():
+        if "_funcpar_attend" in m.__dict__:
+            raise ValueError(f"{name} already has a context-parallel attention: "
+                             "context_parallel is applied twice (apply it once)")
+    saved = [(m, m.config) for m in attn.values()]
+    for name, m in attn.items():
+        cfg = copy.copy(m.config)
+        cfg._attn_implementation_internal = _HF_IMPL
+        m.config = cfg
+        m._funcpar_attend = (make(name), dummy)
+    try:
+        yield
+    finally:
+        for m, cfg in saved:
+            m.config = cfg
+            m.__dict__.pop("_funcpar_attend", None)
 
 
 @contextmanager
@@ -541,7 +634,7 @@ def context_parallel(
             local_batch=_cp_local_batch(step.local_batch, mesh, axis),
             loss_fn=_cp_loss(step.loss_fn, mesh, ContextParallel(
                 axis, mode, overlap, int(bucket_mb * 2**20),
-                tuple((name, m.n_heads, m.n_kv, m.head_dim) for name, m in attn.items()))),
+                tuple((name, *_heads(m)) for name, m in attn.items()))),
             sync_grads=_cp_grads(step.sync_grads, mesh, axis, int(bucket_mb * 2**20)),
             sync_loss=mean_loss(step.sync_loss, mesh, axis, "cp loss"),
         ), state
@@ -552,21 +645,38 @@ def context_parallel(
 def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], module: nn.Module,
               mesh: DeviceMesh, axis: str, mode: str, overlap: bool) -> Callable:
     n, r = mesh.size(axis), mesh.rank(axis)
-    limit = getattr(getattr(module, "cfg", None), "max_seq_len", None)
+    hf = _is_hf(module)
+    limit = (getattr(getattr(module, "config", None), "max_position_embeddings", None) if hf
+             else getattr(getattr(module, "cfg", None), "max_seq_len", None))
 
     def make(name: str) -> Callable:
         if mode == "ring":
-            return lambda q, k, v: ring_attention(q, k, v, mesh, axis, overlap=overlap,
-                                                  purpose=name)
-        return lambda q, k, v: ulysses_attention(q, k, v, mesh, axis, purpose=name)
+            return lambda q, k, v, scale=None: ring_attention(
+                q, k, v, mesh, axis, scale=scale, overlap=overlap, purpose=name)
+        return lambda q, k, v, scale=None: ulysses_attention(q, k, v, mesh, axis, scale=scale,
+                                                             purpose=name)
+
+    if hf:
+        _register_hf()
 
     def apply(params: Any, buffers: Any, tokens: Tensor, *args: Any, **kwargs: Any) -> Any:
         seq = tokens.shape[1] * n
         if limit is not None and seq > limit:
-            raise ValueError(f"sequence length {seq} exceeds max_seq_len {limit}")
+            raise ValueError(f"sequence length {seq} exceeds the model's limit {limit}")
         positions = zigzag_positions(seq, n, r, device=tokens.device)
-        with _installed(attn, make):
-            return apply_fn(params, buffers, tokens, *args, positions=positions, **kwargs)
+        if not hf:
+            with _installed(attn, make):
+                return apply_fn(params, buffers, tokens, *args, positions=positions, **kwargs)
+        if args or kwargs:
+            raise ValueError("context_parallel: a Hugging Face model takes only the token ids "
+                             f"under cp (got {len(args)} more inputs and {sorted(kwargs)})")
+        # A prepared 4-D mask is passed through as is: HF builds none (its packed-sequence
+        # detection would read the zigzag positions' jump as a new sequence), and the cp
+        # attention checks that it got this one.
+        dummy = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=tokens.device)
+        with _installed_hf(attn, make, dummy):
+            return apply_fn(params, buffers, tokens, attention_mask=dummy, use_cache=False,
+                            position_ids=positions[None].expand(tokens.shape[0], -1))
 
     for attr in ("module", "precision", "remat"):
         if hasattr(apply_fn, attr):

@@ -55,6 +55,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from funcpar.auto.cli import add_auto_flags, resolve_auto
+from funcpar.auto.search import preset_for
 from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, text_batches
 from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
 from funcpar.optim import chain, clip_by_global_norm, matrices_only, set_hyperparams, warmup_cosine
@@ -290,6 +292,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     log.add_argument("--print-every", type=int, default=50,
                      help="a plain log line every N steps when stdout is not a terminal")
     add_debug_flag(log)
+    add_auto_flags(p)
     args = p.parse_args(argv)
     # Every count flag (--seed is not a count): a negative one is a typo, never silently used.
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
@@ -443,6 +446,9 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
     optimizer already clips, so no max_norm)."""
     common = {"precision": args.precision, "mesh": mesh, "plan": args.plan,
               "batch_shape": (args.batch_size, args.seq_len)}
+    if args.preset == "auto":  # --auto: the searched layout's preset (+ remat when chosen)
+        return preset_for(args.auto_choice, mesh=mesh, plan=args.plan,
+                          batch_shape=common["batch_shape"])
     if args.preset == "hybrid":
         return hybrid_parallel(tp_size=mesh.size("tp"), pp_size=args.pp, zero_stage=args.zero,
                                microbatches=args.microbatches if args.pp > 1 else None,
@@ -459,6 +465,14 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
     if args.preset == "ddp":
         return ddp(**common)
     return gemini(offload="cpu", tp_size=mesh.size("tp"), **common)
+
+
+def model_config(args: argparse.Namespace) -> LlamaConfig:
+    """The model the flags describe (byte-level vocabulary)."""
+    return LlamaConfig(vocab_size=BYTE_VOCAB_SIZE, dim=args.dim, n_layers=args.layers,
+                       n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq_len,
+                       n_experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
+                       capacity_factor=args.capacity_factor or None)
 
 
 def load_batches(args: argparse.Namespace, mesh: DeviceMesh, device: torch.device):
@@ -520,6 +534,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     gathered from the shards (every rank takes part in the gather and gets them).
     """
     args = parse_args(argv)
+    if args.auto or args.what_if:  # the layout from funcpar.auto's cost model, printed with why
+        if resolve_auto(args, model_config(args)) is None:  # --what-if: nothing to start
+            return {"first_loss": None, "last_loss": None, "history": [], "state": None,
+                    "params": None}
     # One CPU thread unless asked: the default model's matmuls are too small for intra-op
     # threads to pay, and OpenMP threads that spin-wait collapse when the cores are shared
     # (measured on a busy 2-core machine: 60 steps in 8 s with one thread, 57-85 s with two).
@@ -544,10 +562,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     # Under torchrun each rank's device comes from the mesh (cuda:LOCAL_RANK with NCCL).
     device = torch.device(args.device) if mesh.world_size == 1 else mesh.device
     loader = load_batches(args, mesh, device)
-    cfg = LlamaConfig(vocab_size=BYTE_VOCAB_SIZE, dim=args.dim, n_layers=args.layers,
-                      n_heads=args.heads, n_kv_heads=args.kv_heads, max_seq_len=args.seq_len,
-                      n_experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
-                      capacity_factor=args.capacity_factor or None)
+    cfg = model_config(args)
     # Every rank builds the same whole model from the seed; shard_params then keeps its slices.
     model = Llama(cfg, seed=args.seed, device=device, dtype=DTYPES[args.dtype])
     apply_fn, params, buffers = functionalize(model, release=True)  # the trees own the memory

@@ -34,7 +34,7 @@ from functools import lru_cache
 from funcpar.auto.model import ModelSpec
 
 __all__ = ["AnalyticPlan", "Choice", "CommItem", "Memory", "analytic_plan", "in_flight",
-           "stage_blocks"]
+           "stage_blocks", "step_buffers"]
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PARAM_BYTES = 4  # float32 parameters, gradients and master copy (amp_cast keeps them)
@@ -127,7 +127,14 @@ class Memory:
     """Bytes on the rank holding the most (the first or the last pipeline stage). The first
     six fields are :class:`funcpar.presets.MemoryReport`'s; ``activations``: what the
     backward keeps at the peak (micro-batches in flight); ``transient``: the largest
-    short-lived buffers (one rematted block's activations; the logits' gradient)."""
+    short-lived buffers of the forward and backward (one rematted block's activations, the
+    logits' gradient); ``step_buffers``: what the end of the step holds beside parameters and
+    optimizer state (the gradients, the flat buffers of their reduction, the clipped copy,
+    ZeRO's gathered updates; :func:`step_buffers`).
+
+    The peak (:attr:`peak`) is parameters, optimizer state and amp copy plus the larger of
+    the two phases: forward/backward (activations, transients, ZeRO-3's gathered leaves) and
+    the end of the step (``step_buffers``)."""
 
     params: float
     grads: float
@@ -137,6 +144,7 @@ class Memory:
     zero3_gathered: float
     activations: float
     transient: float
+    step_buffers: float = 0.0
 
     @property
     def resident(self) -> float:
@@ -145,8 +153,32 @@ class Memory:
 
     @property
     def peak(self) -> float:
-        return (self.resident + self.compute_params + self.zero3_gathered + self.activations
-                + self.transient)
+        return self.params + self.opt_state + self.compute_params + max(
+            self.zero3_gathered + self.activations + self.transient,
+            max(self.step_buffers, self.grads))
+
+
+def step_buffers(grad_bytes: float, dp: int, zero: int, clip: bool) -> float:
+    """Bytes at the end of a step beside parameters and optimizer state, for ``grad_bytes``
+    of local (tensor-parallel) gradients before ZeRO: measured on gloo ranks with the
+    presets' composition (benchmarks/bench_auto.py's memory sampler; docs/AUTO_PARALLEL.md),
+    in units of ``G = grad_bytes`` over ``n = dp`` ranks: one process ``G`` (+ ``G`` for the
+    clipped copy); data parallelism ``3 G`` (autograd's gradients, the bucket's flat buffer,
+    the mean) ``+ G`` clipped; ZeRO-1 that ``+ (1 + 1/n) G`` (the gathered updates and the
+    part); ZeRO-2 ``(3 + 1/n) G + G/n`` clipped; ZeRO-3 ``2 G/n + G/n`` clipped."""
+    n = dp
+    c = 1.0 if clip else 0.0
+    if n == 1:
+        units = 1 + c
+    elif zero == 0:
+        units = 3 + c
+    elif zero == 1:
+        units = 3 + c + 1 + 1 / n
+    elif zero == 2:
+        units = 3 + 1 / n + c / n
+    else:
+        units = 2 / n + c / n
+    return units * grad_bytes
 
 
 @lru_cache(maxsize=256)
@@ -373,7 +405,8 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
     if last:  # the logits' gradient (float32) while the head's backward runs
         transient = max(transient, mb_tokens * spec.vocab / tp * 4)
     mem = Memory(params, grads, 0.0 if c.offload else opt, opt if c.offload else 0.0,
-                 compute, gathered, activations, transient)
+                 compute, gathered, activations, transient,
+                 step_buffers(grad_bytes, dp, c.zero, clip))
     return AnalyticPlan(c, tuple(items), mem, blocks, first, last)
 
 

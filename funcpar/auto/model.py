@@ -30,7 +30,8 @@ tables ``2 t d_h s`` per block and micro-batch. Under sequence parallelism the n
 also divided by ``tp`` (not measured: an estimate). An MoE block's feed-forward keeps about
 ``top_k (4 s F + 2 s D) + 8 E`` per token (an estimate). Remat keeps the block input (``s D``)
 per block and one block's activations while it recomputes. The head: the final norm and
-``(s + 8) V / tp`` (logits, their float32 copy and log-softmax).
+``(s + 4) V / tp`` (logits and the float32 log-softmax; ``+ 4 V / tp`` for the logits'
+float32 copy in half precision).
 """
 
 from __future__ import annotations
@@ -152,8 +153,10 @@ class ModelSpec:
         return 2 * seq * self.head_dim * s
 
     def head_activation_bytes(self, s: int, tp: int = 1) -> float:
-        """Per token: final norm, logits, their float32 copy and the log-softmax."""
-        return 4 * self.dim + 4 + 2 * s * self.dim + (s + 8) * self.vocab / tp
+        """Per token: final norm, logits, their float32 copy (half precision only) and the
+        float32 log-softmax."""
+        return 4 * self.dim + 4 + 2 * s * self.dim + (s + 4 + (4 if s < 4 else 0)) * \
+            self.vocab / tp
 
 
 def model_spec(model: Any) -> ModelSpec:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from funcpar.auto import Choice, ModelSpec, auto_parallel, estimate, load_profile  # noqa: E402
+from funcpar.auto import Choice, ModelSpec, auto_parallel, estimate, load_profile
 
 # params (B), heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU (Table 1)
 MEGATRON = [

@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from funcpar.auto import Choice, auto_parallel, estimate, load_profile, model_spec  # noqa: E402
+from funcpar.auto import Choice, auto_parallel, estimate, load_profile, model_spec
 
 DENSE_LAYOUTS = [
     Choice(dp=4, precision="fp32"), Choice(dp=4, zero=1, precision="fp32"),

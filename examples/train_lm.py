@@ -6,6 +6,8 @@
     torchrun --nproc_per_node 4 examples/train_lm.py --tp 2 --dp 2 --comm-report
     torchrun --nproc_per_node 2 examples/train_lm.py --pp 2 --microbatches 4 --layers 4
     torchrun --nproc_per_node 4 examples/train_lm.py --preset hybrid --tp 2 --zero 2 --plan
+    torchrun --nproc_per_node 4 examples/train_lm.py --auto --memory-per-rank 2GiB
+    python examples/train_lm.py --auto --what-if --world 1024 --profile h100 --dim 8192
     tensorboard --logdir runs/
 
 The model becomes a pure function (``functionalize``), the optimizer a pure init/update pair

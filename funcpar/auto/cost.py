@@ -39,12 +39,11 @@ from funcpar.auto.analytic import (
     analytic_plan,
     stage_blocks,
 )
-from funcpar.auto.model import ModelSpec
+from funcpar.auto.model import OPS_FWD, ModelSpec
 from funcpar.auto.profile import DeviceProfile
 
 __all__ = ["Estimate", "axis_span", "estimate"]
 
-OPS_FWD = 40  # ops a block's forward dispatches (norms, projections, rotary, attention, MLP)
 OPS_HEAD = 12
 OPT_BYTES_MOVED = 28.0  # AdamW: p, g, m, v read; p, m, v written (float32)
 ELEMENTWISE_PASSES = 4.0

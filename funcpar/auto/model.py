@@ -39,7 +39,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["BlockCounts", "ModelSpec", "model_spec"]
+__all__ = ["OPS_FWD", "BlockCounts", "ModelSpec", "model_spec"]
+
+#: Ops a block's forward dispatches (norms, projections, rotary, attention, MLP, residuals):
+#: the cost model charges ``op_latency`` for each, three times over forward and backward.
+OPS_FWD = 40
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,9 @@ The space (each dimension can be pinned or narrowed by ``constraints``):
 * remat of every block, CPU offload of the optimizer state, precision (``"bf16"``; fp32 only
   when allowed).
 
+``include_untested`` adds remat, sequence parallelism and ZeRO-3 under a pipeline (the model
+prices them; funcpar does not compose or test them yet): for what-if studies only.
+
 **Pruning** (each rule keeps the optimum of the model): GPipe is priced like 1F1B with more
 memory, so it is tried only when asked for; remat and offload only cost time in the model, so
 a layout is tried with them only when it does not fit without; ZeRO-3, pipelines and remat are
@@ -153,7 +156,7 @@ def _allowed(constraints: Mapping[str, Any], key: str, value: Any) -> bool:
 
 
 def _candidates(spec: ModelSpec, world: int, batch: int, cons: Mapping[str, Any],
-                max_tp: int) -> Iterable[Choice]:
+                max_tp: int, untested: bool = False) -> Iterable[Choice]:
     precisions = cons.get("precision", "bf16")
     precisions = [precisions] if isinstance(precisions, str) else list(precisions)
     for tp in _divisors(world):
@@ -185,10 +188,11 @@ def _candidates(spec: ModelSpec, world: int, batch: int, cons: Mapping[str, Any]
                              if s != "interleaved" or m % pp == 0]
                 zeros = range(4) if dp > 1 else (0,)
                 for zero in zeros:
-                    if pp > 1 and zero == 3:
+                    if pp > 1 and zero == 3 and not untested:
                         continue
                     for m, sched, v in pipes:
-                        for sp in ((False, True) if tp > 1 and pp == 1 else (False,)):
+                        sps = (False, True) if tp > 1 and (pp == 1 or untested) else (False,)
+                        for sp in sps:
                             for prec in precisions:
                                 yield Choice(tp, pp, dp, ep, zero, m, sched, v, False, None,
                                              prec, sp)
@@ -200,9 +204,11 @@ def _as_set(x: Any) -> set:
     return set(x) if isinstance(x, (list, tuple, set, frozenset)) else {x}
 
 
-def _fallbacks(c: Choice) -> list[Choice]:
+def _fallbacks(c: Choice, untested: bool = False) -> list[Choice]:
     """The slower variants tried when ``c`` does not fit: remat, offload, both."""
     out = []
+    if c.pp > 1 and untested:
+        out.append(dataclasses.replace(c, remat=True))
     if c.pp == 1:
         out.append(dataclasses.replace(c, remat=True))
         if c.ep == 1:
@@ -220,7 +226,7 @@ def _fits_constraints(c: Choice, cons: Mapping[str, Any]) -> bool:
 
 
 def _search(spec: ModelSpec, world: int, mem: float, prof: DeviceProfile, batch: int, seq: int,
-            cons: Mapping[str, Any], opt_bytes: float, margin: float
+            cons: Mapping[str, Any], opt_bytes: float, margin: float, untested: bool = False
             ) -> tuple[list[Estimate], list[tuple[Estimate, str]], int]:
     max_tp = int(cons.get("max_tp", prof.gpus_per_node if prof.links else world))
     feasible: list[Estimate] = []
@@ -232,8 +238,8 @@ def _search(spec: ModelSpec, world: int, mem: float, prof: DeviceProfile, batch:
         n += 1
         return estimate(spec, c, prof, batch, seq, opt_bytes=opt_bytes, margin=margin)
 
-    for c in _candidates(spec, world, batch, cons, max_tp):
-        tries = [c] + _fallbacks(c)
+    for c in _candidates(spec, world, batch, cons, max_tp, untested):
+        tries = [c] + _fallbacks(c, untested)
         tries = [t for t in tries if _fits_constraints(t, cons)]
         for t in tries:
             e = price(t)
@@ -258,6 +264,7 @@ def auto_parallel(
     constraints: Mapping[str, Any] | None = None,
     opt_bytes: float = 8.0,
     margin: float = 0.10,
+    include_untested: bool = False,
 ) -> AutoResult:
     """Search the layouts of ``cfg_or_model`` (a :class:`~funcpar.models.LlamaConfig`, a
     :class:`~funcpar.models.Llama` or a :class:`~funcpar.auto.model.ModelSpec`) on
@@ -269,6 +276,9 @@ def auto_parallel(
     zero, microbatches, schedule, virtual_stages, remat, offload, precision,
     sequence_parallel`` and ``max_tp``. ``opt_bytes``: optimizer state bytes per parameter
     (AdamW 8, SGD with momentum 4). ``margin``: added to the predicted peak memory.
+    ``include_untested``: also price compositions funcpar does not offer yet (remat, sequence
+    parallelism or ZeRO-3 under a pipeline) - for what-if studies of a cluster only: the
+    winner's preset may refuse them or run them untested.
 
     Raises :class:`NoFeasibleLayout` when nothing fits (naming the tightest constraint)."""
     start = _time.perf_counter()
@@ -285,7 +295,7 @@ def auto_parallel(
     mem = float(parse_bytes(memory_per_rank) if memory_per_rank is not None
                 else prof.memory.value)
     feasible, rejected, n = _search(spec, world_size, mem, prof, global_batch, seq_len, cons,
-                                    opt_bytes, margin)
+                                    opt_bytes, margin, include_untested)
     if not feasible:
         raise NoFeasibleLayout(*_explain(spec, world_size, mem, prof, global_batch, seq_len,
                                          cons, opt_bytes, margin, rejected))

@@ -64,7 +64,16 @@ class Estimate:
 
     def line(self) -> str:
         return (f"{self.choice!s:<44} {self.time * 1e3:>10.2f} ms  "
-                f"{self.peak / 2**30:>8.2f} GiB  MFU {self.mfu * 100:5.1f} %")
+                f"{fmt_bytes(self.peak):>10}  MFU {self.mfu * 100:5.1f} %")
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (two decimals)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:,.2f} GiB"  # pragma: no cover
 
 
 def axis_span(choice: Choice, axis: str) -> int:

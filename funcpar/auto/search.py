@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from funcpar.auto.analytic import Choice
-from funcpar.auto.cost import Estimate, estimate
+from funcpar.auto.cost import Estimate, estimate, fmt_bytes
 from funcpar.auto.model import ModelSpec, model_spec
 from funcpar.auto.profile import DeviceProfile, load_profile
 
@@ -99,14 +99,13 @@ class AutoResult:
 
     def why(self, top: int = 5) -> str:
         """The winner, the runners-up and the best rejected layouts, as text."""
-        gib = self.memory_per_rank / 2**30
         b = self.best
-        lines = [f"auto_parallel: {self.spec.name} {self.spec.n_params / 1e9:,.3f} B params, "
+        lines = [f"auto_parallel: {self.spec.name} {_count(self.spec.n_params)} params, "
                  f"global batch {self.global_batch} x {self.seq_len} on {self.world_size} ranks, "
-                 f"{gib:,.2f} GiB per rank, profile {self.profile.name} "
+                 f"{fmt_bytes(self.memory_per_rank)} per rank, profile {self.profile.name} "
                  f"({self.searched} layouts priced in {self.seconds:.2f} s)",
                  f"chosen: {b.choice}  ({b.time * 1e3:,.2f} ms/step predicted, "
-                 f"{b.peak / 2**30:,.2f} GiB per rank with margin, MFU {b.mfu * 100:.1f} %, "
+                 f"{fmt_bytes(b.peak)} per rank with margin, MFU {b.mfu * 100:.1f} %, "
                  f"{b.tokens_per_s:,.0f} tokens/s)",
                  "  time: " + ", ".join(f"{k} {v * 1e3:,.2f} ms" for k, v in b.parts.items()
                                         if v > 0),
@@ -119,14 +118,19 @@ class AutoResult:
         return "\n".join(lines)
 
 
+def _count(n: float) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.2f} M"
+
+
 def _mem_text(e: Estimate) -> str:
     m = e.plan.memory
     parts = [("params", m.params), ("grads", m.grads), ("optimizer", m.opt_state),
              ("amp copy", m.compute_params), ("zero-3 gathered", m.zero3_gathered),
              ("activations", m.activations), ("transient", m.transient)]
-    text = ", ".join(f"{k} {v / 2**30:,.3f} GiB" for k, v in parts if v)
+    text = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts if v)
+    text += f", end-of-step buffers {fmt_bytes(m.step_buffers)}"
     if m.opt_state_offloaded:
-        text += f"; optimizer in host memory {m.opt_state_offloaded / 2**30:,.3f} GiB"
+        text += f"; optimizer in host memory {fmt_bytes(m.opt_state_offloaded)}"
     return text
 
 
@@ -246,8 +250,7 @@ def _search(spec: ModelSpec, world: int, mem: float, prof: DeviceProfile, batch:
             if e.peak <= mem:
                 feasible.append(e)
                 break
-            rejected.append((e, f"needs {e.peak / 2**30:,.2f} GiB per rank > "
-                                f"{mem / 2**30:,.2f} GiB"))
+            rejected.append((e, f"needs {fmt_bytes(e.peak)} per rank > {fmt_bytes(mem)}"))
     feasible.sort(key=lambda e: e.time)
     rejected.sort(key=lambda x: x[0].time)
     return feasible, rejected, n
@@ -308,9 +311,9 @@ def _explain(spec: ModelSpec, world: int, mem: float, prof: DeviceProfile, batch
              rejected: list[tuple[Estimate, str]]) -> tuple[str, str | None]:
     """Which constraint binds: drop each in turn (and the memory limit) and see which
     admits the fastest layout."""
-    head = (f"auto_parallel: no layout of {spec.name} ({spec.n_params / 1e9:,.3f} B params) "
+    head = (f"auto_parallel: no layout of {spec.name} ({_count(spec.n_params)} params) "
             f"fits {world} ranks with global batch {batch} x {seq} and "
-            f"{mem / 2**30:,.2f} GiB per rank")
+            f"{fmt_bytes(mem)} per rank")
     if cons:
         head += f" under constraints {dict(cons)}"
     relaxed: list[tuple[float, str, Estimate]] = []
@@ -322,12 +325,12 @@ def _explain(spec: ModelSpec, world: int, mem: float, prof: DeviceProfile, batch
     if relaxed:
         _, key, e = min(relaxed)
         return (f"{head}. Tightest constraint: {key}={cons[key]!r}; without it "
-                f"{e.choice} fits ({e.peak / 2**30:,.2f} GiB, {e.time * 1e3:,.2f} ms/step)",
+                f"{e.choice} fits ({fmt_bytes(e.peak)}, {e.time * 1e3:,.2f} ms/step)",
                 key)
     if rejected:
         least = min(rejected, key=lambda x: x[0].peak)[0]
         return (f"{head}. Tightest constraint: memory_per_rank; the least any layout needs is "
-                f"{least.peak / 2**30:,.2f} GiB ({least.choice}, margin "
+                f"{fmt_bytes(least.peak)} ({least.choice}, margin "
                 f"{margin * 100:.0f} % included)", "memory_per_rank")
     return (f"{head}. No layout divides: the world of {world} must split into pp x ep x dp x "
             f"tp with tp dividing {spec.heads} heads and {spec.kv_heads} key/value heads "

@@ -4,7 +4,8 @@
 script's model and batch and either prints the plan for a cluster that is not there
 (``--what-if``: returns None, nothing starts) or writes the winner into ``args`` (``tp``,
 ``pp``, ``dp``, ``zero``, ``precision``, ``microbatches``, ``schedule``, ``virtual_stages``,
-``sequence_parallel``, ``remat``; ``args.auto_choice`` the :class:`~funcpar.auto.Choice`) and
+``sequence_parallel``, ``remat``; ``args.auto_choice`` the :class:`~funcpar.auto.Choice`'s
+fields) and
 prints why it won. The script then composes ``preset_for(args.auto_choice, ...)``: the
 ``hybrid_parallel`` (or ``moe_hybrid``) preset with those arguments, then ``remat`` when chosen.
 """
@@ -12,6 +13,7 @@ prints why it won. The script then composes ``preset_for(args.auto_choice, ...)`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any
 
@@ -81,5 +83,7 @@ def resolve_auto(args: argparse.Namespace, cfg: Any) -> Any:
                                                              c.virtual_stages)
     args.remat = 1 if c.remat else 0
     args.preset = "auto"
-    args.auto_choice = c
+    # Plain data: the arguments go into checkpoints' metadata (JSON) and are compared between
+    # ranks.
+    args.auto_choice = dataclasses.asdict(c)
     return result

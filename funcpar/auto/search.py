@@ -134,10 +134,14 @@ def _mem_text(e: Estimate) -> str:
     return text
 
 
-def preset_for(choice: Choice, **extra: Any) -> Any:
-    """The preset (a transform) equal to ``choice`` (see :meth:`AutoResult.preset`)."""
+def preset_for(choice: Choice | Mapping[str, Any], **extra: Any) -> Any:
+    """The preset (a transform) equal to ``choice`` (see :meth:`AutoResult.preset`; a dict
+    of its fields, as a script's saved arguments hold it, is accepted)."""
     from funcpar.presets import hybrid_parallel, moe_hybrid
     from funcpar.transforms import compose, remat
+
+    if not isinstance(choice, Choice):
+        choice = Choice(**choice)
 
     kw = {**choice.preset_kwargs(), **extra}
     preset = moe_hybrid(**kw) if choice.ep > 1 else hybrid_parallel(**kw)

@@ -20,12 +20,11 @@ best measured one. ``--json PATH`` writes the rows.
 from __future__ import annotations
 
 import argparse
-import ctypes
+import contextlib
 import dataclasses
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from funcpar.auto import Choice, auto_parallel, estimate, load_profile, model_spec
+from funcpar.auto.heap import HeapPeak
 
 DENSE_LAYOUTS = [
     Choice(dp=4, precision="fp32"), Choice(dp=4, zero=1, precision="fp32"),
@@ -53,23 +53,6 @@ MOE_LAYOUTS = [
     Choice(pp=2, dp=2, microbatches=2, precision="fp32"),
     Choice(ep=2, pp=2, microbatches=2, precision="fp32"),
 ]
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
-                                               "hblkhd", "usmblks", "fsmblks", "uordblks",
-                                               "fordblks", "keepcost")]
-
-
-def _heap_in_use():
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-
-    def read() -> int:
-        m = libc.mallinfo2()
-        return m.uordblks + m.hblkhd
-
-    return read
 
 
 def _rank(cfg_kw: dict, choice: Choice, batch: int, seq: int, warmup: int, steps: int,
@@ -109,33 +92,17 @@ def _rank(cfg_kw: dict, choice: Choice, batch: int, seq: int, warmup: int, steps
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-    else:
-        read = _heap_in_use()
-        base = read()
-        peak = [base]
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                peak[0] = max(peak[0], read())
-                time.sleep(0.0002)
-
-        th = threading.Thread(target=sample, daemon=True)
-        th.start()
+    probe = contextlib.nullcontext() if cuda else HeapPeak()
     times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        state, metrics = step(state, data)
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        times.append(time.perf_counter() - t)
-    if cuda:
-        rise = torch.cuda.max_memory_allocated(dev) - base
-    else:
-        stop.set()
-        th.join()
-        rise = peak[0] - base
+    with probe:
+        for _ in range(steps):
+            t = time.perf_counter()
+            state, metrics = step(state, data)
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            times.append(time.perf_counter() - t)
+    rise = torch.cuda.max_memory_allocated(dev) - base if cuda else probe.rise
     return {"time": statistics.median(times), "peak": held + rise,
             "loss": float(metrics["loss"])}
 

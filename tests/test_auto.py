@@ -30,6 +30,7 @@ from funcpar.auto import (
     analytic_plan,
     auto_parallel,
     estimate,
+    heap,
     load_profile,
     model_spec,
 )
@@ -37,6 +38,7 @@ from funcpar.auto.analytic import in_flight
 from funcpar.auto.profile import _fit, shipped_profiles
 from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
 from funcpar.models.llama import rotary_cos_sin
+from funcpar.optim.memory import state_bytes
 from funcpar.pipeline.schedules import build_schedule, simulate
 from funcpar.presets import hybrid_parallel, moe_hybrid
 from funcpar.shard.mesh import DeviceMesh
@@ -122,6 +124,31 @@ def test_block_activations_equal_saved_tensors(dtype, shape):
     s = torch.empty((), dtype=dtype).element_size()
     want = spec.block_activation_bytes(0, s) * b * t + spec.rope_bytes(t, s)
     assert _saved_bytes(cfg, dtype, b, t) == want
+
+
+@pytest.mark.skipif(not heap.available(), reason="needs glibc's mallinfo2")
+@pytest.mark.parametrize("b,t", [(1, 8), (16, 128)])
+def test_memory_per_rank_matches_measured_peak(b, t):
+    """One process, fp32, AdamW with clipping: the state's bytes plus the heap's rise over
+    three steps (funcpar.auto.heap) within the stated 10 % margin of the model's peak, both
+    where the end of the step dominates (tiny batch) and where the activations do."""
+    cfg = LlamaConfig(vocab_size=1024, dim=128, n_layers=2, n_heads=4, max_seq_len=128)
+    apply_fn, params, buffers = functionalize(Llama(cfg), release=True)
+    opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-3))
+    step = make_train_step(apply_fn, lm_loss, opt, donate=True)
+    state = init_state(params, buffers, opt)
+    del params
+    tok = torch.randint(0, cfg.vocab_size, (b, t + 1))
+    batch = (tok[:, :-1], tok[:, 1:])
+    for _ in range(2):
+        state, _ = step(state, batch)
+    with heap.HeapPeak() as probe:
+        for _ in range(3):
+            state, _ = step(state, batch)
+    held = sum(x.numel() * x.element_size() for x in state.params.values()) + \
+        state_bytes(state.opt_state)
+    predicted = analytic_plan(model_spec(cfg), Choice(precision="fp32"), b, t).memory.peak
+    assert abs(predicted / (held + probe.rise) - 1) <= 0.10
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),

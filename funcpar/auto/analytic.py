@@ -402,8 +402,8 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         kept = sum(per_block) * mb_tokens + rope * len(blocks)
         transient = 0.0
     activations = kept * held + (spec.head_activation_bytes(s, tp) * mb_tokens if last else 0)
-    if last:  # the logits' gradient (float32) while the head's backward runs
-        transient = max(transient, mb_tokens * spec.vocab / tp * 4)
+    if last:  # the logits' gradient and the softmax (float32) while the head's backward runs
+        transient = max(transient, 2 * mb_tokens * spec.vocab / tp * 4)
     mem = Memory(params, grads, 0.0 if c.offload else opt, opt if c.offload else 0.0,
                  compute, gathered, activations, transient,
                  step_buffers(grad_bytes, dp, c.zero, clip))

@@ -7,6 +7,8 @@
     torchrun --nproc_per_node 2 examples/train_lm.py --pp 2 --microbatches 4 --layers 4
     torchrun --nproc_per_node 4 examples/train_lm.py --preset hybrid --tp 2 --zero 2 --plan
     torchrun --nproc_per_node 4 examples/train_lm.py --cp 2 --cp-mode ring --dp 2 --seq-len 512
+    torchrun --nproc_per_node 4 examples/train_lm.py --auto --memory-per-rank 2GiB
+    python examples/train_lm.py --auto --what-if --world 1024 --profile h100 --dim 8192
     tensorboard --logdir runs/
 
 The model becomes a pure function (``functionalize``), the optimizer a pure init/update pair
@@ -69,6 +71,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from funcpar.auto.cli import add_auto_flags, resolve_auto
+from funcpar.auto.search import preset_for
 from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, rank0_first, text_batches
 from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
 from funcpar.models.generate import generate, logits_gatherer
@@ -356,6 +360,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ev.add_argument("--sample-tokens", type=int, default=64, help="bytes per sample")
     ev.add_argument("--temperature", type=float, default=0.8,
                     help="sampling temperature of --sample-every (0: greedy)")
+    add_auto_flags(p)
     args = p.parse_args(argv)
     # Every count flag (--seed is not a count): a negative one is a typo, never silently used.
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
@@ -582,6 +587,9 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
     common = {"precision": args.precision, "mesh": mesh, "plan": args.plan,
               "batch_shape": (args.batch_size * args.grad_accum, args.seq_len),
               "grad_accum": args.grad_accum}
+    if args.preset == "auto":  # --auto: the searched layout's preset (+ remat when chosen)
+        return preset_for(args.auto_choice, mesh=mesh, plan=args.plan,
+                          batch_shape=common["batch_shape"], grad_accum=args.grad_accum)
     if args.preset == "hybrid":
         return hybrid_parallel(tp_size=mesh.size("tp"), pp_size=args.pp, zero_stage=args.zero,
                                microbatches=args.microbatches if args.pp > 1 else None,
@@ -684,6 +692,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     gathered from the shards (every rank takes part in the gather and gets them).
     """
     args = parse_args(argv)
+    if args.auto or args.what_if:  # the layout from funcpar.auto's cost model, printed with why
+        if resolve_auto(args, model_config(args)) is None:  # --what-if: nothing to start
+            return {"first_loss": None, "last_loss": None, "history": [], "state": None,
+                    "params": None}
     # One CPU thread unless asked: the default model's matmuls are too small for intra-op
     # threads to pay, and OpenMP threads that spin-wait collapse when the cores are shared
     # (measured on a busy 2-core machine: 60 steps in 8 s with one thread, 57-85 s with two).

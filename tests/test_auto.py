@@ -236,14 +236,15 @@ def test_regime_memory_binds_zero_then_offload():
     assert (c.tp, c.dp, c.zero, c.remat, c.offload) == (1, 8, 3, False, None)
     assert all(e.choice.zero >= 2 for e in res.ranked)
     assert any(e.choice.zero == 0 for e, _ in res.rejected)
-    # Closed form of ZeRO-3 under full overlap: each group of per-leaf collectives hides under
-    # its compute but for its last leaf: the forward gathers (39 leaves: embedding, 4 x 9 in
-    # the blocks, norm, head) and, under the backward, the regathers (all but the embedding)
-    # and the reduce-scatters, bf16 (2 B/param), ring factor 7/8.
-    leaves = 1 + 4 * 9 + 2
+    # Closed form of ZeRO-3 under full overlap: each phase's collectives hide under its
+    # compute but for the last message: the forward gathers (5 groups: the leaves outside the
+    # blocks, then 4 blocks) and, under the backward, the 5 regathers (the outside group with
+    # its embedding, for the head's saved weight) and the 5 reduce-scatters, bf16 (2 B/param),
+    # ring factor 7/8.
+    groups = 1 + 4
     ag = 7 / 8 * 2 * p / BW
-    back = 7 / 8 * (2 * p - 2 * spec.embed + 2 * p) / BW
-    closed = _compute(spec, 8 * 128, 128) + ag / leaves + back / (2 * leaves - 1)
+    back = 7 / 8 * (2 * p + 2 * p) / BW
+    closed = _compute(spec, 8 * 128, 128) + ag / groups + back / (2 * groups)
     assert res.best.time == pytest.approx(closed, rel=0.01)
     # One rank, no ZeRO to spread the state: only offloading the optimizer state fits.
     host = 10e9

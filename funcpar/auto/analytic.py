@@ -357,16 +357,21 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
             add("reduce_scatter", "dp", _buckets(grad_bytes, cap), grad_bytes,
                 "zero: grads reduce-scattered", "bwd_hidden")
         if c.zero == 3:
+            # Per gather group (zero_partition.gather_groups: each block, and the leaves
+            # outside the blocks on the first and last stages) one all-gather forward, one
+            # backward when autograd saved any of its leaves, one reduce-scatter. The
+            # embedding alone (a first pipeline stage) is not regathered: its backward needs
+            # only the indices.
             whole = local * s
-            # The embedding's backward needs only the indices: no regather.
-            regather = whole - (spec.embed / tp * s if first else 0)
-            n_re = leaves - (1 if first else 0)
-            add("all_gather", "dp", leaves * m, whole * m, "zero-3: params gathered "
+            groups = len(blocks) + (1 if first or last else 0)
+            regather = whole - (spec.embed / tp * s if first and not last else 0)
+            n_re = len(blocks) + (1 if last else 0)
+            add("all_gather", "dp", groups * m, whole * m, "zero-3: params gathered "
                 "(forward)", "fwd_hidden")
             add("all_gather", "dp", n_re * m, regather * m, "zero-3: params gathered again "
                 "(backward)", "bwd_hidden")
-            add("reduce_scatter", "dp", leaves, whole, "zero-3: grads reduce-scattered",
-                "bwd_hidden")
+            add("reduce_scatter", "dp", groups * m, whole * m,
+                "zero-3: grads reduce-scattered", "bwd_hidden")
     # -------------------------------------------------------------------------- norms
     groups = _norm_groups(c, tp > 1 and split > 0, experts > 0)
     for axes in groups:
@@ -389,7 +394,10 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
     gathered = 0.0
     if c.zero == 3:
         outside = ((spec.embed / tp if first else 0) + (spec.head / tp + d if last else 0))
-        largest = max((b.tp_split / tp + b.replicated + b.experts / ep for b in bc), default=0)
+        # The block computing and the one prefetched (zero_partition's prefetch=1).
+        sizes = [b.tp_split / tp + b.replicated + b.experts / ep for b in bc]
+        k = min(2, len(sizes))
+        largest = max((sum(sizes[j:j + k]) for j in range(len(sizes) - k + 1)), default=0)
         gathered = (outside + largest) * s
     mb_tokens = b_local // m * seq
     per_block = [spec.block_activation_bytes(i, s, tp, c.sequence_parallel) for i in blocks]

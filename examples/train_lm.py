@@ -6,6 +6,9 @@
     torchrun --nproc_per_node 4 examples/train_lm.py --tp 2 --dp 2 --comm-report
     torchrun --nproc_per_node 2 examples/train_lm.py --pp 2 --microbatches 4 --layers 4
     torchrun --nproc_per_node 4 examples/train_lm.py --preset hybrid --tp 2 --zero 2 --plan
+    torchrun --nproc_per_node 4 examples/train_lm.py --cp 2 --cp-mode ring --dp 2 --seq-len 512
+    torchrun --nproc_per_node 4 examples/train_lm.py --auto --memory-per-rank 2GiB
+    python examples/train_lm.py --auto --what-if --world 1024 --profile h100 --dim 8192
     tensorboard --logdir runs/
 
 The model becomes a pure function (``functionalize``), the optimizer a pure init/update pair
@@ -29,6 +32,11 @@ rank's batch; tensor and data parallelism then apply within each stage; ``--save
 ``--resume`` work as without it (the checkpoint holds each leaf once under its global name, so
 a pipelined run resumes in one process or another layout, and back). ``--remat K``
 recomputes every K-th block's activations in the backward instead of keeping them.
+
+``--cp N`` cuts every sequence over a ``cp`` axis of ``N`` ranks (``context_parallel``,
+docs/CONTEXT_PARALLEL.md; mesh ``pp x dp x cp x tp``): ``--cp-mode ring`` passes the keys and
+values around a ring, ``ulysses`` exchanges heads for positions with all_to_alls. The loss,
+token count and tokens/s reported are the global batch's, as in one process.
 
 ``--experts E`` gives every ``--moe-every``-th block a Mixture-of-Experts feed-forward
 (docs/MOE.md); ``--ep P`` spreads the experts over an ``ep`` axis (``expert_parallel``) and
@@ -63,6 +71,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from funcpar.auto.cli import add_auto_flags, resolve_auto
+from funcpar.auto.search import preset_for
 from funcpar.data import BYTE_VOCAB_SIZE, DEFAULT_STDLIB_BYTES, rank0_first, text_batches
 from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
 from funcpar.models.generate import generate, logits_gatherer
@@ -98,6 +108,7 @@ from funcpar.transforms import (
     accumulate_grads,
     amp_cast,
     compose,
+    context_parallel,
     data_parallel,
     expert_parallel,
     pipeline_split,
@@ -230,7 +241,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     run.add_argument("--allow-data-change", action="store_true",
                      help="with --resume: continue although --seed, --batch-size, --seq-len or "
                           "the corpus flags differ from the checkpoint's (a new data order)")
-    par = p.add_argument_group("parallelism (launch with torchrun; pp x tp x dp = processes)")
+    par = p.add_argument_group("parallelism (launch with torchrun; pp x dp x cp x tp = "
+                               "processes)")
     par.add_argument("--pp", type=int, default=1,
                      help="pipeline stages (ranks) along the pp axis; pipeline_split first")
     par.add_argument("--microbatches", type=int, default=None,
@@ -249,6 +261,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      help="data-parallel size: global batch split (default: processes / tp)")
     par.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                      help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters")
+    par.add_argument("--cp", type=int, default=1,
+                     help="context-parallel ranks: every sequence cut over them")
+    par.add_argument("--cp-mode", default="ring", choices=("ring", "ulysses"),
+                     help="context-parallel attention: ring (kv passed around) or ulysses "
+                          "(all_to_all of heads)")
     par.add_argument("--sequence-parallel", action="store_true",
                      help="with --tp: split the activations between tp regions on the sequence")
     par.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
@@ -343,6 +360,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ev.add_argument("--sample-tokens", type=int, default=64, help="bytes per sample")
     ev.add_argument("--temperature", type=float, default=0.8,
                     help="sampling temperature of --sample-every (0: greedy)")
+    add_auto_flags(p)
     args = p.parse_args(argv)
     # Every count flag (--seed is not a count): a negative one is a typo, never silently used.
     for name in ("steps", "batch_size", "seq_len", "dim", "layers", "heads", "print_every", "tp",
@@ -396,6 +414,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     "tensor parallelism gives every rank whole heads")
     if args.sequence_parallel and args.tp == 1:
         p.error("--sequence-parallel splits activations over tp: it needs --tp > 1")
+    if args.cp < 1:
+        p.error(f"--cp must be positive, got {args.cp}")
+    if args.cp > 1:
+        if args.seq_len % (2 * args.cp):
+            p.error(f"--cp {args.cp} cuts each sequence into 2 x {args.cp} equal chunks: "
+                    f"--seq-len {args.seq_len} must be a multiple of {2 * args.cp}")
+        for flag, on in (("--pp", args.pp > 1), ("--experts", args.experts > 0),
+                         ("--compile", args.compile)):
+            if on:
+                p.error(f"--cp (context_parallel) does not work with {flag} yet "
+                        "(docs/CONTEXT_PARALLEL.md)")
+        if args.preset not in (None, "hybrid"):
+            p.error(f"--preset {args.preset} has no context parallelism: use --preset hybrid "
+                    "(sp_size) or compose by hand (drop --preset)")
     if args.plan and args.preset is None:
         p.error("--plan prints a preset's plan: it needs --preset")
     if args.preset is not None and args.remat:
@@ -478,20 +510,22 @@ def build_mesh(args: argparse.Namespace) -> DeviceMesh:
     axes = {"pp": args.pp} if args.pp > 1 else {}
     if args.ep > 1:  # the batch is split over ep x dp; experts over ep
         axes["ep"] = args.ep
+    axes["dp"] = -1 if args.dp is None else args.dp
+    if args.cp > 1:
+        axes["cp"] = args.cp
     try:
         if args.tp_mode == "2d":  # a q x q grid; the 1D 'tp' axis is kept, of size 1
             q = math.isqrt(args.tp)
             axes.update(tp=1, tp_row=q, tp_col=q)
         else:
             axes["tp"] = args.tp
-        mesh = DeviceMesh.from_env(**axes, dp=-1 if args.dp is None else args.dp,
-                                   backend=backend)
+        mesh = DeviceMesh.from_env(**axes, backend=backend)
     except ValueError as err:
         world = os.environ.get("WORLD_SIZE", "1")
         raise SystemExit(
             f"error: --tp {args.tp} --dp {args.dp if args.dp is not None else 'auto'} on "
             f"{world} process(es): {err}. Launch tp x dp processes, e.g. "
-            f"torchrun --nproc_per_node {args.pp * args.tp * (args.dp or 1)} "
+            f"torchrun --nproc_per_node {args.pp * args.tp * args.cp * (args.dp or 1)} "
             "examples/train_lm.py ..."
         ) from None
     if args.ep > 1 and args.batch_size % (args.ep * mesh.size("dp")):
@@ -520,6 +554,8 @@ def manual_transforms(args: argparse.Namespace, mesh: DeviceMesh, cfg: LlamaConf
         # MoE blocks: every expert's ffn split over tp (style "experts"), router replicated.
         transforms.append(shard_params(llama_rules_for(cfg), mesh,
                                        sequence_parallel=args.sequence_parallel))
+    if args.cp > 1:  # after shard_params, whose vocab-parallel loss it weights
+        transforms.append(context_parallel(mesh, mode=args.cp_mode))
     # After shard_params (it cuts the tp expert shards over ep) and before ZeRO (which
     # partitions the expert shards over dp).
     if "ep" in mesh.axis_names:
@@ -551,11 +587,18 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
     common = {"precision": args.precision, "mesh": mesh, "plan": args.plan,
               "batch_shape": (args.batch_size * args.grad_accum, args.seq_len),
               "grad_accum": args.grad_accum}
+    if args.preset == "auto":  # --auto: the searched layout's preset (+ remat when chosen)
+        return preset_for(args.auto_choice, mesh=mesh, plan=args.plan,
+                          batch_shape=common["batch_shape"], grad_accum=args.grad_accum)
     if args.preset == "hybrid":
         return hybrid_parallel(tp_size=mesh.size("tp"), pp_size=args.pp, zero_stage=args.zero,
                                microbatches=args.microbatches if args.pp > 1 else None,
                                pp_style=args.schedule, num_model_chunks=args.virtual_stages,
-                               sequence_parallel=args.sequence_parallel, **common)
+                               sequence_parallel=args.sequence_parallel,
+                               sp_size=args.cp, sequence_parallelism_mode=(
+                                   None if args.cp == 1 else
+                                   {"ring": "ring_attn", "ulysses": "all_to_all"}[args.cp_mode]),
+                               **common)
     if args.preset == "moe":
         return moe_hybrid(ep_size=args.ep, tp_size=mesh.size("tp"), pp_size=args.pp,
                           zero_stage=args.zero,
@@ -649,6 +692,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     gathered from the shards (every rank takes part in the gather and gets them).
     """
     args = parse_args(argv)
+    if args.auto or args.what_if:  # the layout from funcpar.auto's cost model, printed with why
+        if resolve_auto(args, model_config(args)) is None:  # --what-if: nothing to start
+            return {"first_loss": None, "last_loss": None, "history": [], "state": None,
+                    "params": None}
     # One CPU thread unless asked: the default model's matmuls are too small for intra-op
     # threads to pay, and OpenMP threads that spin-wait collapse when the cores are shared
     # (measured on a busy 2-core machine: 60 steps in 8 s with one thread, 57-85 s with two).
@@ -722,8 +769,9 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     pp = (f"pp {args.pp} ({args.schedule}, {args.microbatches} micro-batches) x "
           if args.pp > 1 else "")
     ep = f"ep {mesh.size('ep')} x " if "ep" in mesh.axis_names else ""
+    cp = f"cp {mesh.size('cp')} ({args.cp_mode}) x " if "cp" in mesh.axis_names else ""
     where = f"{device}" if mesh.world_size == 1 else (
-        f"{mesh.world_size} x {device.type} ({pp}{ep}dp {mesh.size('dp')} x tp "
+        f"{mesh.world_size} x {device.type} ({pp}{ep}dp {mesh.size('dp')} x {cp}tp "
         f"{mesh.size('tp')})")
     say(f"model {n_params / 1e6:.2f}M params | corpus {loader.tokens.numel():,} tokens, "
         f"{loader.batches_per_epoch} batches/epoch | {args.optim} on {where}"

@@ -184,6 +184,36 @@ def test_zero3_and_sequence_parallel_on_four_ranks_match_one_process(tmp_path, d
             assert "zero3 param gather" in res["stdout"] and "zero grad" in res["stdout"]
 
 
+@pytest.mark.slow
+def test_cp2_with_tp2_and_dp2_on_four_ranks_match_one_process(tmp_path, data_cache):
+    """``--cp 2`` (ring) with ``--tp 2`` and (Ulysses, through the hybrid preset) with
+    ``--dp 2 --zero 2``: the one-process losses and parameters (float64, 1e-10)."""
+    steps = ["--dtype", "float64", "--print-every", "2", "--kv-heads", "2", "--warmup", "2"]
+    one = train_lm.main(_small(tmp_path / "one", data_cache, 4, *steps))
+    ref_losses = [r["loss"] for r in one["history"]]
+    ref_rows = [json.loads(line) for line in
+                (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    for name, flags in (("cptp", ["--cp", "2", "--tp", "2"]),
+                        ("cpdp", ["--cp", "2", "--cp-mode", "ulysses", "--dp", "2",
+                                  "--zero", "2", "--preset", "hybrid"])):
+        argv = _small(tmp_path / name, data_cache, 4, *steps, *flags)
+        for rank, res in enumerate(run_ranks(_rank_run, 4, argv, backend=None, timeout=180)):
+            rel = max(abs(a - b) / abs(b) for a, b in zip(res["losses"], ref_losses))
+            assert len(res["losses"]) == 4 and rel <= 1e-10, (name, rank, rel)
+            for leaf, ref in one["params"].items():
+                err = float((res["params"][leaf] - ref).abs().max() / ref.abs().max())
+                assert err <= 1e-10, (name, rank, leaf, err)
+            if rank == 0:
+                assert "cp 2 (" in res["stdout"], res["stdout"]
+        rows = [json.loads(line) for line in
+                (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        # The logged loss is the global batch's (tokens/s divides the global batch's tokens,
+        # loader.tokens_per_batch, by the step's time, as in one process).
+        for got, ref in zip(rows, ref_rows, strict=True):
+            assert abs(got["loss"] - ref["loss"]) <= 1e-10 * abs(ref["loss"])
+            assert set(got) == set(ref)
+
+
 def test_pp2_interleaved_on_two_ranks_matches_one_process(tmp_path, data_cache):
     """``--pp 2 --schedule interleaved`` (4 stages of one block, 4 micro-batches): the one-process
     losses on every rank, and between them the ranks hold the whole, trained parameters."""
@@ -252,6 +282,10 @@ def test_pipeline_flag_errors(capsys):
          "each rank's batch (6 = --batch-size / --dp) does not split into --microbatches 4"),
         (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
         (["--pp", "2", "--compile"], "--compile does not work with --pp > 1 yet"),
+        (["--cp", "2", "--seq-len", "30"], "--seq-len 30 must be a multiple of 4"),
+        (["--cp", "2", "--experts", "2"], "--cp (context_parallel) does not work with "
+                                          "--experts yet"),
+        (["--cp", "2", "--preset", "ddp"], "--preset ddp has no context parallelism"),
     ):
         with pytest.raises(SystemExit):
             train_lm.main(argv)

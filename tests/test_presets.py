@@ -308,7 +308,9 @@ def test_plan_per_token_without_batch_shape():
      r"tp_size=2 but the mesh's 'tp' axis has 1 ranks"),
     (lambda: hybrid_parallel(dp_size=4, mesh=DeviceMesh.virtual(dp=2, tp=1)),
      r"dp_size=4 but the mesh's 'dp' axis has 2"),
-    (lambda: hybrid_parallel(mesh=DeviceMesh.virtual(tp=1, cp=2)), r"axes \{'cp': 2\}"),
+    (lambda: hybrid_parallel(mesh=DeviceMesh.virtual(tp=1, sp=2)), r"axes \{'sp': 2\}"),
+    (lambda: hybrid_parallel(mesh=DeviceMesh.virtual(tp=1, cp=2)),
+     r"sp_size \(context-parallel modes\)=1 but the mesh's 'cp' axis has 2 ranks"),
     (lambda: hybrid_parallel(_model(), lm_loss), r"pass model, loss_fn and optimizer"),
     (lambda: hybrid_parallel(loss_fn=lm_loss), r"or none of them"),
 ])

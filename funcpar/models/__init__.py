@@ -5,11 +5,12 @@ from funcpar.models.llama import (
     LlamaConfig,
     MoEOutput,
     RMSNorm,
+    causal_attention,
     lm_loss,
     moe_lm_loss,
     rotary_cos_sin,
 )
 from funcpar.models.moe import MoE, MoEStats
 
-__all__ = ["Llama", "LlamaConfig", "MoE", "MoEOutput", "MoEStats", "RMSNorm", "lm_loss",
-           "moe_lm_loss", "rotary_cos_sin"]
+__all__ = ["Llama", "LlamaConfig", "MoE", "MoEOutput", "MoEStats", "RMSNorm", "causal_attention",
+           "lm_loss", "moe_lm_loss", "rotary_cos_sin"]

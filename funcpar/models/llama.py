@@ -35,8 +35,8 @@ from torch import Tensor, nn
 
 from funcpar.models.moe import MoE, MoEStats
 
-__all__ = ["Llama", "LlamaConfig", "MoEOutput", "RMSNorm", "lm_loss", "moe_lm_loss",
-           "moe_output", "rotary_cos_sin", "router_loss"]
+__all__ = ["Llama", "LlamaConfig", "MoEOutput", "RMSNorm", "causal_attention", "lm_loss",
+           "moe_lm_loss", "moe_output", "rotary_cos_sin", "router_loss"]
 
 
 @dataclass(frozen=True)
@@ -160,14 +160,20 @@ class RMSNorm(nn.Module):
 
 
 def rotary_cos_sin(
-    seq_len: int, head_dim: int, theta: float, *, dtype: torch.dtype, device: torch.device
+    seq_len: int, head_dim: int, theta: float, *, dtype: torch.dtype, device: torch.device,
+    positions: Int[Tensor, " seq"] | None = None,
 ) -> tuple[Float[Tensor, "seq head_dim"], Float[Tensor, "seq head_dim"]]:
-    """cos and sin of the angles ``pos * theta^(-2i/head_dim)``, each half of a head repeated."""
+    """cos and sin of the angles ``pos * theta^(-2i/head_dim)``, each half of a head repeated.
+
+    ``pos`` runs over ``0 .. seq_len - 1``, or over ``positions`` when given (the global
+    positions of a sequence chunk under context parallelism)."""
     work = _compute_dtype(dtype)
     inv_freq = 1.0 / theta ** (
         torch.arange(0, head_dim, 2, device=device, dtype=work) / head_dim
     )
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=work), inv_freq)
+    pos = (torch.arange(seq_len, device=device, dtype=work) if positions is None
+           else positions.to(device=device, dtype=work))
+    angles = torch.outer(pos, inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -182,7 +188,32 @@ def _rotate(
     return x * cos + rotated * sin
 
 
+def causal_attention(
+    q: Float[Tensor, "batch heads seq head_dim"],
+    k: Float[Tensor, "batch kv_heads seq head_dim"],
+    v: Float[Tensor, "batch kv_heads seq head_dim"],
+) -> Float[Tensor, "batch heads seq head_dim"]:
+    """Causal ``softmax(q k^T / sqrt(head_dim)) v``, each kv head shared by ``heads / kv_heads``
+    consecutive query heads (grouped-query attention)."""
+    b, _, t, hd = k.shape
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        # expand + reshape rather than sdpa(enable_gqa=...): the latter needs torch >= 2.5
+        k = k[:, :, None].expand(-1, -1, group, -1, -1).reshape(b, -1, t, hd)
+        v = v[:, :, None].expand(-1, -1, group, -1, -1).reshape(b, -1, t, hd)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
+    """Rotary multi-head (or grouped-query) self-attention.
+
+    The attention proper is ``self.attend(q, k, v)`` (:func:`causal_attention` by default),
+    given the rotated queries and the kv heads before any GQA repeat: an attribute so that a
+    transform can install another exact attention for a call (context parallelism's ring or
+    Ulysses attention, :mod:`funcpar.transforms.context_parallel`)."""
+
+    attend = staticmethod(causal_attention)
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -204,12 +235,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        group = q.shape[1] // k.shape[1]
-        if group > 1:
-            # expand + reshape rather than sdpa(enable_gqa=...): the latter needs torch >= 2.5
-            k = k[:, :, None].expand(-1, -1, group, -1, -1).reshape(b, -1, t, self.head_dim)
-            v = v[:, :, None].expand(-1, -1, group, -1, -1).reshape(b, -1, t, self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -328,14 +354,18 @@ class Llama(nn.Module):
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
 
     def forward(
-        self, tokens: Int[Tensor, "batch seq"]
+        self, tokens: Int[Tensor, "batch seq"], positions: Int[Tensor, " seq"] | None = None
     ) -> Float[Tensor, "batch seq vocab"] | MoEOutput:
+        """``positions``: each token's position in its sequence (default ``0 .. seq - 1``);
+        a chunk of a longer sequence passes its global ones (context parallelism), whose
+        transform checks the whole length against ``max_seq_len``."""
         t = tokens.shape[1]
         if t > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.cfg.max_seq_len}")
         x = self.embed_tokens(tokens)
         cos, sin = rotary_cos_sin(
-            t, self.cfg.head_dim, self.cfg.rope_theta, dtype=x.dtype, device=x.device
+            t, self.cfg.head_dim, self.cfg.rope_theta, dtype=x.dtype, device=x.device,
+            positions=positions,
         )
         stats = []
         for block in self.layers:

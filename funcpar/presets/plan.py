@@ -271,6 +271,7 @@ class Plan:
         self.batch_shape = batch_shape
         self.max_norm = max_norm
         self.pipelined = getattr(step, "pipeline", None) is not None
+        self.context_parallel = getattr(step.loss_fn, "context_parallel", None)
         self.moe_blocks = _moe_blocks(step, mesh)
         self.tp_experts = _experts_split_inside(step, mesh)
         leaves = [x for _, x in named_leaves(state.params) if torch.is_tensor(x)]
@@ -357,6 +358,7 @@ class Plan:
             self._tp_rows(rows, batch_shape)
         if self.moe_blocks:
             self._ep_rows(rows, batch_shape, routing)
+        self._cp_rows(rows, batch_shape)
         self._dp_rows(rows)
         self._norm_rows(rows)
         scaler = self.step.loss_scaler
@@ -391,7 +393,8 @@ class Plan:
         if b % dp:
             raise ValueError(f"batch_shape {batch_shape}: a batch of {b} does not split over "
                              f"dp={dp}")
-        return b // dp, t, False
+        cp = self.context_parallel
+        return b // dp, t // (1 if cp is None else self.mesh.size(cp.axis)), False
 
     def _tp_rows(self, rows: _Rows, batch_shape: tuple[int, int] | None) -> None:
         sp, axis = self.sharding, self.sharding.axis
@@ -480,6 +483,36 @@ class Plan:
                                                                    x.dtype)
         for n in by_dtype.values():
             rows.add("all_reduce", axis, n, "sp: grads of leaves not split over tp")
+
+    def _cp_rows(self, rows: _Rows, batch_shape: tuple[int, int] | None) -> None:
+        """Context parallelism: the attention's ring sends or all_to_alls (from the transform's
+        own account, ContextParallel.attention_comm), the token count, the loss mean and the
+        gradient buckets (of the gradients as the inner hooks left them) over its axis."""
+        cp = self.context_parallel
+        if cp is None:
+            return
+        if getattr(self.step.apply_fn, "remat", False):
+            raise ValueError("the expected communication of context_parallel under remat is not "
+                             "modeled (the recompute repeats the attention's forward traffic); "
+                             "measure a step with funcpar.shard.comm.comm_report")
+        n = self.mesh.size(cp.axis)
+        if batch_shape is None:
+            b, t, per_token = 1, 1, True
+        else:
+            b, t, per_token = self._local_batch(batch_shape)
+        tp = self.mesh.size(self.sharding.axis) if self.sharding is not None else 1
+        for op, nbytes, what, count in cp.attention_comm(n, b, t, self.compute_dtype, tp):
+            rows.add(op, cp.axis, nbytes, what, count=count, per_token=per_token)
+        rows.add("all_reduce", cp.axis, 8, "cp: counted targets")
+        rows.add("all_reduce", cp.axis, self._loss_bytes(), "cp: loss mean")
+        step = self.step
+        glay = step.grad_layouts if step.grad_layouts is not None else step.layouts
+        leaves = [x for _, x in named_leaves(self.state.params)]
+        if glay is not None:
+            leaves = [torch.empty(lay.local_shape(), dtype=x.dtype, device="meta")
+                      for x, lay in zip(leaves, tree_flatten(glay)[0])]
+        for nbytes in _buckets(leaves, cp.bucket_bytes):
+            rows.add("all_reduce", cp.axis, nbytes, "cp: gradient buckets")
 
     def _loss_bytes(self) -> int:
         """The reported loss: float32 at least under amp, else the parameters' dtype."""

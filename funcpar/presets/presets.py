@@ -3,14 +3,18 @@
 Each preset is a :class:`Preset` (a frozen set of choices) that composes, in the one valid
 order documented by the transforms,
 
-``[clip] -> pipeline_split -> shard_params -> data_parallel -> zero_partition -> offload ->
-amp_cast``
+``[clip] -> pipeline_split -> shard_params -> context_parallel -> data_parallel ->
+zero_partition -> offload -> amp_cast``
 
 * ``pipeline_split(mesh, microbatches=..., schedule=pp_style, virtual_stages=
   num_model_chunks)`` when ``pp_size > 1`` (first: it cuts the whole model into stages, and
   the transforms after it apply per stage);
 * ``shard_params(rules, mesh)`` when ``tp_size > 1``; the rules are the model's
   (:func:`pick_rules`) unless given;
+* ``context_parallel(mesh, mode=...)`` when ``sp_size > 1`` with Colossal-AI's
+  ``sequence_parallelism_mode`` ``"ring_attn"`` (ring) or ``"all_to_all"`` (Ulysses), over a
+  ``cp`` axis of ``sp_size`` ranks (``"split_gather"`` is ``shard_params``' sequence
+  parallelism over ``tp``);
 * ``data_parallel(mesh, bucket_mb=...)`` when the ``dp`` axis has more than one rank;
 * ``zero_partition(stage, mesh)`` when ``zero_stage > 0`` (after ``shard_params``: the
   partition cuts the tensor-parallel shards);
@@ -68,6 +72,7 @@ from funcpar.train.step import TrainStep, make_train_step
 from funcpar.transforms.accumulate_grads import accumulate_grads
 from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.compose import require_fresh
+from funcpar.transforms.context_parallel import context_parallel
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.expert_parallel import expert_parallel
 from funcpar.transforms.offload import offload as offload_transform
@@ -187,6 +192,11 @@ def _rules_text(model: nn.Module, rules: Sequence[Rule | LocalAttr]) -> str:
     return f"<{len(rules)} rules for {type(model).__name__}>"
 
 
+#: Colossal-AI's ``sequence_parallelism_mode`` values; the context-parallel ones -> mode.
+SP_MODES = ("split_gather", "all_to_all", "ring_attn")
+CP_MODES = {"all_to_all": "ulysses", "ring_attn": "ring"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """A composition of funcpar's transforms, chosen by Colossal-AI-style arguments.
@@ -200,14 +210,18 @@ class Preset:
     ``bucket_mb``: data-parallel gradient bucket size. ``rules``: tensor-parallel rules
     (default :func:`pick_rules`). ``sequence_parallel``: with ``tp_size > 1``. ``microbatches``
     (required with ``pp_size > 1``; Colossal-AI's ``num_microbatches``): pipeline micro-batches
-    per step; ``pp_style`` the schedule ("1f1b", "gpipe" or "interleaved" with
-    ``num_model_chunks`` stages per rank). ``batch_shape`` ``(batch, seq)`` of the
-    global batch: lets the plan give the activation collectives in bytes. ``plan``: print the
-    plan on rank 0 when composing. ``grad_accum``: gradient accumulation over that many
-    micro-batches of each step's batch, reduced once per step
+    per step; ``sp_size`` and ``sequence_parallelism_mode`` (Colossal-AI's names):
+    ``"split_gather"`` is ``sequence_parallel=True`` (over ``tp``; ``sp_size`` 1 or
+    ``tp_size``), ``"ring_attn"`` and ``"all_to_all"`` are :func:`context_parallel` ring and
+    Ulysses over a ``cp`` axis of ``sp_size`` ranks; ``pp_style`` the schedule ("1f1b",
+    "gpipe" or "interleaved" with ``num_model_chunks`` stages per rank). ``batch_shape``
+    ``(batch, seq)`` of the global batch: lets the plan give the activation collectives in
+    bytes. ``plan``: print the plan on rank 0 when composing. ``grad_accum``: gradient
+    accumulation over that many micro-batches of each step's batch, reduced once per step
     (:func:`~funcpar.transforms.accumulate_grads`; HF Trainer's
     ``gradient_accumulation_steps``); with a pipeline, ``grad_accum`` times ``microbatches``
-    pipeline micro-batches (the same sum of gradients).
+    pipeline micro-batches (the same sum of gradients). ``tp_mode``: "1d" (Megatron) or "2d"
+    (SUMMA on a ``q x q`` grid, ``tp_size = q * q``: :mod:`funcpar.transforms.tp_modes`).
     """
 
     name: str = "preset"
@@ -236,10 +250,18 @@ class Preset:
     ep_size: int = 1
     grad_accum: int = 1
     tp_mode: str = "1d"
+    sp_size: int = 1
+    sequence_parallelism_mode: str | None = None
+
+    @property
+    def cp_size(self) -> int:
+        """The ``cp`` axis' size: ``sp_size`` under a context-parallel mode, else 1."""
+        return self.sp_size if self.sequence_parallelism_mode in CP_MODES else 1
 
     def __post_init__(self) -> None:
         who = self.name
-        for field in ("tp_size", "pp_size", "num_model_chunks", "ep_size", "grad_accum"):
+        for field in ("tp_size", "pp_size", "num_model_chunks", "ep_size", "grad_accum",
+                      "sp_size"):
             v = getattr(self, field)
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{who}: {field} must be an int >= 1, got {v!r}")
@@ -266,6 +288,7 @@ class Preset:
                              f"{self.max_norm!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"{who}: bucket_mb must be > 0, got {self.bucket_mb}")
+        self._check_sp(who)
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError(f"{who}: sequence_parallel splits activations over tp: it needs "
                              "tp_size > 1")
@@ -313,7 +336,8 @@ class Preset:
                              f"got {self.tp_size}")
         for what, on in (("sequence_parallel", self.sequence_parallel),
                          ("pp_size > 1", self.pp_size > 1), ("ep_size > 1", self.ep_size > 1),
-                         ("plan=True", self.plan)):
+                         ("plan=True", self.plan),
+                         ("a context-parallel sequence_parallelism_mode", self.cp_size > 1)):
             if on:
                 raise ValueError(f"{self.name}: tp_mode='2d' does not compose with {what} yet")
 
@@ -324,20 +348,52 @@ class Preset:
         q = math.isqrt(self.tp_size)
         return {"tp": 1, "tp_row": q, "tp_col": q}
 
+    def _check_sp(self, who: str) -> None:
+        mode = self.sequence_parallelism_mode
+        if mode is None:
+            if self.sp_size > 1:
+                raise ValueError(f"{who}: sp_size={self.sp_size} needs sequence_parallelism_mode"
+                                 f" (one of {SP_MODES})")
+            return
+        if mode not in SP_MODES:
+            why = (" (Colossal-AI's 'ring' is split_gather with ring-exchanged gathers: use "
+                   "'split_gather', or 'ring_attn' for ring attention)" if mode == "ring" else "")
+            raise ValueError(f"{who}: unknown sequence_parallelism_mode {mode!r}; use one of "
+                             f"{SP_MODES}{why}")
+        if mode == "split_gather":
+            if self.sp_size not in (1, self.tp_size):
+                raise ValueError(f"{who}: split_gather splits the sequence over tp: sp_size "
+                                 f"({self.sp_size}) must be 1 or tp_size ({self.tp_size})")
+            if self.tp_size == 1:
+                raise ValueError(f"{who}: split_gather splits activations over tp: it needs "
+                                 "tp_size > 1")
+            object.__setattr__(self, "sequence_parallel", True)
+        elif self.sp_size == 1:
+            raise ValueError(f"{who}: sequence_parallelism_mode={mode!r} needs sp_size > 1")
+        elif self.pp_size > 1:
+            raise ValueError(f"{who}: context_parallel ({mode}) and pipeline_split do not "
+                             "compose yet: pp_size must be 1")
+
     # ------------------------------------------------------------------------------- mesh
     def _check_mesh(self, mesh: DeviceMesh) -> None:
         sizes = mesh.shape
-        known = ("pp", "dp", "tp", "ep") + (("tp_row", "tp_col") if self.tp_mode != "1d" else ())
+        known = ("pp", "dp", "tp", "ep", "cp") + (("tp_row", "tp_col") if self.tp_mode != "1d"
+                                                else ())
         extra = {a: s for a, s in sizes.items() if a not in known and s > 1}
         if extra:
             raise ValueError(f"{self.name}: the mesh has axes {extra} that the preset does not "
                              "use; its axes are 'dp' and 'tp' (and 'pp')")
         tp_axes = self._tp_axes()
-        for axis, want in (*tp_axes.items(), ("pp", self.pp_size), ("ep", self.ep_size)):
+        for axis, want in (*tp_axes.items(), ("pp", self.pp_size), ("ep", self.ep_size),
+                           ("cp", self.cp_size)):
             if sizes.get(axis, 1) != want:
-                asked = (f"{axis}_size={want}" if axis in ("pp", "ep") or self.tp_mode == "1d"
-                         else f"tp_size={self.tp_size} with tp_mode={self.tp_mode!r} (axes "
-                              f"{tp_axes})")
+                if axis == "cp":
+                    asked = f"sp_size (context-parallel modes)={want}"
+                elif axis in ("pp", "ep") or self.tp_mode == "1d":
+                    asked = f"{axis}_size={want}"
+                else:
+                    asked = (f"tp_size={self.tp_size} with tp_mode={self.tp_mode!r} (axes "
+                             f"{tp_axes})")
                 raise ValueError(f"{self.name}: {asked} but the mesh's {axis!r} axis "
                                  f"has {sizes.get(axis, 1)} ranks ({mesh!r})")
         if self.dp_size is not None and sizes.get("dp", 1) != self.dp_size:
@@ -355,10 +411,12 @@ class Preset:
         if self.mesh is not None:
             return self.mesh
         world = _world_size()
-        fixed = self.tp_size * self.pp_size * self.ep_size
+        fixed = self.tp_size * self.pp_size * self.ep_size * self.cp_size
         what = f"tp_size {self.tp_size} x pp_size {self.pp_size}"
         if self.ep_size > 1:
             what += f" x ep_size {self.ep_size}"
+        if self.cp_size > 1:
+            what += f" x sp_size {self.cp_size}"
         if self.dp_size is None:
             if world % fixed:
                 raise ValueError(f"{self.name}: {what} = {fixed} does not divide the world of "
@@ -373,7 +431,10 @@ class Preset:
         axes = {"pp": self.pp_size} if self.pp_size > 1 else {}
         if self.ep_size > 1:
             axes["ep"] = self.ep_size
-        axes.update(dp=dp, **self._tp_axes())
+        axes.update(dp=dp)
+        if self.cp_size > 1:
+            axes["cp"] = self.cp_size
+        axes.update(self._tp_axes())
         return DeviceMesh.from_env(**axes)
 
     # ------------------------------------------------------------------------ composition
@@ -398,6 +459,10 @@ class Preset:
             out.append((f"shard_params({_rules_text(module, rules)}, mesh{sp})",
                         shard_params(rules, mesh, sequence_parallel=self.sequence_parallel,
                                      mode=self.tp_mode)))
+        if self.cp_size > 1:  # after shard_params, whose vocab-parallel loss it weights
+            mode = CP_MODES[self.sequence_parallelism_mode]
+            out.append((f"context_parallel(mesh, mode={mode!r}, bucket_mb={self.bucket_mb})",
+                        context_parallel(mesh, mode=mode, bucket_mb=self.bucket_mb)))
         if self.ep_size > 1:  # before ZeRO, which partitions the expert shards over dp
             out.append((f"expert_parallel(mesh, bucket_mb={self.bucket_mb})",
                         expert_parallel(mesh, bucket_mb=self.bucket_mb)))
@@ -543,6 +608,8 @@ def hybrid_parallel(
     pp_style: str = "1f1b",
     num_model_chunks: int = 1,
     sequence_parallel: bool = False,
+    sp_size: int = 1,
+    sequence_parallelism_mode: str | None = None,
     rules: Sequence[Rule | LocalAttr] | None = None,
     mesh: DeviceMesh | None = None,
     max_norm: float | None = None,
@@ -564,14 +631,15 @@ def hybrid_parallel(
     compile: bool = False,
     donate: bool = True,
 ) -> Preset | Composed:
-    """Colossal-AI's ``HybridParallelPlugin``: ``pp x dp x tp`` with ZeRO 0-3 over dp.
+    """Colossal-AI's ``HybridParallelPlugin``: ``pp x dp x cp x tp`` with ZeRO 0-3 over dp.
 
     ``tp_mode``: ``"1d"`` (Megatron) or ``"2d"`` (SUMMA; ``tp_size = q * q``, mesh axes
     ``tp_row`` x ``tp_col``, ``tp`` kept at size 1; docs/TENSOR_PARALLEL.md).
 
     ``compose([pipeline_split(mesh, microbatches=...)], shard_params(rules, mesh),
-    data_parallel(mesh), zero_partition(zero_stage, mesh), [offload], [amp_cast(precision)])``
-    over ``DeviceMesh.from_env([pp=pp_size,] dp=-1, tp=tp_size)``
+    [context_parallel(mesh, mode)], data_parallel(mesh), zero_partition(zero_stage, mesh),
+    [offload], [amp_cast(precision)])``
+    over ``DeviceMesh.from_env([pp=pp_size,] dp=-1, [cp=sp_size,] tp=tp_size)``
     (see :class:`Preset` for every argument). With ``model, loss_fn, optimizer``: the composed
     :class:`Composed` ``(step, state)``; without: the :class:`Preset` (a transform).
     """
@@ -579,7 +647,9 @@ def hybrid_parallel(
         "hybrid_parallel", model, loss_fn, optimizer, params, buffers, seed, compile, donate,
         tp_size=tp_size, pp_size=pp_size, dp_size=dp_size,
         zero_stage=zero_stage, precision=precision, microbatches=microbatches,
-        sequence_parallel=sequence_parallel, rules=rules, mesh=mesh, max_norm=max_norm,
+        sequence_parallel=sequence_parallel, sp_size=sp_size,
+        sequence_parallelism_mode=sequence_parallelism_mode, rules=rules, mesh=mesh,
+        max_norm=max_norm,
         offload=offload, offload_path=offload_path, keep_fp32=keep_fp32, bucket_mb=bucket_mb,
         initial_scale=initial_scale, growth_factor=growth_factor,
         backoff_factor=backoff_factor, growth_interval=growth_interval,

@@ -39,10 +39,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from funcpar.shard.comm import all_gather, all_reduce, reduce_scatter
+from funcpar.shard.comm import all_gather, all_reduce, all_to_all, reduce_scatter
 from funcpar.shard.mesh import DeviceMesh
 
 __all__ = [
+    "all_to_all_grad",
     "enter_region",
     "exit_region",
     "gather_last_dim",
@@ -52,6 +53,28 @@ __all__ = [
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
 ]
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, mesh: DeviceMesh, axis: str, send: list[int],
+                recv: list[int], purpose: str) -> Tensor:
+        ctx.args = mesh, axis, send, recv, purpose
+        return all_to_all(x, mesh, axis, send, recv, purpose=purpose)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        mesh, axis, send, recv, purpose = ctx.args
+        back = all_to_all(grad, mesh, axis, recv, send, purpose=f"{purpose} grad")
+        return back, None, None, None, None, None
+
+
+def all_to_all_grad(x: Tensor, mesh: DeviceMesh, axis: str, send: list[int], recv: list[int],
+                    purpose: str) -> Tensor:
+    """:func:`~funcpar.shard.comm.all_to_all` (rows of dim 0) whose backward sends the
+    gradients back the reverse way (purpose ``"<purpose> grad"``): expert parallelism's token
+    routing, Ulysses' sequence-to-head exchange."""
+    return _AllToAll.apply(x, mesh, axis, list(send), list(recv), purpose)
 
 
 class _Enter(torch.autograd.Function):

@@ -5,6 +5,7 @@ from funcpar.transforms.accumulate_grads import accumulate_grads
 from funcpar.transforms.amp_cast import amp_cast
 from funcpar.transforms.check_rules import check_rules
 from funcpar.transforms.compose import compose
+from funcpar.transforms.context_parallel import context_parallel
 from funcpar.transforms.data_parallel import data_parallel
 from funcpar.transforms.expert_parallel import expert_parallel
 from funcpar.transforms.offload import offload
@@ -19,6 +20,7 @@ __all__ = [
     "amp_cast",
     "check_rules",
     "compose",
+    "context_parallel",
     "data_parallel",
     "expert_parallel",
     "logits_of",

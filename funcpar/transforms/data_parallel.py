@@ -31,7 +31,7 @@ from funcpar.state.train_state import TrainState
 from funcpar.state.tree import Tree, tree_flatten, tree_unflatten
 from funcpar.train.step import TrainStep
 
-__all__ = ["BucketedMean", "bucketed_mean", "data_parallel", "split_batch"]
+__all__ = ["BucketedMean", "bucketed_mean", "data_parallel", "mean_loss", "split_batch"]
 
 
 def split_batch(batch: Any, mesh: DeviceMesh, axis: str) -> Any:
@@ -104,6 +104,17 @@ def bucketed_mean(grads: Tree, mesh: DeviceMesh, axis: str, bucket_bytes: int) -
     return BucketedMean(tree_flatten(grads)[0], mesh, axis, bucket_bytes).finish(grads)
 
 
+def mean_loss(inner: Callable[[Tensor], Tensor] | None, mesh: DeviceMesh, axis: str,
+              purpose: str) -> Callable[[Tensor], Tensor]:
+    """A ``sync_loss``: ``inner``'s (when given), then the mean over ``axis``."""
+
+    def sync_loss(loss: Tensor) -> Tensor:
+        loss = inner(loss) if inner is not None else loss
+        return comm.all_reduce(loss, mesh, axis, purpose=purpose) / mesh.size(axis)
+
+    return sync_loss
+
+
 def data_parallel(
     mesh: DeviceMesh, *, axis: str = "dp", bucket_mb: float = 25.0
 ) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
@@ -118,7 +129,7 @@ def data_parallel(
         if step.dp_axis is not None:
             raise ValueError(f"data_parallel is already applied (over {step.dp_axis!r}): "
                              "apply it once")
-        inner_batch, inner_loss = step.local_batch, step.sync_loss
+        inner_batch = step.local_batch
 
         def local_batch(batch: Any) -> Any:
             batch = split_batch(batch, mesh, axis)
@@ -126,10 +137,6 @@ def data_parallel(
 
         def overlap_grads(leaves: list[Tensor]) -> BucketedMean:
             return BucketedMean(leaves, mesh, axis, bucket_bytes)
-
-        def sync_loss(loss: Tensor) -> Tensor:
-            loss = inner_loss(loss) if inner_loss is not None else loss
-            return comm.all_reduce(loss, mesh, axis, purpose="dp loss") / mesh.size(axis)
 
         if mesh.size(axis) == 1:
             return step, state
@@ -140,7 +147,8 @@ def data_parallel(
         # From ZeRO stage 2 on, the gradient reduction is the partition's reduce-scatter.
         keep = zero is not None and zero.stage >= 2
         return dataclasses.replace(
-            step, local_batch=local_batch, sync_loss=sync_loss, dp_axis=axis,
+            step, local_batch=local_batch, dp_axis=axis,
+            sync_loss=mean_loss(step.sync_loss, mesh, axis, "dp loss"),
             overlap_grads=step.overlap_grads if keep else overlap_grads,
         ), state
 

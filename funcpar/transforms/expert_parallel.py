@@ -78,6 +78,7 @@ from funcpar.shard import comm
 from funcpar.shard.layout import Layout, Shard, shard_tensor
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.shard.rules import is_packed_experts
+from funcpar.shard.tp_ops import all_to_all_grad
 from funcpar.state.train_state import TrainState
 from funcpar.train.step import TrainStep
 from funcpar.transforms.compose import require_before_partition, require_fresh
@@ -87,22 +88,6 @@ __all__ = ["expert_leaves", "expert_parallel"]
 
 _EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")
 _HF_EXPERT_LEAVES = ("gate_up_proj", "down_proj")
-
-
-class _AllToAll(torch.autograd.Function):
-    """:func:`comm.all_to_all` whose backward sends the gradients back the reverse way."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, mesh: DeviceMesh, axis: str, send: list[int],
-                recv: list[int], purpose: str) -> Tensor:
-        ctx.args = mesh, axis, send, recv, purpose
-        return comm.all_to_all(x, mesh, axis, send, recv, purpose=purpose)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        mesh, axis, send, recv, purpose = ctx.args
-        back = comm.all_to_all(grad, mesh, axis, recv, send, purpose=f"{purpose} grad")
-        return back, None, None, None, None, None
 
 
 def expert_leaves(module: torch.nn.Module, *, hf: bool = False) -> dict[str, torch.nn.Module]:
@@ -148,9 +133,9 @@ def _exchange(x: Tensor, token: Tensor, expert: Tensor, gate: Tensor, local: int
     recv = comm.all_to_all(send[:, None], mesh, axis, [1] * ep, [1] * ep,
                            purpose=f"{who}: token counts")[:, 0]
     send_l, recv_l = send.tolist(), recv.tolist()
-    rows = _AllToAll.apply(x[token], mesh, axis, send_l, recv_l, f"{who}: tokens")
+    rows = all_to_all_grad(x[token], mesh, axis, send_l, recv_l, f"{who}: tokens")
     got = comm.all_to_all(expert, mesh, axis, send_l, recv_l, purpose=f"{who}: expert ids")
-    back = _AllToAll.apply(run(rows, got), mesh, axis, recv_l, send_l,
+    back = all_to_all_grad(run(rows, got), mesh, axis, recv_l, send_l,
                            f"{who}: expert outputs")
     scaled = (back * gate[:, None]).to(x.dtype) if promote else back * gate[:, None].to(x.dtype)
     return torch.zeros_like(x).index_add(0, token, scaled)

@@ -188,6 +188,9 @@ def sharded_module(step: TrainStep, state: TrainState) -> nn.Module:
 
 
 def _vocab_parallel_loss(loss_fn: Callable, head: ModulePlan, plan: ShardingPlan) -> Callable:
+    if getattr(loss_fn, "context_parallel", None) is not None:
+        raise ValueError("apply shard_params before context_parallel: the vocab-parallel loss "
+                         "would replace context_parallel's token-weighted one")
     if not getattr(loss_fn, "token_cross_entropy", False):
         raise ValueError(
             f"{head.name!r} is vocab-split (rule {head.rule.pattern!r}), so the loss is computed "
@@ -207,8 +210,10 @@ def _vocab_parallel_loss(loss_fn: Callable, head: ModulePlan, plan: ShardingPlan
         )
         return ce if extra is None else ce + extra(output).to(ce.dtype)
 
-    # What it declares, as the loss it replaces did (evaluation reads them: funcpar.train.eval).
-    loss.ignore_index = ignore_index
+    # What it declares, as the loss it replaces did: evaluation (funcpar.train.eval) reads the
+    # ignored index, and the transforms applied after this one (context_parallel) that it is
+    # still a token mean.
+    loss.token_cross_entropy, loss.ignore_index = True, ignore_index
     if extra is not None:
         loss.extra_loss = extra
     return loss

@@ -1,0 +1,203 @@
+"""The cost model: a layout's step time, memory per rank and MFU from its analytic plan and a
+device profile.
+
+Step time on the slowest pipeline rank (docs/AUTO_PARALLEL.md has the derivation)::
+
+    T = (m + (p - 1) / v) (t_f + t_b + c_mb)       compute and exposed per-micro-batch comm,
+                                                   the pipeline bubble in units of a micro-batch
+      + hidden_exposed                             gradient buckets, ZeRO-2 reduce-scatters,
+                                                   ZeRO-3 gathers beyond what compute hides
+      + c_step + t_opt + t_offload                 update gathers, norms, optimizer, offload
+
+* ``t_f`` per micro-batch: every GEMM of the rank's blocks and head at its shape's
+  throughput (``DeviceProfile.matmul_rate``), causal attention at ``attention_rate``,
+  elementwise traffic (4x the saved activation bytes) over ``mem_bw``, and ``op_latency`` per
+  dispatched op (``OPS_FWD`` a block); ``t_b = 2 t_f`` (``+ t_f`` of the blocks under remat);
+* ``c_mb``: the critical-path collectives of a micro-batch (tensor parallelism's all-reduces or
+  sequence-parallel gathers and scatters, expert parallelism's all_to_all, the pipeline's
+  point-to-point transfers), each ``DeviceProfile.collective_time`` on its axis;
+* hidden collectives (``CommItem.phase`` ``*_hidden``) cost ``max(T_c - overlap T_compute,
+  T_c / count)``: what the compute beside them cannot hide, at least their last bucket;
+* ``t_opt``: the optimizer's bytes per local parameter (AdamW reads p, g, m, v and writes p,
+  m, v: 28 B; amp adds the compute copy's 6 B) over ``mem_bw``, or over ``host_mem_bw`` when
+  offloaded, which also moves the gradients down and the parameters up (8 B) over ``host_bw``.
+
+Memory per rank: the analytic plan's parameters, gradients, optimizer state on the device, amp
+copy, ZeRO-3 gathered leaves, activations (micro-batches in flight) and transients, times
+``1 + margin`` (default 10 %).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+from funcpar.auto.analytic import (
+    PRECISION_BYTES,
+    AnalyticPlan,
+    Choice,
+    analytic_plan,
+    stage_blocks,
+)
+from funcpar.auto.model import OPS_FWD, ModelSpec
+from funcpar.auto.profile import DeviceProfile
+
+__all__ = ["Estimate", "axis_span", "estimate"]
+
+OPS_HEAD = 12
+OPT_BYTES_MOVED = 28.0  # AdamW: p, g, m, v read; p, m, v written (float32)
+ELEMENTWISE_PASSES = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A layout's predicted step (seconds), its parts, memory per rank (bytes, margin
+    included in ``peak``) and MFU."""
+
+    choice: Choice
+    time: float
+    parts: dict[str, float]
+    plan: AnalyticPlan
+    peak: float
+    mfu: float
+    tokens_per_s: float
+
+    def line(self) -> str:
+        return (f"{self.choice!s:<44} {self.time * 1e3:>10.2f} ms  "
+                f"{fmt_bytes(self.peak):>10}  MFU {self.mfu * 100:5.1f} %")
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (two decimals)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:,.2f} GiB"  # pragma: no cover
+
+
+def axis_span(choice: Choice, axis: str) -> int:
+    """Consecutive ranks a group of ``axis`` spans (mesh order ``pp, ep, dp, tp``, tp
+    innermost): its size times the sizes of the axes inside it."""
+    axes = choice.axes()
+    names = list(axes)
+    inner = 1
+    for a in names[names.index(axis) + 1:]:
+        inner *= axes[a]
+    return axes[axis] * inner
+
+
+def _gemms(spec: ModelSpec, layer: int, tokens: float, tp: int, ep: int
+           ) -> list[tuple[float, float, float]]:
+    """(m, k, n) of each forward GEMM of block ``layer`` on one rank."""
+    d, f, hd = spec.dim, spec.ffn, spec.head_dim
+    out = [(tokens, d, (d + 2 * spec.kv_heads * hd) / tp), (tokens, d / tp, d)]
+    if spec.is_moe(layer):
+        rows = tokens * spec.top_k * ep / spec.n_experts  # per local expert, balanced
+        out += [(tokens, d, spec.n_experts)]
+        out += [(rows, d, 2 * f), (rows, f, d)] * (spec.n_experts // ep)
+    else:
+        out += [(tokens, d, 2 * f / tp), (tokens, f / tp, d)]
+    return out
+
+
+@lru_cache(maxsize=65536)
+def _forward_time(spec: ModelSpec, blocks: tuple[int, ...], last: bool, tokens: float,
+                  seq: int, tp: int, ep: int, precision: str, sp: bool,
+                  profile: DeviceProfile) -> tuple[float, float]:
+    """(whole forward, forward of the blocks alone) of one micro-batch on one rank."""
+    s = PRECISION_BYTES[precision]
+    t_blocks = 0.0
+    kinds: dict[bool, float] = {}
+    for i in blocks:
+        moe = spec.is_moe(i)
+        if moe not in kinds:
+            mm = sum(2 * m * k * n / profile.matmul_rate(precision, m, k, n)
+                     for m, k, n in _gemms(spec, i, tokens, tp, ep))
+            attn = tokens * spec.block_flops(i, seq)[1] / tp / profile.attention_rate(precision)
+            ew = ELEMENTWISE_PASSES * tokens * spec.block_activation_bytes(i, s, tp, sp) \
+                / profile.mem_bw.value
+            kinds[moe] = mm + attn + ew + OPS_FWD * profile.op_latency.value
+        t_blocks += kinds[moe]
+    t = t_blocks
+    if last:
+        m, k, n = tokens, spec.dim, spec.vocab / tp
+        t += 2 * m * k * n / profile.matmul_rate(precision, m, k, n)
+        t += ELEMENTWISE_PASSES * tokens * spec.head_activation_bytes(s, tp) / \
+            profile.mem_bw.value + OPS_HEAD * profile.op_latency.value
+    return t, t_blocks
+
+
+def _comm_time(plan: AnalyticPlan, profile: DeviceProfile, phases: tuple[str, ...]
+               ) -> tuple[float, int]:
+    total, count = 0.0, 0
+    c = plan.choice
+    sizes = c.axes()
+    for item in plan.comm:
+        if item.phase not in phases:
+            continue
+        n = sizes[item.axis]
+        span = axis_span(c, item.axis)
+        op = "p2p" if item.op == "p2p" else item.op
+        total += item.count * profile.collective_time(op, item.nbytes / item.count, n, span)
+        count += item.count
+    return total, count
+
+
+def _hidden(t: float, count: int, under: float, overlap: float) -> float:
+    if t == 0:
+        return 0.0
+    return max(t - overlap * under, t / max(count, 1) if overlap > 0 else t)
+
+
+def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, global_batch: int,
+               seq: int, opt_bytes: float) -> tuple[float, dict[str, float]]:
+    c = plan.choice
+    m, p, v = c.microbatches, c.pp, c.virtual_stages
+    tokens = global_batch // (c.dp * c.ep) // m * seq
+    t_f, t_blocks = _forward_time(spec, plan.blocks, plan.last, float(tokens), seq, c.tp, c.ep,
+                                  c.precision, c.sequence_parallel, profile)
+    t_b = 2 * t_f + (t_blocks if c.remat else 0.0)
+    crit, _ = _comm_time(plan, profile, ("fwd", "bwd"))
+    per_mb = t_f + t_b + crit / m
+    pipe = (m + (p - 1) / v) * per_mb
+    fh, fn = _comm_time(plan, profile, ("fwd_hidden",))
+    bh, bn = _comm_time(plan, profile, ("bwd_hidden",))
+    ov = profile.overlap.value
+    hidden = _hidden(fh, fn, m * t_f, ov) + _hidden(bh, bn, m * t_b, ov)
+    step_comm, _ = _comm_time(plan, profile, ("step",))
+    mem = plan.memory
+    local_params = (mem.params / 4) * (c.dp if c.zero == 3 else 1)
+    opt_params = local_params / (c.dp if c.zero >= 1 else 1)
+    amp = 6.0 * local_params / (c.dp if c.zero == 3 else 1) if c.precision != "fp32" else 0.0
+    moved = OPT_BYTES_MOVED * opt_params * opt_bytes / 8.0
+    if c.offload:
+        t_opt = amp / profile.mem_bw.value + moved / profile.host_mem_bw.value
+        t_off = 8.0 * opt_params / profile.host_bw.value
+    else:
+        t_opt = (moved + amp) / profile.mem_bw.value
+        t_off = 0.0
+    parts = {"compute": m * (t_f + t_b), "bubble": (p - 1) / v * (t_f + t_b),
+             "critical comm": (m + (p - 1) / v) * crit / m, "hidden comm exposed": hidden,
+             "step comm": step_comm, "optimizer": t_opt, "offload": t_off}
+    return pipe + hidden + step_comm + t_opt + t_off, parts
+
+
+def estimate(spec: ModelSpec, c: Choice, profile: DeviceProfile, global_batch: int, seq: int, *,
+             opt_bytes: float = 8.0, clip: bool = True, bucket_mb: float = 25.0,
+             margin: float = 0.10) -> Estimate:
+    """The :class:`Estimate` of layout ``c`` (module docstring)."""
+    ranks = {0, c.pp - 1}
+    if c.pp > 1:  # the rank with the most blocks (the slowest, under an even cut)
+        stages = stage_blocks(spec, c.pp, c.virtual_stages)
+        ranks.add(max(range(c.pp), key=lambda r: len(stages[r])))
+    plans = [analytic_plan(spec, c, global_batch, seq, bucket_mb=bucket_mb, clip=clip,
+                           opt_bytes=opt_bytes, rank=r) for r in sorted(ranks)]
+    timed = [_rank_time(spec, p, profile, global_batch, seq, opt_bytes) for p in plans]
+    time, parts = max(timed, key=lambda x: x[0])
+    plan = max(plans, key=lambda p: p.memory.peak)
+    peak = plan.memory.peak * (1 + margin)
+    tokens = global_batch * seq
+    mfu = spec.model_flops_per_token(seq) * tokens / (time * c.world *
+                                                      profile.peak_flops(c.precision))
+    return Estimate(c, time, parts, plan, peak, mfu, tokens / time)

@@ -283,8 +283,6 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
     repl = sum(b.replicated for b in bc) + (d if last else 0)
     experts = sum(b.experts for b in bc)
     local = split / tp + repl + experts / ep
-    leaves = sum(b.leaves for b in bc) + (1 if first else 0) + (2 if last and spec.head
-                                                                else 1 if last else 0)
     # --------------------------------------------------------------- tensor parallelism
     dense = [i for i in blocks if not spec.is_moe(i)]
     act = tokens * d * s

@@ -190,6 +190,7 @@ def test_compare_optimizers(tmp_path, data_cache):
 
 
 # --------------------------------------------------------------- examples/finetune_hf_tp.py
+@pytest.mark.slow  # 16 s under torchrun; test_tp_hf.py and test_hf_rules.py keep tp2 by default
 def test_finetune_hf_tp2_matches_one_process(tmp_path, data_cache):
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)

@@ -256,6 +256,7 @@ def test_pipeline_equals_one_process_pp2():
     _compare(2, CASES_2)
 
 
+@pytest.mark.slow  # 16 s; the default suite keeps pp2 (the slow matrix covers every 4-rank layout)
 def test_pipeline_equals_one_process_world4():
     _compare(4, CASES_4)
 

@@ -463,3 +463,41 @@ def test_plan_under_remat_is_refused():
     step, state = compose(context_parallel(mesh), funcpar_remat())(*_step())
     with pytest.raises(ValueError, match="context_parallel under remat is not modeled"):
         describe(step, state, mesh).expected_comm((2, 16))
+
+
+# --------------------------------------------------------------------------------- evaluation
+def _eval(cp=1, dp=1, mode="ring"):
+    """make_eval_step of the (cp x dp) step on two batches with unevenly ignored targets."""
+    from funcpar.train import make_eval_step
+
+    model = Llama(CFG).double()
+    apply_fn, params, buffers = functionalize(model)
+    opt = fo.adamw(1e-2)
+    step, state = make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt)
+    if cp * dp > 1:
+        mesh = DeviceMesh.from_env(dp=dp, cp=cp)
+        step, state = compose(context_parallel(mesh, mode=mode),
+                              *([data_parallel(mesh)] if dp > 1 else []))(step, state)
+    ev = make_eval_step(step)
+    return [(float(m["loss"]), int(m["tokens"]))
+            for m in (ev(state, b) for b in _batches(ignore=True)[:2])]
+
+
+def _eval_equal(got, ref):
+    for rank in got:
+        for (a, n), (b, m) in zip(rank, ref):
+            assert n == m and abs(a - b) <= 1e-13 * abs(b), (a, b)
+
+
+def test_evaluation_under_cp2_equals_one_process():
+    """The evaluation step follows context parallelism: the cp loss's per-rank weighting and
+    the cp group's token count (was silently half the loss: each rank's count and the cp
+    weighting were both applied)."""
+    ref = _eval()
+    for mode in ("ring", "ulysses"):
+        _eval_equal(run_ranks(_eval, 2, 2, 1, mode, backend=None, timeout=120), ref)
+
+
+@pytest.mark.slow
+def test_evaluation_under_cp2_dp2_equals_one_process():
+    _eval_equal(run_ranks(_eval, 4, 2, 2, "ulysses", backend=None, timeout=240), _eval())

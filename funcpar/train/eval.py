@@ -13,7 +13,8 @@ Metrics (0-d tensors): ``loss``, the mean cross-entropy over the target tokens t
 (``targets != loss_fn.ignore_index``, default -100); ``tokens``, their number; ``ppl``,
 ``exp(loss)``. The loss is token-weighted exactly, however the layout cuts the batch: every
 piece of the batch a rank computes (a data-parallel slice, a pipeline micro-batch, an
-accumulation micro-batch; ``P`` equal pieces of ``B / P`` rows each out of the global ``B``)
+accumulation micro-batch; ``P`` equal pieces of ``B / P`` rows each out of the global ``B``;
+under context parallelism a piece is the cp group's sequences, its ``n`` their count)
 contributes ``w = loss_piece * n_piece * (B / rows_piece) / N`` (``n``: its tokens that
 count, ``N``: the global batch's), and the transforms' own means over pieces then give
 ``mean_P(w) = sum(loss_piece * n_piece) / N``, the mean over all tokens, even when the pieces
@@ -65,12 +66,16 @@ class EvalStep:
         """The loss each piece of the batch contributes (module docstring: ``w``)."""
         loss_fn, ignore = self.loss_fn, getattr(self.loss_fn, "ignore_index", -100)
         extra = getattr(loss_fn, "extra_loss", None)
+        # Context parallelism: each rank holds part of every sequence, and its loss is already
+        # weighted so that the mean over cp is the sequences' token mean; their count is then
+        # the whole cp group's, not this rank's part of it.
+        group_count = getattr(loss_fn, "group_count", None)
 
         def piece(out: Any, targets: Tensor) -> Tensor:
             ce = loss_fn(out, targets)
             if extra is not None:
                 ce = ce - extra(out).to(ce.dtype)
-            n = (targets != ignore).sum()
+            n = (targets != ignore).sum() if group_count is None else group_count(targets)
             # A piece with no token that counts has a 0/0 mean: it contributes nothing.
             weighted = torch.where(n > 0, ce * n, torch.zeros_like(ce))
             return weighted * (rows / targets.shape[0]) / count

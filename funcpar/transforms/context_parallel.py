@@ -707,7 +707,13 @@ def _cp_loss(inner: Callable, mesh: DeviceMesh, info: ContextParallel) -> Callab
         # In the loss's dtype: int64 / int64 would divide in the default dtype (float32).
         return value * (mine.to(value.dtype) * n / total.to(value.dtype))
 
+    def group_count(targets: Tensor) -> Tensor:
+        # The counted targets of the sequences the cp group holds together: what weighs this
+        # loss's cp-mean (their token mean) among other pieces of a batch (funcpar.train.eval).
+        return comm.all_reduce((targets != ignore).sum(), mesh, axis, purpose="cp token count")
+
     loss.context_parallel = info
+    loss.group_count = group_count
     return loss
 
 

@@ -417,6 +417,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.cp < 1:
         p.error(f"--cp must be positive, got {args.cp}")
     if args.cp > 1:
+        if args.sample_every:
+            p.error("--sample-every with --cp: decoding cannot run context-parallel; sample "
+                    "from a checkpoint with examples/generate.py --ckpt")
         if args.seq_len % (2 * args.cp):
             p.error(f"--cp {args.cp} cuts each sequence into 2 x {args.cp} equal chunks: "
                     f"--seq-len {args.seq_len} must be a multiple of {2 * args.cp}")

@@ -501,3 +501,20 @@ def test_evaluation_under_cp2_equals_one_process():
 @pytest.mark.slow
 def test_evaluation_under_cp2_dp2_equals_one_process():
     _eval_equal(run_ranks(_eval, 4, 2, 2, "ulysses", backend=None, timeout=240), _eval())
+
+
+def test_generation_refuses_the_context_parallel_apply_fn():
+    """Decoding cannot run context-parallel: generate names it and what to use instead (was a
+    TypeError about ``positions`` from the cached forward)."""
+    from funcpar.models.generate import generate
+
+    model = Llama(CFG).double()
+    apply_fn, params, buffers = functionalize(model)
+
+    def cp_apply(*args, **kwargs):
+        return apply_fn(*args, **kwargs)
+
+    cp_apply.context_parallel = "cp"  # what context_parallel marks its apply_fn with
+    cp_apply.module = apply_fn.module
+    with pytest.raises(ValueError, match="context_parallel's .* model's own apply_fn"):
+        generate(cp_apply, params, buffers, torch.tensor([[1, 2, 3]]), 2, temperature=0.0)

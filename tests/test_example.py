@@ -286,6 +286,7 @@ def test_pipeline_flag_errors(capsys):
         (["--cp", "2", "--experts", "2"], "--cp (context_parallel) does not work with "
                                           "--experts yet"),
         (["--cp", "2", "--preset", "ddp"], "--preset ddp has no context parallelism"),
+        (["--cp", "2", "--sample-every", "5"], "--sample-every with --cp: decoding cannot"),
     ):
         with pytest.raises(SystemExit):
             train_lm.main(argv)

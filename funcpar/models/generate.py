@@ -227,6 +227,11 @@ def generate(
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: the prompt must be [batch, >= 1 tokens], got shape "
                          f"{tuple(prompt.shape)}")
+    if getattr(apply_fn, "context_parallel", None) is not None:
+        raise ValueError("generate: the apply_fn is context_parallel's (each rank attends over "
+                         "its chunks of every sequence), which decoding cannot use; the params "
+                         "are whole under context parallelism: decode with the model's own "
+                         "apply_fn (functionalize(model)) on them")
     gen = None
     if temperature > 0:
         if rng is None:

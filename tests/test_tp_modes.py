@@ -216,3 +216,24 @@ def test_hybrid_parallel_tp_mode_errors():
         hybrid_parallel(tp_size=8, tp_mode="3d")
     with pytest.raises(ValueError, match="tp_mode=.2d. \\(axes .* axis has 4 ranks"):
         hybrid_parallel(tp_size=4, tp_mode="2d", mesh=DeviceMesh.virtual(dp=1, tp=4))
+
+
+def _eval_2d(mode):
+    from funcpar.testing.tp_modes import build
+    from funcpar.train import make_eval_step
+
+    step, state, data = build("llama", "adamw", mode)
+    x, y = data[0]
+    y = y.clone()
+    y[:, :3] = -100
+    m = make_eval_step(step)(state, (x, y))
+    return float(m["loss"]), int(m["tokens"])
+
+
+@pytest.mark.slow
+def test_evaluation_under_2d_equals_one_process():
+    """make_eval_step of a 2D step (the SUMMA apply_fn and its grid loss) on ignored targets:
+    one process's loss and token count on every rank."""
+    loss, tokens = _eval_2d(None)
+    for got, n in run_ranks(_eval_2d, 4, "2d", backend=None, timeout=180):
+        assert n == tokens and abs(got - loss) <= 1e-13 * loss

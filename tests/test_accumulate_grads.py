@@ -98,3 +98,13 @@ def test_preset_grad_accum():
     a = run(want.step, want.state, batches()[:3])
     b = run(got.step, got.state, batches()[:3])
     assert loss_rel(b[0], a[0]) <= 1e-12 and max_rel(b[1], a[1]) <= 1e-12
+
+
+@pytest.mark.slow
+def test_dp2_zero3_accumulates_like_the_larger_batch():
+    """ZeRO-3 (its per-block gathers and reduce-scatters run once per micro-batch) with 2
+    micro-batches: one process's training (float64, 1e-12)."""
+    want = run(*build(1, 1, "adamw"), batches())
+    for losses, params, _ in run_ranks(_grad_collectives, 2, 2, 3, backend=None, timeout=180):
+        assert loss_rel(losses, want[0][1:]) <= 1e-12
+        assert max_rel(params, want[1]) <= 1e-12

@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
+
+from funcpar.testing import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -47,12 +48,6 @@ COUNT = re.compile(r"^\s+(all_reduce|all_gather|reduce_scatter|all_to_all|broadc
                    r"\s+\S+\s+(\d+)\s", re.M)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace, ranks: int, layout: str | None) -> dict[str, float]:
     """One training run: tokens/s, blocked seconds per step, collectives in step 1."""
     common = ["--dim", str(args.dim), "--layers", str(args.layers), "--batch-size",
@@ -64,11 +59,11 @@ def run(args: argparse.Namespace, ranks: int, layout: str | None) -> dict[str, f
         cmd = [sys.executable, script, *common]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", str(free_port()), script, *common, *LAYOUTS[layout](ranks),
+               "--master_port", "", script, *common, *LAYOUTS[layout](ranks),
                "--comm-report", "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     for attempt in (1, 2):
-        if layout is not None:
+        if layout is not None:  # a port free now, for each attempt
             cmd[cmd.index("--master_port") + 1] = str(free_port())
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                              env=env, cwd=ROOT)

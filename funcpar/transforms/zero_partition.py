@@ -115,7 +115,7 @@ class ZeroPlan:
         of which this rank keeps its parts: one reduce-scatter of the rank-major
         concatenation of every leaf's pieces (an uncut leaf is in every rank's segment, so
         every rank gets its whole mean); ``wait()`` gives ``{i: part}``. Elementwise
-        the sums and the division are the per-leaf collectives' (:meth:`scatter_mean`)."""
+        the sums and the division are those of one reduce-scatter per leaf."""
         n, me = self.mesh.size(self.axis), self.mesh.rank(self.axis)
         flat = torch.cat([self._flat_piece(i, grads[i], r) for r in range(n) for i in idx])
         sizes = self.segment_sizes(idx)
@@ -169,22 +169,6 @@ class ZeroPlan:
             return x
         pieces, r = self._pieces(i), self.mesh.rank(self.axis)
         return x.narrow(d, sum(pieces[:r]), pieces[r])
-
-    def gather(self, i: int, x: Tensor, purpose: str, *, async_op: bool = False) -> Any:
-        d = self.dims[i]
-        if d is None:
-            return x
-        return comm.all_gather(x, self.mesh, self.axis, dim=d, sizes=self._pieces(i),
-                               purpose=f"{self.names[i]}: {purpose}", async_op=async_op)
-
-    def scatter_mean(self, i: int, g: Tensor) -> Tensor:
-        """The mean over ``axis`` of gradient ``g``, of which this rank keeps its part."""
-        n, d = self.mesh.size(self.axis), self.dims[i]
-        if d is None:
-            return comm.all_reduce(g, self.mesh, self.axis,
-                                   purpose=f"{self.names[i]}: zero grad (whole)") / n
-        return comm.reduce_scatter(g, self.mesh, self.axis, dim=d, sizes=self._pieces(i),
-                                   purpose=f"{self.names[i]}: zero grad") / n
 
     def flatten(self, tree: Tree) -> tuple[list[Any], Any]:
         """``tree``'s leaves (one per planned leaf, checked) and its structure."""

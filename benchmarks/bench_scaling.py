@@ -13,6 +13,13 @@ an order rotated per round), and the table gives medians: on a shared machine a 
 in one window is worth more than an absolute number. The one-process run is the baseline of
 the second ratio; ``dp`` of the first.
 
+A pipeline of ``p`` stages over ``m`` micro-batches can reach at most ``m / (m + p - 1)`` of
+dp's rate (its bubble): ``vs bound`` is that ratio. Micro-batching has a cost of its own that
+no schedule removes (smaller matmuls, one forward and backward pass per micro-batch: plain
+PyTorch's accumulation loop pays it too), so the pipeline rows also give ``vs mb bound``: the
+bound times the one-process rate with the same batch cut into ``m`` micro-batches
+(``--grad-accum m``, same tokens per step) over the one-process rate of the whole batch.
+
 Layouts (``N`` ranks): ``dp`` (dpN), ``zero1/2/3`` (dpN + ZeRO), ``tp`` (tpN), ``pp4`` /
 ``pp8`` (ppN, 1F1B, 4 or 8 micro-batches), ``tpdp`` (tp2 x dp N/2, 4 ranks and more).
 """
@@ -48,10 +55,13 @@ COUNT = re.compile(r"^\s+(all_reduce|all_gather|reduce_scatter|all_to_all|broadc
                    r"\s+\S+\s+(\d+)\s", re.M)
 
 
-def run(args: argparse.Namespace, ranks: int, layout: str | None) -> dict[str, float]:
-    """One training run: tokens/s, blocked seconds per step, collectives in step 1."""
+def run(args: argparse.Namespace, ranks: int, layout: str | None, accum: int = 1
+        ) -> dict[str, float]:
+    """One training run: tokens/s, blocked seconds per step, collectives in step 1.
+    ``accum``: the batch cut into that many micro-batches (one process only)."""
     common = ["--dim", str(args.dim), "--layers", str(args.layers), "--batch-size",
-              str(args.batch_size), "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+              str(args.batch_size // accum), "--grad-accum", str(accum),
+              "--seq-len", str(args.seq_len), "--steps", str(args.steps),
               "--warmup", "2", "--threads", "1", "--print-every", str(args.steps),
               "--device", args.device]
     script = os.path.join(ROOT, "examples", "train_lm.py")
@@ -98,11 +108,21 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
     p.add_argument("--timeout", type=int, default=600)
     args = p.parse_args()
-    base = [run(args, 1, None)["tok_s"] for _ in range(args.rounds)]
-    one = statistics.median(base)
+    cuts = sorted({int(x[2:]) for x in args.layouts if x.startswith("pp")})
+    for m in cuts:
+        if args.batch_size % m:
+            raise SystemExit(f"--batch-size {args.batch_size} does not split into {m} "
+                             "micro-batches")
+    base: dict[int, list[float]] = {m: [] for m in [1, *cuts]}
+    for _ in range(args.rounds):  # interleaved, as the layouts are
+        for m in base:
+            base[m].append(run(args, 1, None, accum=m)["tok_s"])
+    one = statistics.median(base[1])
+    mb = {m: statistics.median(base[m]) / one for m in cuts}
     print(f"Llama dim {args.dim}, {args.layers} layers, batch {args.batch_size} x "
           f"{args.seq_len}, {args.steps} steps, 1 thread per rank, "
-          f"{args.device}; one process: {one:,.0f} tok/s (median of {args.rounds})")
+          f"{args.device}; one process: {one:,.0f} tok/s (median of {args.rounds})"
+          + "".join(f"; in {m} micro-batches: {mb[m]:.2f} of it" for m in cuts))
     for n in args.ranks:
         layouts = [x for x in args.layouts if not (x == "tpdp" and n < 4)]
         got: dict[str, list[dict[str, float]]] = {x: [] for x in layouts}
@@ -114,11 +134,17 @@ def main() -> None:
                for x in layouts}
         dp = med["dp"]["tok_s"] if "dp" in med else float("nan")
         print(f"\n{n} ranks: {'layout':<8} {'tok/s':>9} {'vs dp':>6} {'vs 1 proc':>9} "
-              f"{'colls/step':>10} {'blocked ms/step':>15}")
+              f"{'colls/step':>10} {'blocked ms/step':>15} {'vs bound':>8} {'vs mb bound':>11}")
         for x in layouts:
             m = med[x]
+            bounds = ""
+            if x.startswith("pp"):
+                k = int(x[2:])
+                bound = dp * k / (k + n - 1)
+                bounds = f" {m['tok_s'] / bound:>8.2f} {m['tok_s'] / (bound * mb[k]):>11.2f}"
             print(f"{'':9}{x:<8} {m['tok_s']:>9,.0f} {m['tok_s'] / dp:>6.2f} "
-                  f"{m['tok_s'] / one:>9.2f} {m['collectives']:>10.0f} {m['blocked_ms']:>15.1f}")
+                  f"{m['tok_s'] / one:>9.2f} {m['collectives']:>10.0f} {m['blocked_ms']:>15.1f}"
+                  f"{bounds}")
 
 
 if __name__ == "__main__":

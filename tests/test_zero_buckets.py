@@ -153,3 +153,49 @@ def test_zero3_prefetch_depth_same_results_memory_within_plan():
         peaks, plans = [r[2] for r in runs], [r[3] for r in runs]
         assert all(peak <= plan for peak, plan in zip(peaks, plans)), (peaks, plans)
         assert peaks[0] < peaks[1] < peaks[2], peaks
+
+
+def _donated(stage: int, donate: bool):
+    """3 float32 steps of dp2 + ZeRO-``stage``; per step, how many of the whole leaves the
+    optimizer handed back as the very parameter tensors it was given (the gathered pieces
+    written into them), and the final params."""
+    import dataclasses
+
+    from funcpar.optim.base import GradientTransformation
+
+    mesh = DeviceMesh.from_env(dp=2)
+    cfg = LlamaConfig(vocab_size=64, dim=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=8)
+    torch.manual_seed(0)
+    apply_fn, params, buffers = functionalize(Llama(cfg))
+    opt = fo.adamw(lr=1e-2, weight_decay=0.1)
+    step, state = compose(data_parallel(mesh), zero_partition(stage, mesh))(
+        make_train_step(apply_fn, lm_loss, opt, donate=donate), init_state(params, buffers, opt))
+    same = []
+    inner = step.optimizer
+
+    def apply(grads, opt_state, params, *, layouts=None):
+        new, opt_state = inner.apply(grads, opt_state, params, layouts=layouts)
+        same.append(sum(new[k] is params[k] for k in params))
+        return new, opt_state
+
+    step = dataclasses.replace(step, optimizer=GradientTransformation(inner.init, inner.update,
+                                                                      apply))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        tokens = torch.randint(0, 64, (4, 9), generator=gen)
+        state, _ = step(state, (tokens[:, :-1], tokens[:, 1:]))
+    return same, len(params), {k: v.clone() for k, v in state.params.items()}
+
+
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.slow), 2])
+def test_donated_zero_gathers_the_update_into_the_params(stage):
+    # Donated, the fused step writes this rank's part in place and the update all-gather
+    # copies the other ranks' pieces into the same parameters: every leaf comes back as the
+    # tensor given (no new leaf-sized tensor, nothing left for the donation to copy). Not
+    # donated, new tensors. The values are the same bits either way.
+    for (same_d, n, donated), (same_p, _, pure) in zip(
+            run_ranks(_donated, 2, stage, True, backend=None, timeout=120),
+            run_ranks(_donated, 2, stage, False, backend=None, timeout=120)):
+        assert same_d == [n] * 3 and same_p == [0] * 3
+        for k, v in pure.items():
+            assert torch.equal(v, donated[k]), k

@@ -277,11 +277,11 @@ class Pending:
     """A collective in flight; :meth:`wait` returns its result (``finish()`` of the received
     buffers when given, else ``out``)."""
 
-    def __init__(self, work: Any, out: Tensor | None,
-                 finish: Callable[[], Tensor] | None = None) -> None:
+    def __init__(self, work: Any, out: Tensor | list[Tensor] | None,
+                 finish: Callable[[], Tensor | list[Tensor]] | None = None) -> None:
         self._work, self._out, self._finish = work, out, finish
 
-    def wait(self) -> Tensor:
+    def wait(self) -> Tensor | list[Tensor]:
         if self._work is not None:
             _blocked(self._work.wait)
             self._work = None
@@ -338,18 +338,22 @@ def all_gather(
     sizes: Sequence[int] | None = None,
     purpose: str = "",
     async_op: bool = False,
-) -> Tensor | Pending:
+    concat: bool = True,
+) -> Tensor | list[Tensor] | Pending:
     """The pieces of the ranks of ``axis`` concatenated along ``dim``, in coordinate order.
 
     Pieces may differ in length along ``dim``: pass every rank's length in ``sizes`` (a layout
     knows them), or leave it None to exchange them first (one small extra all_gather). Pieces
     travel padded to the longest one. With ``async_op`` (``sizes`` given), a :class:`Pending`.
+    ``concat=False``: the list of the ranks' pieces instead (views of the receive buffers, for
+    a caller that copies them on into its own tensors: the concatenation would be a copy more).
     """
     k = mesh.size(axis)
     if async_op and sizes is None:
         raise ValueError(f"an asynchronous all_gather needs the sizes ({purpose})")
     if k == 1:
-        return Pending(None, t) if async_op else t
+        out = t if concat else [t]
+        return Pending(None, out) if async_op else out
     if t.dim() == 0:
         raise ValueError(f"all_gather of a 0-d tensor along dim {dim} ({purpose})")
     d = dim % t.dim()
@@ -375,7 +379,8 @@ def all_gather(
     longest = max(sizes)
     front = t.movedim(d, 0)
     if longest == 0:
-        return Pending(None, t.clone()) if async_op else t.clone()
+        out = t.clone() if concat else [t.clone() for _ in range(k)]
+        return Pending(None, out) if async_op else out
     piece = _pad0(front, longest)
     comm_log.record("all_gather", mesh, axis, _nbytes(piece) * k, purpose, t.dtype)
     if _traced():
@@ -386,8 +391,11 @@ def all_gather(
         work = (dist.all_gather(bufs, piece, group=group, async_op=True) if async_op
                 else _blocked(dist.all_gather, bufs, piece, group=group))
 
-    def finish() -> Tensor:
-        out = torch.cat([b[:s] for b, s in zip(bufs, sizes)])
+    def finish() -> Tensor | list[Tensor]:
+        pieces = [b[:s] for b, s in zip(bufs, sizes)]
+        if not concat:
+            return [x.movedim(0, d) for x in pieces]
+        out = torch.cat(pieces)
         # A fresh tensor, never a view (movedim(0, 0) would be one): callers may key on it.
         return out if d == 0 else out.movedim(0, d).contiguous()
 

@@ -21,9 +21,11 @@
   ``1 + prefetch`` blocks, plus the leaves outside them, are whole at a time, and a step
   issues three collectives per group where per-leaf collectives issued three per leaf.
 
-**How a leaf is partitioned.** Each leaf is cut along one dim, the longest of its local
-(tensor-parallel) shape that is not a blocked split and has at least as many entries as ranks,
-into ``torch.chunk`` pieces: its :class:`~funcpar.shard.layout.Layout` gains ``dp`` as the
+**How a leaf is partitioned.** Each leaf is cut along one dim of its local (tensor-parallel)
+shape that is not a blocked split and has at least as many entries as ranks: the one whose
+largest piece is smallest (the least padding), the first of those (dim 0's pieces are
+contiguous, so the fused optimizer kernels and the bucket copies read them directly), into
+``torch.chunk`` pieces: its :class:`~funcpar.shard.layout.Layout` gains ``dp`` as the
 innermost axis of that dim (``layout.split(dim, "dp")``). A leaf that cannot be cut (a scalar, a
 dim shorter than ``dp``) stays whole on every rank. Keeping leaves as tensors rather than flat
 buffers buys exactness for free (the collectives still travel in flat buckets: each rank's
@@ -52,6 +54,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from funcpar.kernels.inplace import inplace_allowed
 from funcpar.optim.base import GradientTransformation
 from funcpar.shard import comm
 from funcpar.shard.buckets import bucket_indices
@@ -135,29 +138,44 @@ class ZeroPlan:
         return _Leaves(parts)
 
     def gather_bucket(self, idx: Sequence[int], parts: Any, purpose: str,
-                      label: str | None = None) -> _Leaves:
+                      label: str | None = None, into: Any = None) -> _Leaves:
         """The whole leaves of the parts ``parts[i]`` (``i`` in ``idx``: cut leaves of one
         dtype): one all-gather of this rank's parts concatenated. ``wait()``: ``{i: whole}``.
-        ``label`` names the leaves in the comm log (default: their count)."""
-        n = self.mesh.size(self.axis)
+        ``label`` names the leaves in the comm log (default: their count). ``into[i]``: a
+        whole tensor to write leaf ``i`` into (a donated parameter whose own part the
+        optimizer updated in place: only the other ranks' pieces are copied, and no new
+        leaf-sized tensor is made); else each whole is new, copied once from the receive
+        buffers."""
+        n, me = self.mesh.size(self.axis), self.mesh.rank(self.axis)
         sizes = self.segment_sizes(idx)
         label = f"{len(idx)} leaves" if label is None else label
         pending = comm.all_gather(torch.cat([parts[i].reshape(-1) for i in idx]), self.mesh,
-                                  self.axis, sizes=sizes, async_op=True,
+                                  self.axis, sizes=sizes, async_op=True, concat=False,
                                   purpose=f"{label}: {purpose}")
 
         def wholes() -> dict[int, Tensor]:
-            flat = pending.wait()
-            starts = [sum(sizes[:r]) for r in range(n)]
+            segments = pending.wait()
+            offsets = [0] * n
             out = {}
             for i in idx:
                 pieces = []
                 for r in range(n):
                     shape = self._piece_shape(i, r)
                     k = math.prod(shape)
-                    pieces.append(flat[starts[r]:starts[r] + k].view(shape))
-                    starts[r] += k
-                out[i] = torch.cat(pieces, dim=self.dims[i])
+                    pieces.append(segments[r][offsets[r]:offsets[r] + k].view(shape))
+                    offsets[r] += k
+                if into is None:
+                    out[i] = torch.cat(pieces, dim=self.dims[i])
+                    continue
+                whole, d, start = into[i], self.dims[i], 0
+                for r, piece in enumerate(pieces):
+                    dst = whole.narrow(d, start, piece.shape[d])
+                    start += piece.shape[d]
+                    if r == me and _same_view(dst, parts[i]):
+                        continue  # updated in place already
+                    with torch.no_grad():
+                        dst.copy_(piece)
+                out[i] = whole
             return out
 
         return _Leaves(wholes)
@@ -190,15 +208,17 @@ class ZeroPlan:
     def to_parts(self, tree: Tree) -> Tree:
         return self.map(self.part, tree)
 
-    def gather_tree(self, tree: Tree, purpose: str) -> Tree:
+    def gather_tree(self, tree: Tree, purpose: str, into: Tree | None = None) -> Tree:
         """Every cut leaf of ``tree`` (parts) whole again, bucket by bucket: every bucket's
-        all-gather is started before the first is waited for."""
+        all-gather is started before the first is waited for. ``into``: whole tensors (a
+        donated tree) to write the leaves into (:meth:`gather_bucket`)."""
         leaves, spec = self.flatten(tree)
+        dst = None if into is None else self.flatten(into)[0]
         pending = []
         for b in self.buckets:
             idx = [i for i in b if self.dims[i] is not None and leaves[i] is not None]
             if idx:
-                pending += [self.gather_bucket(one, leaves, purpose)
+                pending += [self.gather_bucket(one, leaves, purpose, into=dst)
                             for one in self.one_dtype(idx, leaves)]
         out = list(leaves)
         for p in pending:
@@ -208,6 +228,12 @@ class ZeroPlan:
 
     def part_layouts(self, like: Tree) -> Tree:
         return tree_unflatten(tree_flatten(like)[1], list(self.layouts))
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same storage."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
 def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: int,
@@ -227,7 +253,12 @@ def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: 
         local = tuple(x.shape)
         candidates = [d for d in range(len(local))
                       if local[d] >= n and base.dim_blocks[d] == 1]
-        d = max(candidates, key=lambda k: (local[k], -k)) if candidates and n > 1 else None
+        # The least padding (the smallest largest piece), then the first dim: dim 0's pieces
+        # are contiguous, where a later dim's strided parts cost the fused optimizer kernels a
+        # dense copy each way and the bucket copies a strided read.
+        numel = math.prod(local)
+        d = (min(candidates, key=lambda k: (-(-local[k] // n) * (numel // local[k]), k))
+             if candidates and n > 1 else None)
         names.append(name)
         dims.append(d)
         lengths.append(local[d] if d is not None else 0)
@@ -336,7 +367,11 @@ def _partitioned(inner: GradientTransformation, plan: ZeroPlan) -> GradientTrans
         g, p, part_layouts = parts(grads, params)
         new, state = inner.apply(g, state, p, layouts=part_layouts)
         if plan.stage < 3:
-            new = plan.gather_tree(new, "zero update gather")
+            # Donated: the other ranks' pieces go straight into the parameters (whose own
+            # piece the fused step has just written, when it ran in place), and the step hands
+            # the same tensors back; else new whole tensors.
+            new = plan.gather_tree(new, "zero update gather",
+                                   into=params if inplace_allowed() else None)
         return new, state
 
     return GradientTransformation(init, update, apply)

@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import sys
 
-from funcpar.testing import free_port
+from funcpar.testing import free_port, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -94,6 +94,55 @@ def run(args: argparse.Namespace, ranks: int, layout: str | None, accum: int = 1
             "collectives": sum(int(c) for _, c in COUNT.findall(report))}
 
 
+def _collective_ms(numel: int, rounds: int, device: str) -> dict[str, float]:
+    """Median milliseconds of the backend's all_reduce of ``numel`` float32 entries and of the
+    reduce-scatter and all-gather that ZeRO-2 runs in its place (each rank's ``numel / n``)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dev = torch.device("cuda", dist.get_rank()) if device == "cuda" else torch.device("cpu")
+    n = dist.get_world_size()
+    numel -= numel % n
+    x = torch.randn(numel, device=dev)
+    part = torch.empty(numel // n, device=dev)
+    ops = {"all_reduce": lambda: dist.all_reduce(x),
+           "reduce_scatter": lambda: dist.reduce_scatter(part, list(x.chunk(n))),
+           "all_gather": lambda: dist.all_gather(list(x.chunk(n)), part)}
+    got: dict[str, list[float]] = {k: [] for k in ops}
+    for _ in range(rounds):
+        for k, op in ops.items():  # interleaved
+            if device == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            t = time.perf_counter()
+            op()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            got[k].append(1e3 * (time.perf_counter() - t))
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+def collectives(args: argparse.Namespace, n: int) -> str:
+    """One line: the collectives of dp and ZeRO-2 at the model's gradient size on ``n`` ranks
+    of this backend (dp all-reduces the gradients; ZeRO-2 reduce-scatters them and all-gathers
+    the updated parameters: the same bytes on the wire)."""
+    sys.path.insert(0, ROOT)
+    from funcpar.models import Llama, LlamaConfig
+
+    numel = sum(p.numel() for p in Llama(LlamaConfig(
+        dim=args.dim, n_layers=args.layers, max_seq_len=args.seq_len)).parameters())
+    ms = run_ranks(_collective_ms, n, numel, 9, args.device, timeout=args.timeout,
+                   backend="nccl" if args.device == "cuda" else "gloo")[0]
+    rs_ag = ms["reduce_scatter"] + ms["all_gather"]
+    return (f"collectives of {numel * 4 / 2**20:.1f} MiB (float32 gradients) on {n} ranks: "
+            f"all_reduce {ms['all_reduce']:.1f} ms (dp); reduce_scatter "
+            f"{ms['reduce_scatter']:.1f} + all_gather {ms['all_gather']:.1f} = {rs_ag:.1f} ms "
+            f"(ZeRO-2): {rs_ag / ms['all_reduce']:.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -133,7 +182,8 @@ def main() -> None:
         med = {x: {k: statistics.median(g[k] for g in got[x]) for k in got[x][0]}
                for x in layouts}
         dp = med["dp"]["tok_s"] if "dp" in med else float("nan")
-        print(f"\n{n} ranks: {'layout':<8} {'tok/s':>9} {'vs dp':>6} {'vs 1 proc':>9} "
+        print(f"\n{collectives(args, n)}")
+        print(f"{n} ranks: {'layout':<8} {'tok/s':>9} {'vs dp':>6} {'vs 1 proc':>9} "
               f"{'colls/step':>10} {'blocked ms/step':>15} {'vs bound':>8} {'vs mb bound':>11}")
         for x in layouts:
             m = med[x]

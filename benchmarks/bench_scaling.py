@@ -20,7 +20,8 @@ PyTorch's accumulation loop pays it too), so the pipeline rows also give ``vs mb
 bound times the one-process rate with the same batch cut into ``m`` micro-batches
 (``--grad-accum m``, same tokens per step) over the one-process rate of the whole batch.
 
-Layouts (``N`` ranks): ``dp`` (dpN), ``zero1/2/3`` (dpN + ZeRO), ``tp`` (tpN), ``pp4`` /
+Layouts (``N`` ranks): ``dp`` (dpN), ``zero1/2/3`` (dpN + ZeRO), ``zero3nr`` (ZeRO-3 without
+resharding after the forward), ``tp`` (tpN), ``pp4`` /
 ``pp8`` (ppN, 1F1B, 4 or 8 micro-batches), ``tpdp`` (tp2 x dp N/2, 4 ranks and more).
 """
 
@@ -43,6 +44,7 @@ LAYOUTS = {
     "zero1": lambda n: ["--dp", str(n), "--zero", "1"],
     "zero2": lambda n: ["--dp", str(n), "--zero", "2"],
     "zero3": lambda n: ["--dp", str(n), "--zero", "3"],
+    "zero3nr": lambda n: ["--dp", str(n), "--zero", "3", "--no-reshard-after-forward"],
     "tp": lambda n: ["--tp", str(n)],
     "pp4": lambda n: ["--pp", str(n), "--microbatches", "4", "--schedule", "1f1b"],
     "pp8": lambda n: ["--pp", str(n), "--microbatches", "8", "--schedule", "1f1b"],
@@ -146,8 +148,9 @@ def collectives(args: argparse.Namespace, n: int) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--layouts", nargs="+", default=["dp", "zero1", "zero2", "zero3", "tp",
-                                                    "pp4", "pp8", "tpdp"], choices=list(LAYOUTS))
+    p.add_argument("--layouts", nargs="+", default=["dp", "zero1", "zero2", "zero3", "zero3nr",
+                                                    "tp", "pp4", "pp8", "tpdp"],
+                   choices=list(LAYOUTS))
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8)

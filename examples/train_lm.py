@@ -261,6 +261,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      help="data-parallel size: global batch split (default: processes / tp)")
     par.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
                      help="ZeRO stage over dp: 1 optimizer state, 2 + gradients, 3 + parameters")
+    par.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
+                     action="store_false",
+                     help="with --zero 3: the backward uses the forward's gathered parameters "
+                          "(FSDP2's reshard_after_forward=False: ZeRO-2's traffic, no gather "
+                          "after the optimizer; every block whole from forward to backward)")
     par.add_argument("--cp", type=int, default=1,
                      help="context-parallel ranks: every sequence cut over them")
     par.add_argument("--cp-mode", default="ring", choices=("ring", "ulysses"),
@@ -443,6 +448,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.preset == "zero" and args.zero == 3:
         p.error("--preset zero is LowLevelZeroPlugin (stages 1-2): use --preset gemini or "
                 "--preset hybrid --zero 3")
+    if not args.reshard_after_forward and (args.zero != 3 or args.preset is not None):
+        p.error("--no-reshard-after-forward is a ZeRO-3 option of the composed layout: pass "
+                "--zero 3 (without --preset)")
     if args.preset == "ddp" and args.zero:
         p.error("--preset ddp has no ZeRO: use --preset zero")
     if args.preset == "gemini" and args.zero not in (0, 3):
@@ -566,7 +574,8 @@ def manual_transforms(args: argparse.Namespace, mesh: DeviceMesh, cfg: LlamaConf
     if mesh.size("dp") > 1:
         transforms.append(data_parallel(mesh))
     if args.zero:
-        transforms.append(zero_partition(args.zero, mesh))
+        transforms.append(zero_partition(args.zero, mesh,
+                                         reshard_after_forward=args.reshard_after_forward))
     if args.remat:  # whole blocks: no transform swaps their forwards, so any place works
         transforms.append(remat(every=args.remat))
     if args.precision != "fp32":  # last: ZeRO-3's parameter gathers then travel in half

@@ -9,7 +9,7 @@ from test_data_parallel import _overlap
 
 import funcpar.optim as fo
 from funcpar.models import Llama, LlamaConfig, lm_loss
-from funcpar.shard.comm import comm_log
+from funcpar.shard.comm import comm_log, summarize
 from funcpar.shard.mesh import DeviceMesh
 from funcpar.state import functionalize, init_state
 from funcpar.testing import run_ranks
@@ -79,10 +79,11 @@ def test_zero2_buckets_start_during_the_backward():
         assert ops == ["reduce_scatter"] * 4 and seen == 2
 
 
-def _zero3_depth(prefetch: int):
+def _zero3_depth(prefetch: int, reshard: bool = True):
     """2 steps of ZeRO-3 with ``prefetch`` blocks gathered ahead: the params, the loss, the
     peak bytes of gathered leaves alive at once (a group's from its gather's launch, then each
-    whole until it is freed) and the plan's figure for them."""
+    whole until it is freed), the plan's figure for them, and the collectives of the second
+    step (``{(op, axis): (count, bytes)}``) with the plan's."""
     import math
     import weakref
 
@@ -95,9 +96,11 @@ def _zero3_depth(prefetch: int):
     model = Llama(cfg).double()
     apply_fn, params, buffers = functionalize(model)
     opt = fo.adamw(lr=1e-2, weight_decay=0.1)
-    step, state = compose(data_parallel(mesh), zero_partition(3, mesh, prefetch=prefetch))(
+    step, state = compose(data_parallel(mesh), zero_partition(
+        3, mesh, prefetch=prefetch, reshard_after_forward=reshard))(
         make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt))
-    planned = describe(step, state, mesh).memory.zero3_gathered
+    plan = describe(step, state, mesh)
+    planned = plan.memory.zero3_gathered
     live, peak = [0], [0]
     gather = ZeroPlan.gather_bucket
 
@@ -125,11 +128,13 @@ def _zero3_depth(prefetch: int):
         gen = torch.Generator().manual_seed(1)
         for _ in range(2):
             tokens = torch.randint(0, 64, (4, 9), generator=gen)
-            state, metrics = step(state, (tokens[:, :-1], tokens[:, 1:]))
+            with comm_log.capture() as records:
+                state, metrics = step(state, (tokens[:, :-1], tokens[:, 1:]))
     finally:
         ZeroPlan.gather_bucket = gather
+    comm = {(c.op, c.axis): (c.count, c.nbytes) for c in summarize(records)}
     return {k: v.clone() for k, v in state.params.items()}, float(metrics["loss"]), peak[0], \
-        planned
+        planned, comm, plan.comm_totals((4, 8))
 
 
 def _release(live: list[int], n: int) -> None:
@@ -137,22 +142,29 @@ def _release(live: list[int], n: int) -> None:
 
 
 def _depths():
-    return [_zero3_depth(d) for d in (0, 1, 2)]
+    return [_zero3_depth(d) for d in (0, 1, 2)] + [_zero3_depth(1, reshard=False)]
 
 
 def test_zero3_prefetch_depth_same_results_memory_within_plan():
-    """Prefetch depth 0, 1, 2: the same training bit for bit; the gathered leaves alive at once
-    grow with the depth and stay within the plan's figure (leaves outside the blocks plus
-    1 + depth adjacent blocks)."""
+    """Prefetch depth 0, 1, 2, and depth 1 without resharding after the forward: the same
+    training bit for bit; the gathered leaves alive at once grow with the depth and stay within
+    the plan's figure (leaves outside the blocks plus 1 + depth adjacent blocks; every block
+    without resharding), and the collectives are the plan's: not resharding, no gather in the
+    backward, so one all-gather per group and dtype where resharding takes two."""
     for runs in run_ranks(_depths, 2, backend=None, timeout=180):
-        (p0, l0, _, _), *rest = runs
-        for p, loss, _, _ in rest:
+        (p0, l0, *_), *rest = runs
+        for p, loss, *_ in rest:
             assert loss == l0
             for k, v in p0.items():
                 assert torch.equal(v, p[k]), k
         peaks, plans = [r[2] for r in runs], [r[3] for r in runs]
         assert all(peak <= plan for peak, plan in zip(peaks, plans)), (peaks, plans)
-        assert peaks[0] < peaks[1] < peaks[2], peaks
+        # (3 blocks: depth 2 holds them all whole already, as not resharding does)
+        assert peaks[0] < peaks[1] < peaks[2] == peaks[3], peaks
+        for *_, comm, planned in runs:
+            assert comm == planned, (comm, planned)
+        gathers = [r[4][("all_gather", "dp")] for r in runs]
+        assert gathers[3][0] < gathers[1][0] and gathers[3][1] < gathers[1][1], gathers
 
 
 def _donated(stage: int, donate: bool):

@@ -317,12 +317,14 @@ class Plan:
     def _zero3_gathered(self) -> int:
         """The leaves outside the blocks (whole through the forward and, gathered again, the
         backward) plus ``1 + prefetch`` adjacent blocks: the one computing and those gathered
-        ahead of it."""
+        ahead of it; without resharding after the forward, every block."""
         zero = self.step.partition
         size = _size(self.compute_dtype)
         whole = [sum(math.prod(self._whole_local(i)) * size for i in idx)
                  for _, idx in gather_groups(self.step.apply_fn.module, zero)]
         rest, blocks = whole[0], whole[1:]
+        if not zero.reshard:  # each block whole from its forward to its backward
+            return rest + sum(blocks)
         k = min(1 + zero.prefetch, len(blocks))
         return rest + max((sum(blocks[j:j + k]) for j in range(len(blocks) - k + 1)),
                           default=0)
@@ -621,7 +623,7 @@ class Plan:
                 moved = max(zero.segment_sizes(one)) * n * comp
                 rows.add("all_gather", zero.axis, moved,
                          f"zero-3: params gathered (forward, {label})")
-                if any(saved[i] for i in one):
+                if zero.reshard and any(saved[i] for i in one):
                     rows.add("all_gather", zero.axis, moved,
                              f"zero-3: params gathered again (backward, {label})")
                 rows.add("reduce_scatter", zero.axis, moved,

@@ -45,6 +45,7 @@ at stage 3) and ``step.grad_layouts`` the gradients the optimizer sees.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import weakref
@@ -88,6 +89,7 @@ class ZeroPlan:
     shapes: tuple[tuple[int, ...], ...] = ()  # the local (tensor-parallel) whole shapes
     buckets: tuple[tuple[int, ...], ...] = ()  # flat leaf indices per bucket (shard/buckets)
     prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the one computing
+    reshard: bool = True  # ZeRO-3: the forward's wholes dropped and gathered again (backward)
 
     def _pieces(self, i: int) -> list[int]:
         return comm.chunk_sizes(self.lengths[i], self.mesh.size(self.axis))
@@ -237,8 +239,8 @@ def _same_view(a: Tensor, b: Tensor) -> bool:
 
 
 def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: int,
-                   axis: str = "dp", bucket_bytes: int = 25 << 20, prefetch: int = 1
-                   ) -> ZeroPlan:
+                   axis: str = "dp", bucket_bytes: int = 25 << 20, prefetch: int = 1,
+                   reshard: bool = True) -> ZeroPlan:
     """Choose each leaf's cut dim (see the module docstring) and the buckets its collectives
     travel in (:func:`~funcpar.shard.buckets.bucket_indices`, ``bucket_bytes`` each)."""
     n = mesh.size(axis)
@@ -267,7 +269,7 @@ def plan_partition(params: Tree, layouts: Tree | None, mesh: DeviceMesh, stage: 
                              [x.dtype for x in leaves], bucket_bytes)
     return ZeroPlan(stage, mesh, axis, tuple(names), tuple(dims), tuple(lengths), tuple(parts),
                     tuple(tuple(x.shape) for x in leaves), tuple(tuple(b) for b in buckets),
-                    prefetch)
+                    prefetch, reshard)
 
 
 class _GatherGroup(torch.autograd.Function):
@@ -379,16 +381,26 @@ def _partitioned(inner: GradientTransformation, plan: ZeroPlan) -> GradientTrans
 
 def zero_partition(
     stage: int, mesh: DeviceMesh, *, axis: str = "dp", bucket_mb: float = 25.0,
-    prefetch: int = 1,
+    prefetch: int = 1, reshard_after_forward: bool = True,
 ) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
     """The ZeRO transform of ``stage`` (1, 2 or 3) over mesh axis ``axis``; the gradients'
     reduce-scatters and the updated parameters' all-gathers travel in buckets of at most
     ``bucket_mb`` MiB (:func:`~funcpar.shard.buckets.bucket_indices`). At stage 3,
     ``prefetch`` blocks are gathered ahead of the one computing, in the forward and the
     backward (0: each block when it starts; more hides more latency and holds that many more
-    blocks whole)."""
+    blocks whole).
+
+    ``reshard_after_forward=False`` (stage 3; FSDP2's flag of that name, its SHARD_GRAD_OP):
+    the backward uses the forward's gathered leaves instead of gathering them again, so a step
+    moves ZeRO-2's bytes (one all-gather, in the forward, prefetched behind the compute, and
+    one reduce-scatter) and has no all-gather after the optimizer, while the state between
+    steps stays partitioned; the price is every block whole from its forward to its backward
+    (ZeRO-2's parameter memory during the step)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"zero_partition stage must be 1, 2 or 3, got {stage!r}")
+    if not reshard_after_forward and stage != 3:
+        raise ValueError(f"reshard_after_forward=False is a ZeRO-3 option (stage 1-2 keep the "
+                         f"parameters whole), got stage {stage}")
     if not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
     if not bucket_mb > 0:
@@ -404,7 +416,7 @@ def zero_partition(
             raise ValueError(f"data_parallel is over {step.dp_axis!r} but zero_partition over "
                              f"{axis!r}: they must share the axis")
         plan = plan_partition(state.params, step.layouts, mesh, stage, axis,
-                              int(bucket_mb * 2**20), prefetch)
+                              int(bucket_mb * 2**20), prefetch, reshard_after_forward)
         part_layouts = plan.part_layouts(state.params)
         opt = _partitioned(step.optimizer, plan)
         changes: dict[str, Any] = {"optimizer": opt, "partition": plan}
@@ -567,8 +579,11 @@ def _gathered(apply_fn: Callable, plan: ZeroPlan) -> Callable:
         for k, (m, idx) in enumerate(blocks):
             handles.append(m.register_forward_pre_hook(enter(k, idx)))
             handles.append(m.register_forward_hook(leave(idx)))
+        # Not resharding, the graph keeps what it saved of the forward's wholes.
+        saving = (torch.autograd.graph.saved_tensors_hooks(pack, unpack) if plan.reshard
+                  else contextlib.nullcontext())
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with saving:
                 return apply_fn(tree, buffers, *args, **kwargs)
         finally:
             for h in handles:

@@ -339,6 +339,7 @@ def test_remat_and_preset_flag_errors(capsys):
     for argv, message in (
         (["--plan"], "--plan prints a preset's plan: it needs --preset"),
         (["--preset", "ddp", "--zero", "2"], "--preset ddp has no ZeRO"),
+        (["--zero", "2", "--no-reshard-after-forward"], "--no-reshard-after-forward is a ZeRO-3"),
         (["--preset", "zero", "--zero", "3"], "--preset zero is LowLevelZeroPlugin"),
         (["--preset", "gemini", "--zero", "2"], "--preset gemini is ZeRO-3"),
         (["--preset", "ddp", "--tp", "2"], "--preset ddp is data parallel only"),

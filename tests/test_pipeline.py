@@ -524,3 +524,40 @@ def test_a_killed_rank_makes_the_others_fail(tmp_path):
     # Rank 0, blocked on the dead stage, raised by itself (the harness would have killed it
     # silently after its 5 s grace had it hung).
     assert path.exists() and path.read_text(), "rank 0 did not fail on its own"
+
+
+def _reduction_order():
+    """pp2 x dp2, 4 micro-batches, dp and dp + ZeRO-2: for this rank, the indices in the comm
+    log of its gradient reductions and of its last pipeline transfer, and the params after a
+    step."""
+    from funcpar.shard.comm import comm_log
+
+    out = []
+    for zero in (0, 2):
+        step, state = build(1, 2, "adamw", cfg=PP_CFG, pp=2, microbatches=4, zero=zero)
+        with comm_log.capture() as records:
+            state, _ = step(state, batches()[0])
+        reduce = [k for k, r in enumerate(records)
+                  if r.purpose.startswith("dp grads") or r.purpose.endswith("zero grads")]
+        p2p = [k for k, r in enumerate(records) if r.op in ("send", "recv")]
+        out.append((reduce, p2p[-1], {k: v.clone() for k, v in state.params.items()}))
+    return out
+
+
+@pytest.mark.slow  # 4 ranks, ~15 s on a loaded 2-core VM
+def test_dp_reduction_starts_in_the_last_microbatch_backward():
+    # The last stage's rank sends its last micro-batch's input gradient back after that
+    # backward: its gradient reductions (launched from the backward's hooks as each leaf's
+    # sum over micro-batches completes) come before it in the log. The first stage's last
+    # backward is its last action, so its reductions follow its last receive either way.
+    # Exactness under pp2 x dp2 (+ ZeRO-2) is the pipeline matrix's (slow) and
+    # test_pipeline_equals_one_process_world4's.
+    results = run_ranks(_reduction_order, 4, backend=None, timeout=300)
+    for rank, runs in enumerate(results):
+        pp_coord = rank // 2  # mesh (pp, dp)
+        for reduce, last_p2p, _ in runs:
+            assert reduce, rank
+            if pp_coord == 1:
+                assert reduce[0] < last_p2p, (rank, reduce, last_p2p)
+            else:
+                assert reduce[0] > last_p2p, (rank, reduce, last_p2p)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,10 +119,18 @@ class Pipeline:
 
     # ------------------------------------------------------------------------------ the step
     def loss_and_grads(self, step: Any, params: Tree, buffers: Tree, batch: Any,
-                       loss_scale: Tensor | None = None, *,
-                       backward: bool = True) -> tuple[Tensor, Tree | None, Tree]:
+                       loss_scale: Tensor | None = None, *, backward: bool = True,
+                       on_grad: Callable[[int, Tensor], None] | None = None,
+                       ) -> tuple[Tensor, Tree | None, Tree]:
         """``(loss, grads, new_buffers)`` of the pipelined forward/backward over ``batch``
         (this rank's stages' leaves only).
+
+        ``on_grad(i, grad)`` (``i`` the leaf's index in ``params``' flat order): called in the
+        backward of each stage's last micro-batch as soon as a leaf's gradient, summed over
+        every micro-batch, is complete, so a data-parallel or ZeRO reduction can start while
+        that backward goes on (as Megatron-LM overlaps its gradient reduction with the last
+        micro-batch). Not for a leaf held by several ranks (a tied weight): its gradient is
+        complete only after the holders' sum.
 
         ``backward=False`` (evaluation, :mod:`funcpar.train.eval`): the schedule's forwards and
         their transfers alone, in the schedule's order (a subsequence of a deadlock-free
@@ -164,6 +173,28 @@ class Pipeline:
         self.trace = []
         self.peak_in_flight = 0
         pending_comm: list[Action] = []
+        final_mb = {a.stage: a.mb for a in actions if a.kind == "B"}  # each stage's last
+        index: dict[str, int] = {}
+        if on_grad is not None:
+            order = {id(x): i for i, x in enumerate(tree_flatten(params)[0])}
+            tied = {n for n, rs in plan.shared().items() if self.rank in rs}
+            index = {n: order[id(x)] for n, x in params.items() if n not in tied}
+
+        def add(n: str, g: Tensor) -> Tensor:
+            if grads[n] is None:
+                grads[n] = g
+            elif n in owned:
+                # A sum this step made: added in place (the same bits), where a new
+                # leaf-sized tensor per micro-batch cost an allocation (fresh pages on CPU)
+                # each time.
+                grads[n].add_(g)
+            else:
+                grads[n] = grads[n] + g
+                owned.add(n)
+            return grads[n]
+
+        def completed(n: str, g: Tensor) -> None:
+            on_grad(index[n], add(n, g))
 
         def flush() -> None:
             ops: list[comm.P2POp] = []
@@ -269,21 +300,21 @@ class Pipeline:
                 want_x = x is not None and x.requires_grad
                 if want_x:
                     wanted.append(x)
-                got = torch.autograd.grad(targets, wanted, grad_outputs=g_outs,
-                                          allow_unused=True)
+                hooked = ([n for n in names if n in index]
+                          if on_grad is not None and final_mb[a.stage] == a.mb else [])
+                # The hook observes (returns None): it sums the leaf's last micro-batch in and
+                # hands the whole gradient on, so the loop below skips the leaves it saw.
+                hooks = [live[n].register_hook(lambda g, n=n: completed(n, g)) for n in hooked]
+                try:
+                    got = torch.autograd.grad(targets, wanted, grad_outputs=g_outs,
+                                              allow_unused=True)
+                finally:
+                    for h in hooks:
+                        h.remove()
                 for n, g in zip(names, got):
-                    if g is None:
+                    if g is None or n in hooked:
                         continue
-                    if grads[n] is None:
-                        grads[n] = g
-                    elif n in owned:
-                        # A sum this step made: added in place (the same bits), where a new
-                        # leaf-sized tensor per micro-batch cost an allocation (fresh pages
-                        # on CPU) each time.
-                        grads[n].add_(g)
-                    else:
-                        grads[n] = grads[n] + g
-                        owned.add(n)
+                    add(n, g)
                 if a.stage > 0:
                     dx = got[-1] if want_x else None
                     local[("dx", a.stage, a.mb)] = (torch.zeros_like(x) if dx is None else dx)

@@ -382,10 +382,14 @@ class TrainStep:
                 self, params, buffers, opt_state, batch)
             return params, new_buffers, opt_state, loss, gnorm, None
         if self.pipeline is not None:
-            loss, grads, new_buffers = self.pipeline.loss_and_grads(self, params, buffers,
-                                                                    batch, scale)
-            if self.overlap_grads is not None:
-                grads = self.overlap_grads(tree_flatten(params)[0]).finish(grads)
+            # The reduction starts from the last micro-batch's backward (Pipeline's on_grad).
+            sync = (None if self.overlap_grads is None
+                    else self.overlap_grads(tree_flatten(params)[0]))
+            loss, grads, new_buffers = self.pipeline.loss_and_grads(
+                self, params, buffers, batch, scale,
+                on_grad=None if sync is None else sync.ready)
+            if sync is not None:
+                grads = sync.finish(grads)
         elif self.overlap_grads is None:
             if traced:  # the region compiles it with the rest: not a compiled call of its own
                 loss, grads, new_buffers = loss_and_grads(self.apply_fn, self.loss_fn, params,

@@ -423,11 +423,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.seq_len % (2 * args.cp):
             p.error(f"--cp {args.cp} cuts each sequence into 2 x {args.cp} equal chunks: "
                     f"--seq-len {args.seq_len} must be a multiple of {2 * args.cp}")
-        for flag, on in (("--pp", args.pp > 1), ("--experts", args.experts > 0),
-                         ("--compile", args.compile)):
+        for flag, on in (("--experts", args.experts > 0), ("--compile", args.compile)):
             if on:
                 p.error(f"--cp (context_parallel) does not work with {flag} yet "
                         "(docs/CONTEXT_PARALLEL.md)")
+        if args.preset is not None and args.pp > 1:
+            p.error("--cp with --pp: the presets' plan does not model context_parallel x "
+                    "pipeline_split yet; compose by hand (drop --preset)")
         if args.preset not in (None, "hybrid"):
             p.error(f"--preset {args.preset} has no context parallelism: use --preset hybrid "
                     "(sp_size) or compose by hand (drop --preset)")

@@ -30,6 +30,7 @@ from funcpar.transforms import (
     compose,
     context_parallel,
     data_parallel,
+    pipeline_split,
     shard_params,
     zero_partition,
 )
@@ -150,18 +151,20 @@ def _batches(seq=SEQ, batch=4, ignore=False):
 
 
 def train(cp=1, mode="ring", opt="adamw", dp=1, tp=1, sp=False, zero=0, remat=False,
-          ignore=False, records=False, amp=None):
-    """10 steps; (losses, whole params) on every rank (and the first step's collectives).
-    Transforms in the documented order: shard_params, context_parallel, data_parallel,
-    zero_partition, remat."""
+          ignore=False, records=False, amp=None, pp=1, schedule="1f1b"):
+    """10 steps; (losses, whole params) on every rank (and the first step's collectives; under
+    ``pp`` the params of this rank's stages). Transforms in the documented order:
+    pipeline_split, shard_params, context_parallel, data_parallel, zero_partition, remat."""
     model = Llama(CFG).to(torch.float64 if amp is None else torch.float32)
     apply_fn, params, buffers = functionalize(model)
     optimizer = OPTIMIZERS[opt](params)
     step, state = make_train_step(apply_fn, lm_loss, optimizer), init_state(params, buffers,
                                                                             optimizer)
     transforms = []
-    if cp * dp * tp > 1:
-        mesh = DeviceMesh.from_env(dp=dp, tp=tp, cp=cp)
+    if cp * dp * tp * pp > 1:
+        mesh = DeviceMesh.from_env(**({"pp": pp} if pp > 1 else {}), dp=dp, tp=tp, cp=cp)
+        if pp > 1:
+            transforms.append(pipeline_split(mesh, microbatches=2, schedule=schedule))
         if tp > 1:
             transforms.append(shard_params(llama_rules(CFG.head_dim), mesh,
                                            sequence_parallel=sp))
@@ -191,7 +194,8 @@ def train(cp=1, mode="ring", opt="adamw", dp=1, tp=1, sp=False, zero=0, remat=Fa
 
 
 def _max_rel(a, b):
-    return max(_rel(a[k], b[k]) for k in b)
+    # Over a's leaves: under pp a rank holds its stages' leaves only.
+    return max(_rel(a[k], b[k]) for k in a)
 
 
 def _check(results, ref, tol=1e-10):
@@ -253,6 +257,32 @@ def test_cp2_composes_with_tp_dp_zero_float64():
         _check([r[case] for r in results], ref)
 
 
+def _cp2pp2_cases(cases):
+    return {case: train(2, case[0], case[1], pp=2, schedule=case[2]) for case in cases}
+
+
+def _check_pipelined(results, ref):
+    _check(results, ref)
+    # The ranks' stages together hold every leaf.
+    assert set().union(*(params for _, params in results)) == set(ref[1])
+
+
+def test_cp2_pp2_equals_one_process_float64():
+    # 4 ranks: pp (outer) x cp; each stage's attention is the ring over cp, the activations
+    # sent between the stages each rank's zigzag chunk, 2 micro-batches (1F1B).
+    results = run_ranks(_cp2pp2_cases, 4, [("ring", "adamw", "1f1b")], timeout=300)
+    _check_pipelined([r[("ring", "adamw", "1f1b")] for r in results], train())
+
+
+@pytest.mark.slow
+def test_cp2_pp2_ulysses_and_more_optimizers_float64():
+    cases = [("ulysses", "adamw", "gpipe"), ("ring", "lamb", "1f1b"),
+             ("ulysses", "adafactor", "1f1b")]
+    results = run_ranks(_cp2pp2_cases, 4, cases, timeout=600)
+    for case in cases:
+        _check_pipelined([r[case] for r in results], train(opt=case[1]))
+
+
 def _cp_cases(opts):
     cp = torch.distributed.get_world_size()
     return {(mode, opt): train(cp, mode, opt) for mode in ("ring", "ulysses") for opt in opts}
@@ -312,13 +342,10 @@ def test_refusals():
                                                                            fo.sgd(lr=0.1)))
 
 
-def test_pipeline_is_refused_naming_both():
-    from funcpar.transforms import pipeline_split
-
+def test_pipeline_after_context_parallel_is_refused_naming_both():
     mesh = DeviceMesh.virtual(rank=0, pp=2, cp=2)
-    step, state = pipeline_split(mesh, microbatches=2)(*_step())
-    with pytest.raises(ValueError, match="context_parallel and pipeline_split"):
-        context_parallel(mesh)(step, state)
+    with pytest.raises(ValueError, match=r"apply pipeline_split first.*'context_parallel'"):
+        pipeline_split(mesh, microbatches=2)(*context_parallel(mesh)(*_step()))
 
 
 def test_sequence_that_does_not_split_is_refused():
@@ -466,17 +493,19 @@ def test_plan_under_remat_is_refused():
 
 
 # --------------------------------------------------------------------------------- evaluation
-def _eval(cp=1, dp=1, mode="ring"):
-    """make_eval_step of the (cp x dp) step on two batches with unevenly ignored targets."""
+def _eval(cp=1, dp=1, mode="ring", pp=1):
+    """make_eval_step of the (pp x cp x dp) step on two batches with unevenly ignored
+    targets."""
     from funcpar.train import make_eval_step
 
     model = Llama(CFG).double()
     apply_fn, params, buffers = functionalize(model)
     opt = fo.adamw(1e-2)
     step, state = make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt)
-    if cp * dp > 1:
-        mesh = DeviceMesh.from_env(dp=dp, cp=cp)
-        step, state = compose(context_parallel(mesh, mode=mode),
+    if cp * dp * pp > 1:
+        mesh = DeviceMesh.from_env(**({"pp": pp} if pp > 1 else {}), dp=dp, cp=cp)
+        step, state = compose(*([pipeline_split(mesh, microbatches=2)] if pp > 1 else []),
+                              context_parallel(mesh, mode=mode),
                               *([data_parallel(mesh)] if dp > 1 else []))(step, state)
     ev = make_eval_step(step)
     return [(float(m["loss"]), int(m["tokens"]))
@@ -501,6 +530,13 @@ def test_evaluation_under_cp2_equals_one_process():
 @pytest.mark.slow
 def test_evaluation_under_cp2_dp2_equals_one_process():
     _eval_equal(run_ranks(_eval, 4, 2, 2, "ulysses", backend=None, timeout=240), _eval())
+
+
+@pytest.mark.slow
+def test_evaluation_under_cp2_pp2_equals_one_process():
+    # The pipeline's forwards alone, each stage's attention over cp, the last stage's piece
+    # loss weighted by the cp group's token count.
+    _eval_equal(run_ranks(_eval, 4, 2, 1, "ring", 2, backend=None, timeout=240), _eval())
 
 
 def test_generation_refuses_the_context_parallel_apply_fn():

@@ -610,9 +610,10 @@ def context_parallel(
         if module is None:
             raise TypeError("context_parallel needs a step built on functionalize(module)'s "
                             "apply_fn")
-        if step.pipeline is not None:
-            raise ValueError("context_parallel and pipeline_split do not compose yet: the "
-                             "pipeline's stages call the blocks without the global positions")
+        if step.pipeline is not None and _is_hf(module):
+            raise ValueError("context_parallel and pipeline_split: a Hugging Face model under "
+                             "both is not supported (its stages would need the global "
+                             "position_ids and the attention hook per stage)")
         if step.compile:
             raise ValueError("context_parallel and compile=True do not compose: the ring's "
                              "point-to-point sends have no functional collective (compile the "
@@ -630,7 +631,8 @@ def context_parallel(
         if n == 1:
             return step, state
         return dataclasses.replace(
-            step, apply_fn=_cp_apply(step.apply_fn, attn, module, mesh, axis, mode, overlap),
+            step, apply_fn=_cp_apply(step.apply_fn, attn, module, mesh, axis, mode, overlap,
+                                     staged=step.pipeline is not None),
             local_batch=_cp_local_batch(step.local_batch, mesh, axis),
             loss_fn=_cp_loss(step.loss_fn, mesh, ContextParallel(
                 axis, mode, overlap, int(bucket_mb * 2**20),
@@ -643,8 +645,12 @@ def context_parallel(
 
 
 def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], module: nn.Module,
-              mesh: DeviceMesh, axis: str, mode: str, overlap: bool) -> Callable:
+              mesh: DeviceMesh, axis: str, mode: str, overlap: bool, staged: bool) -> Callable:
+    """``apply_fn`` with the cp attention installed and the global positions passed; ``staged``:
+    ``apply_fn`` is a pipeline stage's (:func:`funcpar.pipeline.stages.stage_apply`), whose
+    stage index and received activation come before the token ids."""
     n, r = mesh.size(axis), mesh.rank(axis)
+    lead = 2 if staged else 0
     hf = _is_hf(module)
     limit = (getattr(getattr(module, "config", None), "max_position_embeddings", None) if hf
              else getattr(getattr(module, "cfg", None), "max_seq_len", None))
@@ -659,14 +665,16 @@ def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], module: nn.Module,
     if hf:
         _register_hf()
 
-    def apply(params: Any, buffers: Any, tokens: Tensor, *args: Any, **kwargs: Any) -> Any:
+    def apply(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
+        tokens = args[lead]
         seq = tokens.shape[1] * n
         if limit is not None and seq > limit:
             raise ValueError(f"sequence length {seq} exceeds the model's limit {limit}")
         positions = zigzag_positions(seq, n, r, device=tokens.device)
         if not hf:
             with _installed(attn, make):
-                return apply_fn(params, buffers, tokens, *args, positions=positions, **kwargs)
+                return apply_fn(params, buffers, *args, positions=positions, **kwargs)
+        args = args[1:]
         if args or kwargs:
             raise ValueError("context_parallel: a Hugging Face model takes only the token ids "
                              f"under cp (got {len(args)} more inputs and {sorted(kwargs)})")

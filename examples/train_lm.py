@@ -36,7 +36,9 @@ recomputes every K-th block's activations in the backward instead of keeping the
 ``--cp N`` cuts every sequence over a ``cp`` axis of ``N`` ranks (``context_parallel``,
 docs/CONTEXT_PARALLEL.md; mesh ``pp x dp x cp x tp``): ``--cp-mode ring`` passes the keys and
 values around a ring, ``ulysses`` exchanges heads for positions with all_to_alls. The loss,
-token count and tokens/s reported are the global batch's, as in one process.
+token count and tokens/s reported are the global batch's, as in one process. It composes with
+``--pp`` (each stage's attention over ``cp``) and with dropless ``--experts``
+(``--capacity-factor 0``; ``--ep`` too).
 
 ``--experts E`` gives every ``--moe-every``-th block a Mixture-of-Experts feed-forward
 (docs/MOE.md); ``--ep P`` spreads the experts over an ``ep`` axis (``expert_parallel``) and
@@ -423,10 +425,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.seq_len % (2 * args.cp):
             p.error(f"--cp {args.cp} cuts each sequence into 2 x {args.cp} equal chunks: "
                     f"--seq-len {args.seq_len} must be a multiple of {2 * args.cp}")
-        for flag, on in (("--experts", args.experts > 0), ("--compile", args.compile)):
-            if on:
-                p.error(f"--cp (context_parallel) does not work with {flag} yet "
-                        "(docs/CONTEXT_PARALLEL.md)")
+        if args.compile:
+            p.error("--cp (context_parallel) does not work with --compile yet "
+                    "(docs/CONTEXT_PARALLEL.md)")
+        if args.experts and args.capacity_factor:
+            p.error("--cp with --experts needs dropless routing (--capacity-factor 0): the "
+                    "capacity is per sequence, and each cp rank holds part of every sequence")
         if args.preset is not None and args.pp > 1:
             p.error("--cp with --pp: the presets' plan does not model context_parallel x "
                     "pipeline_split yet; compose by hand (drop --preset)")

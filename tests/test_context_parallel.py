@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import funcpar.optim as fo
-from funcpar.models import Llama, LlamaConfig, causal_attention, lm_loss
+from funcpar.models import Llama, LlamaConfig, causal_attention, lm_loss, moe_lm_loss
 from funcpar.shard.comm import comm_log
 from funcpar.shard.layout import unshard_tree
 from funcpar.shard.mesh import DeviceMesh
@@ -30,6 +30,7 @@ from funcpar.transforms import (
     compose,
     context_parallel,
     data_parallel,
+    expert_parallel,
     pipeline_split,
     shard_params,
     zero_partition,
@@ -151,24 +152,28 @@ def _batches(seq=SEQ, batch=4, ignore=False):
 
 
 def train(cp=1, mode="ring", opt="adamw", dp=1, tp=1, sp=False, zero=0, remat=False,
-          ignore=False, records=False, amp=None, pp=1, schedule="1f1b"):
+          ignore=False, records=False, amp=None, pp=1, schedule="1f1b", cfg=CFG, ep=1):
     """10 steps; (losses, whole params) on every rank (and the first step's collectives; under
     ``pp`` the params of this rank's stages). Transforms in the documented order:
     pipeline_split, shard_params, context_parallel, data_parallel, zero_partition, remat."""
-    model = Llama(CFG).to(torch.float64 if amp is None else torch.float32)
+    model = Llama(cfg).to(torch.float64 if amp is None else torch.float32)
     apply_fn, params, buffers = functionalize(model)
     optimizer = OPTIMIZERS[opt](params)
-    step, state = make_train_step(apply_fn, lm_loss, optimizer), init_state(params, buffers,
+    loss_fn = moe_lm_loss if cfg.n_experts else lm_loss
+    step, state = make_train_step(apply_fn, loss_fn, optimizer), init_state(params, buffers,
                                                                             optimizer)
     transforms = []
-    if cp * dp * tp * pp > 1:
-        mesh = DeviceMesh.from_env(**({"pp": pp} if pp > 1 else {}), dp=dp, tp=tp, cp=cp)
+    if cp * dp * tp * pp * ep > 1:
+        outer = ({"pp": pp} if pp > 1 else {}) | ({"ep": ep} if ep > 1 else {})
+        mesh = DeviceMesh.from_env(**outer, dp=dp, tp=tp, cp=cp)
         if pp > 1:
             transforms.append(pipeline_split(mesh, microbatches=2, schedule=schedule))
         if tp > 1:
             transforms.append(shard_params(llama_rules(CFG.head_dim), mesh,
                                            sequence_parallel=sp))
         transforms.append(context_parallel(mesh, mode=mode))
+        if ep > 1:
+            transforms.append(expert_parallel(mesh))
         if dp > 1:
             transforms.append(data_parallel(mesh))
         if zero:
@@ -188,7 +193,7 @@ def train(cp=1, mode="ring", opt="adamw", dp=1, tp=1, sp=False, zero=0, remat=Fa
     params = state.params
     if step.partition is not None and zero == 3:
         params = step.partition.gather_tree(params, "test")
-    if step.layouts is not None and tp > 1:
+    if step.layouts is not None and tp * ep > 1:
         params = unshard_tree(params, step.layouts)
     return (losses, params, recs) if records else (losses, params)
 
@@ -283,6 +288,38 @@ def test_cp2_pp2_ulysses_and_more_optimizers_float64():
         _check_pipelined([r[case] for r in results], train(opt=case[1]))
 
 
+# Dropless MoE in both blocks; router-loss weights large enough that a wrong router gradient
+# shows far above 1e-10.
+MOE_CFG = LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=8, n_kv_heads=2,
+                      ffn_hidden=40, max_seq_len=32, n_experts=4, top_k=2,
+                      capacity_factor=None, aux_loss_weight=1.0, z_loss_weight=0.1)
+
+
+def _moe_cases(cases):
+    return {case: train(2, case[0], cfg=MOE_CFG, **dict(case[1:])) for case in cases}
+
+
+def test_moe_cp2_equals_one_process_float64():
+    # Routing per token, the load-balancing and z losses of the whole sequences (one
+    # all-reduce per MoE block, its backward an all-reduce of the gradients).
+    cases = [("ring",), ("ulysses", ("ignore", True))]
+    results = run_ranks(_moe_cases, 2, cases, timeout=300)
+    _check([r[cases[0]] for r in results], train(cfg=MOE_CFG))
+    _check([r[cases[1]] for r in results], train(cfg=MOE_CFG, ignore=True))
+
+
+@pytest.mark.slow
+def test_moe_cp2_with_pp2_and_ep2_float64():
+    # pp: the first stage's router losses reach the loss as a side loss; ep: the experts
+    # split over ep, the tokens routed by all_to_all, the batch over ep x cp.
+    cases = [("ring", ("pp", 2)), ("ulysses", ("ep", 2)), ("ring", ("remat", True))]
+    results = run_ranks(_moe_cases, 4, cases[:2], timeout=600)
+    ref = train(cfg=MOE_CFG)
+    _check_pipelined([r[cases[0]] for r in results], ref)
+    _check([r[cases[1]] for r in results], ref)
+    _check([r[cases[2]] for r in run_ranks(_moe_cases, 2, cases[2:], timeout=300)], ref)
+
+
 def _cp_cases(opts):
     cp = torch.distributed.get_world_size()
     return {(mode, opt): train(cp, mode, opt) for mode in ("ring", "ulysses") for opt in opts}
@@ -327,10 +364,18 @@ def test_refusals():
     with pytest.raises(ValueError, match="apply shard_params before context_parallel"):
         shard_params(llama_rules(CFG.head_dim), DeviceMesh.virtual(rank=0, tp=2, cp=2))(
             *context_parallel(DeviceMesh.virtual(rank=0, tp=2, cp=2))(*_step()))
-    moe = Llama(LlamaConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_experts=2,
-                            capacity_factor=None))
-    with pytest.raises(ValueError, match=r"context_parallel and MoE blocks \(layers.0.mlp\)"):
-        cp(*_step(moe))
+    small = dict(vocab_size=50, dim=32, n_layers=2, n_heads=4, n_experts=2)
+    with pytest.raises(ValueError, match=r"context_parallel and capacity-limited MoE routing "
+                                         r"\(layers.0.mlp: capacity_factor=1.25\)"):
+        cp(*_step(Llama(LlamaConfig(**small)), moe_lm_loss))
+    with pytest.raises(ValueError, match=r"context_parallel and MoE router noise "
+                                         r"\(layers.0.mlp: noise_std=0.1\)"):
+        cp(*_step(Llama(LlamaConfig(**small, capacity_factor=None, router_noise=0.1)),
+                  moe_lm_loss))
+    extra = lambda out, y: lm_loss(out, y) + out.float().square().mean()  # noqa: E731
+    extra.token_cross_entropy, extra.extra_loss = True, lambda out: out.float().square().mean()
+    with pytest.raises(ValueError, match="not a token mean, and the model has no MoE block"):
+        cp(*_step(loss_fn=extra))
 
     class Other(torch.nn.Module):
         def forward(self, x):

@@ -248,11 +248,11 @@ def test_cp2_pp2_trains_evaluates_and_checkpoints_like_one_process(tmp_path, dat
     assert len(evals) == 2 and all(abs(a - b) <= 1e-10 * abs(a) for a, b in evals), evals
 
     # cp2 x pp2's checkpoint, resumed in one process.
-    resumed = train_lm.main(_small(tmp_path / "one_resumed", data_cache, 4, *steps[:8],
+    resumed = train_lm.main(_small(tmp_path / "one_resumed", data_cache, 4, *steps[:12],
                                    "--resume", str(ckpt / "step_00000002")))
     assert _rel_losses([r["loss"] for r in resumed["history"]], ref_losses[2:]) <= 1e-10
     # The one-process checkpoint, resumed under cp2.
-    argv = _small(tmp_path / "cp_resumed", data_cache, 4, *steps[:8], "--cp", "2",
+    argv = _small(tmp_path / "cp_resumed", data_cache, 4, *steps[:12], "--cp", "2",
                   "--cp-mode", "ulysses", "--resume", str(tmp_path / "one_ckpt" / "step_00000002"))
     for rank, res in enumerate(run_ranks(_rank_run, 2, argv, backend=None, timeout=300)):
         assert _rel_losses(res["losses"], ref_losses[2:]) <= 1e-10, rank
@@ -330,8 +330,8 @@ def test_pipeline_flag_errors(capsys):
         (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
         (["--pp", "2", "--compile"], "--compile does not work with --pp > 1 yet"),
         (["--cp", "2", "--seq-len", "30"], "--seq-len 30 must be a multiple of 4"),
-        (["--cp", "2", "--experts", "2"], "--cp (context_parallel) does not work with "
-                                          "--experts yet"),
+        (["--cp", "2", "--experts", "2"], "--cp with --experts needs dropless routing"),
+        (["--cp", "2", "--compile"], "--cp (context_parallel) does not work with --compile"),
         (["--cp", "2", "--preset", "ddp"], "--preset ddp has no context parallelism"),
         (["--cp", "2", "--sample-every", "5"], "--sample-every with --cp: decoding cannot"),
         (["--cp", "2", "--pp", "2", "--preset", "hybrid"],

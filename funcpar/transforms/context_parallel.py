@@ -103,9 +103,10 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from funcpar.models.moe import Routing, route
 from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
-from funcpar.shard.tp_ops import all_to_all_grad
+from funcpar.shard.tp_ops import all_to_all_grad, enter_region, exit_region
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import tree_flatten, tree_unflatten
 from funcpar.train.step import TrainStep
@@ -474,12 +475,27 @@ def _is_hf(module: nn.Module) -> bool:
     return type(module).__module__.startswith("transformers.")
 
 
+def _moe_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """The MoE blocks (funcpar's :class:`~funcpar.models.moe.MoE`) of ``module``, refused where
+    their routing is not per token (module docstring, "MoE blocks")."""
+    found = {name: m for name, m in module.named_modules() if _qualname(m) == _MOE}
+    for name, m in found.items():
+        if m.capacity_factor is not None:
+            raise ValueError(
+                f"context_parallel and capacity-limited MoE routing ({name}: capacity_factor="
+                f"{m.capacity_factor}): the capacity and the order in which assignments claim "
+                "it are per sequence, and under cp each rank holds 1/cp of every sequence, so "
+                "other assignments would be dropped than in one process: use "
+                "capacity_factor=None (dropless routing, exact under cp)")
+        if m.noise_std > 0:
+            raise ValueError(
+                f"context_parallel and MoE router noise ({name}: noise_std={m.noise_std}): "
+                "each rank would draw its tokens' noise from its own stream, not one "
+                "process's draws: set router_noise=0 under cp")
+    return found
+
+
 def _attention_modules(module: nn.Module) -> dict[str, nn.Module]:
-    for name, m in module.named_modules():
-        if _qualname(m) == _MOE:
-            raise ValueError(f"context_parallel and MoE blocks ({name}): the router's "
-                             "load-balancing loss is a product of per-rank means, not exact "
-                             "under a sequence cut")
     if _is_hf(module):
         return _hf_attention_modules(module)
     want = _MODELS.get(_qualname(module))
@@ -574,20 +590,48 @@ def _installed_hf(attn: dict[str, nn.Module], make: Callable[[str], Callable], d
 
 
 @contextmanager
-def _installed(attn: dict[str, nn.Module], make: Callable[[str], Callable]) -> Iterator[None]:
-    """Each attention module's ``attend`` replaced for one call (an instance attribute, which
-    remat records at a block's forward and reinstalls for its recompute)."""
-    for name, m in attn.items():
-        if "attend" in m.__dict__:
-            raise ValueError(f"{name}.attend is already replaced: context_parallel is applied "
+def _installed(mods: dict[str, nn.Module], make: Callable[[str], Callable],
+               attr: str = "attend") -> Iterator[None]:
+    """Each module's ``attr`` (an attention's ``attend``, an MoE block's ``route``) replaced
+    for one call (an instance attribute, which remat records at a block's forward and
+    reinstalls for its recompute)."""
+    for name, m in mods.items():
+        if attr in m.__dict__:
+            raise ValueError(f"{name}.{attr} is already replaced: context_parallel is applied "
                              "twice (apply it once)")
-    for name, m in attn.items():
-        m.attend = make(name)
+    for name, m in mods.items():
+        setattr(m, attr, make(name))
     try:
         yield
     finally:
-        for m in attn.values():
-            m.__dict__.pop("attend", None)
+        for m in mods.values():
+            m.__dict__.pop(attr, None)
+
+
+def _cp_route(mesh: DeviceMesh, axis: str, purpose: str) -> Callable[..., Routing]:
+    """:func:`funcpar.models.moe.route` (dropless) on this rank's tokens, its router losses
+    those of the whole sequences (module docstring, "MoE blocks"): per sequence the
+    assignment counts and router probabilities summed over cp, and the tokens' squared
+    log-sum-exps, in one all-reduce whose backward all-reduces the gradients too."""
+    n = mesh.size(axis)
+
+    def cp_route(logits: Tensor, top_k: int, capacity_factor: float | None) -> Routing:
+        r = route(logits, top_k, capacity_factor)  # the choices and gates are per token
+        groups, t, e = logits.shape
+        probs = logits.softmax(-1)
+        counts = F.one_hot(r.expert, e).sum((1, 2)).to(probs.dtype)  # [groups, e]
+        local = torch.cat([counts.reshape(-1), probs.sum(1).reshape(-1),
+                           torch.logsumexp(logits, -1).pow(2).sum()[None]])
+        # Sum forward, sum of the ranks' gradients backward: every rank's loss holds the
+        # same router losses, and the gradient mean over cp then counts each rank's tokens
+        # once (module docstring).
+        total = exit_region(enter_region(local, mesh, axis, purpose), mesh, axis, purpose)
+        seq, ge = t * n, groups * e
+        frac = total[:ge].view(groups, e) / seq / top_k
+        aux = e * (frac * (total[ge:2 * ge].view(groups, e) / seq)).sum(-1).mean()
+        return r._replace(aux_loss=aux, z_loss=total[-1] / (groups * seq))
+
+    return cp_route
 
 
 def context_parallel(
@@ -621,18 +665,20 @@ def context_parallel(
         if getattr(step.apply_fn, "context_parallel", None) is not None:
             raise ValueError("context_parallel is already applied: apply it once")
         attn = _attention_modules(module)
+        moe = _moe_modules(module)
         if not getattr(step.loss_fn, "token_cross_entropy", False):
             raise ValueError("context_parallel needs a token-mean loss (declared by "
                              "token_cross_entropy = True, as funcpar.models.lm_loss): each rank "
                              "weights its mean by its share of the counted targets")
-        if getattr(step.loss_fn, "extra_loss", None) is not None:
+        if getattr(step.loss_fn, "extra_loss", None) is not None and not moe:
             raise ValueError("context_parallel: the loss adds a term of the output "
-                             "(extra_loss) that is not a token mean")
+                             "(extra_loss) that is not a token mean, and the model has no MoE "
+                             "block whose router losses cp makes the whole sequences'")
         if n == 1:
             return step, state
         return dataclasses.replace(
-            step, apply_fn=_cp_apply(step.apply_fn, attn, module, mesh, axis, mode, overlap,
-                                     staged=step.pipeline is not None),
+            step, apply_fn=_cp_apply(step.apply_fn, attn, moe, module, mesh, axis, mode,
+                                     overlap, staged=step.pipeline is not None),
             local_batch=_cp_local_batch(step.local_batch, mesh, axis),
             loss_fn=_cp_loss(step.loss_fn, mesh, ContextParallel(
                 axis, mode, overlap, int(bucket_mb * 2**20),
@@ -644,9 +690,11 @@ def context_parallel(
     return transform
 
 
-def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], module: nn.Module,
-              mesh: DeviceMesh, axis: str, mode: str, overlap: bool, staged: bool) -> Callable:
-    """``apply_fn`` with the cp attention installed and the global positions passed; ``staged``:
+def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], moe: dict[str, nn.Module],
+              module: nn.Module, mesh: DeviceMesh, axis: str, mode: str, overlap: bool,
+              staged: bool) -> Callable:
+    """``apply_fn`` with the cp attention (and MoE routing) installed and the global positions
+    passed; ``staged``:
     ``apply_fn`` is a pipeline stage's (:func:`funcpar.pipeline.stages.stage_apply`), whose
     stage index and received activation come before the token ids."""
     n, r = mesh.size(axis), mesh.rank(axis)
@@ -662,6 +710,9 @@ def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], module: nn.Module,
         return lambda q, k, v, scale=None: ulysses_attention(q, k, v, mesh, axis, scale=scale,
                                                              purpose=name)
 
+    def route_of(name: str) -> Callable:
+        return _cp_route(mesh, axis, f"{name}: cp router stats")
+
     if hf:
         _register_hf()
 
@@ -672,7 +723,7 @@ def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], module: nn.Module,
             raise ValueError(f"sequence length {seq} exceeds the model's limit {limit}")
         positions = zigzag_positions(seq, n, r, device=tokens.device)
         if not hf:
-            with _installed(attn, make):
+            with _installed(attn, make), _installed(moe, route_of, "route"):
                 return apply_fn(params, buffers, *args, positions=positions, **kwargs)
         args = args[1:]
         if args or kwargs:
@@ -705,6 +756,7 @@ def _cp_loss(inner: Callable, mesh: DeviceMesh, info: ContextParallel) -> Callab
     axis = info.axis
     n = mesh.size(axis)
     ignore = getattr(inner, "ignore_index", -100)
+    extra = getattr(inner, "extra_loss", None)
 
     def loss(output: Any, targets: Tensor) -> Tensor:
         # The global token mean is sum_r n_r L_r / n; a rank's share, times n so that the
@@ -713,7 +765,13 @@ def _cp_loss(inner: Callable, mesh: DeviceMesh, info: ContextParallel) -> Callab
         total = comm.all_reduce(mine, mesh, axis, purpose="cp token count")
         value = inner(output, targets)
         # In the loss's dtype: int64 / int64 would divide in the default dtype (float32).
-        return value * (mine.to(value.dtype) * n / total.to(value.dtype))
+        weight = mine.to(value.dtype) * n / total.to(value.dtype)
+        if extra is None:
+            return value * weight
+        # An MoE model's router losses: the whole sequences' on every rank (_cp_route), so
+        # added unweighted; the token mean is the rest.
+        term = extra(output).to(value.dtype)
+        return (value - term) * weight + term
 
     def group_count(targets: Tensor) -> Tensor:
         # The counted targets of the sequences the cp group holds together: what weighs this
@@ -722,6 +780,8 @@ def _cp_loss(inner: Callable, mesh: DeviceMesh, info: ContextParallel) -> Callab
 
     loss.context_parallel = info
     loss.group_count = group_count
+    if extra is not None:
+        loss.extra_loss = extra
     return loss
 
 

@@ -425,9 +425,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.seq_len % (2 * args.cp):
             p.error(f"--cp {args.cp} cuts each sequence into 2 x {args.cp} equal chunks: "
                     f"--seq-len {args.seq_len} must be a multiple of {2 * args.cp}")
-        if args.compile:
-            p.error("--cp (context_parallel) does not work with --compile yet "
-                    "(docs/CONTEXT_PARALLEL.md)")
+        if args.compile and args.cp_mode == "ring":
+            p.error("--cp --cp-mode ring does not work with --compile: the ring's sends have "
+                    "no functional collective (use --cp-mode ulysses; docs/CONTEXT_PARALLEL.md)")
         if args.experts and args.capacity_factor:
             p.error("--cp with --experts needs dropless routing (--capacity-factor 0): the "
                     "capacity is per sequence, and each cp rank holds part of every sequence")

@@ -331,7 +331,7 @@ def test_pipeline_flag_errors(capsys):
         (["--pp", "2", "--compile"], "--compile does not work with --pp > 1 yet"),
         (["--cp", "2", "--seq-len", "30"], "--seq-len 30 must be a multiple of 4"),
         (["--cp", "2", "--experts", "2"], "--cp with --experts needs dropless routing"),
-        (["--cp", "2", "--compile"], "--cp (context_parallel) does not work with --compile"),
+        (["--cp", "2", "--compile"], "--cp --cp-mode ring does not work with --compile"),
         (["--cp", "2", "--preset", "ddp"], "--preset ddp has no context parallelism"),
         (["--cp", "2", "--sample-every", "5"], "--sample-every with --cp: decoding cannot"),
         (["--cp", "2", "--pp", "2", "--preset", "hybrid"],

@@ -75,18 +75,42 @@ the cp attention on the unrepeated kv heads; the model gets ``position_ids`` (th
 positions) and a prepared placeholder mask (so that transformers builds none: its
 packed-sequence detection would read the zigzag positions' jump as a new sequence; any other
 mask reaching the attention is a ValueError). Such a model takes only the token ids under cp.
-Eager attention, attention dropout, and models with no such module (BERT) are refused by name;
-MoE blocks are refused (the router's load-balancing loss is a product of per-rank means, not
-exact under a cut).
+Eager attention, attention dropout, and models with no such module (BERT) are refused by name.
+
+**MoE blocks** (funcpar's :class:`~funcpar.models.moe.MoE`, with ``funcpar.models.moe_lm_loss``).
+Dropless routing (``capacity_factor=None``) chooses each token's experts and gates from that
+token alone, so the block's output is one process's token by token. Its router losses are not
+per token: per sequence ``E sum_e f_e P_e`` (``f_e`` the share of the sequence's assignments
+to ``e``, ``P_e`` its mean router probability) and the z-loss ``mean_t logsumexp(l_t)^2``.
+The block's ``route`` (an instance attribute for the call, like ``attend``) sums, per
+sequence, the assignment counts and router probabilities and the tokens' squared
+log-sum-exps over ``cp`` in one all-reduce, and forms the losses from the sums: every rank
+holds the whole sequences' router losses. The all-reduce's backward all-reduces the
+gradients (sum forward, sum backward: ``enter_region`` then ``exit_region``), so each rank's
+router gradient is ``N`` times its tokens' share and the mean over ``cp`` is one process's;
+the loss adds the router term unweighted to the weighted token mean
+(``(L - R) N n_r / n + R``). Capacity-limited routing is refused: the capacity
+``ceil(f k T / E)`` and the order in which assignments claim it are per sequence, and a rank
+holds ``T / N`` of it, so other assignments would be dropped than in one process. Router
+noise is refused (each rank would draw its tokens' noise from its own generator).
+
+**Pipelines.** Under :func:`~funcpar.transforms.pipeline_split` (applied first) the wrapped
+``apply_fn`` is a stage's: the attention of every stage's blocks runs over ``cp`` and the
+stage functions get ``positions=`` (:mod:`funcpar.pipeline.stages`), the activations sent
+between stages are each rank's zigzag chunk (``[micro-batch, S / N, dim]``), and the loss is
+weighted per micro-batch on the last stage (the pipeline's loss is the mean of its
+micro-batches' losses, each of them here the micro-batch's global token mean). The ranks of a
+cp group run the same schedule, so their ring transfers and all_to_alls meet in order.
 
 **Composition.** ``context_parallel`` rewrites ``apply_fn``, ``local_batch``, ``loss_fn``,
 ``sync_grads`` and ``sync_loss`` by wrapping the inner ones, so it composes with
 ``data_parallel`` (any order; the batch is cut on dim 0 by dp, on dim 1 by cp),
 ``zero_partition`` 1-3, ``remat`` and ``amp_cast`` in any order, and with ``shard_params``
 (with or without sequence parallelism) applied *before* it (the vocab-parallel loss replaces the
-step's loss; ``context_parallel`` then weights that one). ``pipeline_split`` and
-``compile=True`` (the ring's point-to-point sends have no functional collective) are refused
-with an error naming both transforms.
+step's loss; ``context_parallel`` then weights that one), and ``pipeline_split`` applied
+before it. ``compile=True``: Ulysses compiles as one whole-step region (its all_to_alls and
+all-reduces are functional collectives); the ring is refused, naming both (point-to-point
+sends have no functional collective, so the step cannot be traced as one region).
 """
 
 from __future__ import annotations
@@ -658,10 +682,11 @@ def context_parallel(
             raise ValueError("context_parallel and pipeline_split: a Hugging Face model under "
                              "both is not supported (its stages would need the global "
                              "position_ids and the attention hook per stage)")
-        if step.compile:
-            raise ValueError("context_parallel and compile=True do not compose: the ring's "
-                             "point-to-point sends have no functional collective (compile the "
-                             "step without context parallelism, or leave compile off)")
+        if step.compile and mode == "ring":
+            raise ValueError("context_parallel (ring) and compile=True do not compose: the "
+                             "ring's point-to-point sends have no functional collective, so "
+                             "the whole step cannot be traced as one region (use "
+                             "mode='ulysses', whose all_to_alls trace in, or leave compile off)")
         if getattr(step.apply_fn, "context_parallel", None) is not None:
             raise ValueError("context_parallel is already applied: apply it once")
         attn = _attention_modules(module)

@@ -550,13 +550,37 @@ def test_hugging_face_refusals():
         cp(*step_of(bert))
 
 
-def test_plan_under_remat_is_refused():
+def _remat_plan_cases(cases):
+    """The plan's collectives against comm_log's of a real step, under remat (its recompute
+    repeats the forward traffic of the blocks it checkpoints) and with MoE blocks (their
+    router statistics' all-reduce)."""
     from funcpar.presets.plan import describe
+    from funcpar.shard.comm import summarize
 
-    mesh = DeviceMesh.virtual(rank=0, dp=1, cp=2)
-    step, state = compose(context_parallel(mesh), funcpar_remat())(*_step())
-    with pytest.raises(ValueError, match="context_parallel under remat is not modeled"):
-        describe(step, state, mesh).expected_comm((2, 16))
+    out = {}
+    for mode, every, moe in cases:
+        cfg = MOE_CFG if moe else CFG
+        apply_fn, params, buffers = functionalize(Llama(cfg).double())
+        opt = fo.adamw(1e-2)
+        step = make_train_step(apply_fn, moe_lm_loss if moe else lm_loss, opt)
+        mesh = DeviceMesh.from_env(cp=2)
+        step, state = compose(context_parallel(mesh, mode=mode),
+                              *([funcpar_remat(every=every)] if every else []))(
+            step, init_state(params, buffers, opt))
+        with comm_log.capture() as recs:
+            step(state, _batches()[0])
+        out[(mode, every, moe)] = ({(s.op, s.axis): (s.count, s.nbytes)
+                                    for s in summarize(recs)},
+                                   describe(step, state, mesh).comm_totals((4, SEQ)))
+    return out
+
+
+def test_plan_equals_comm_log_under_remat_and_moe():
+    # every=2: the first of the two blocks checkpointed, so one attention's forward repeats.
+    cases = [("ring", 2, False), ("ulysses", 1, True), ("ring", 0, True)]
+    for rank, got in enumerate(run_ranks(_remat_plan_cases, 2, cases, timeout=240)):
+        for case, (measured, planned) in got.items():
+            assert measured == planned, (rank, case, measured, planned)
 
 
 # --------------------------------------------------------------------------------- evaluation

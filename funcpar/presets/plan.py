@@ -491,17 +491,21 @@ class Plan:
         cp = self.context_parallel
         if cp is None:
             return
+        recomputed = ()
         if getattr(self.step.apply_fn, "remat", False):
-            raise ValueError("the expected communication of context_parallel under remat is not "
-                             "modeled (the recompute repeats the attention's forward traffic); "
-                             "measure a step with funcpar.shard.comm.comm_report")
+            recomputed = getattr(self.step.apply_fn, "remat_modules", None)
+            if recomputed is None:
+                raise ValueError("the expected communication of context_parallel under a remat "
+                                 "that does not name its modules is not modeled; measure a "
+                                 "step with funcpar.shard.comm.comm_report")
         n = self.mesh.size(cp.axis)
         if batch_shape is None:
             b, t, per_token = 1, 1, True
         else:
             b, t, per_token = self._local_batch(batch_shape)
         tp = self.mesh.size(self.sharding.axis) if self.sharding is not None else 1
-        for op, nbytes, what, count in cp.attention_comm(n, b, t, self.compute_dtype, tp):
+        for op, nbytes, what, count in cp.attention_comm(n, b, t, self.compute_dtype, tp,
+                                                         recomputed):
             rows.add(op, cp.axis, nbytes, what, count=count, per_token=per_token)
         rows.add("all_reduce", cp.axis, 8, "cp: counted targets")
         rows.add("all_reduce", cp.axis, self._loss_bytes(), "cp: loss mean")

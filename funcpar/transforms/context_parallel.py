@@ -456,31 +456,42 @@ def ulysses_attention(
 class ContextParallel:
     """What :func:`context_parallel` did to a step, kept on its loss function (attribute
     ``context_parallel``) for the plan (:mod:`funcpar.presets.plan`) and the other transforms:
-    ``attention`` lists ``(name, heads, kv_heads, head_dim)`` of every attention module."""
+    ``attention`` lists ``(name, heads, kv_heads, head_dim)`` of every attention module,
+    ``moe`` ``(name, experts)`` of every MoE block."""
 
     axis: str
     mode: str
     overlap: bool
     bucket_bytes: int
     attention: tuple[tuple[str, int, int, int], ...]
+    moe: tuple[tuple[str, int], ...] = ()
 
     def attention_comm(self, n: int, batch: int, local_seq: int, dtype: torch.dtype,
-                       tp: int = 1) -> list[tuple[str, int, str, int]]:
-        """``(op, total bytes, what, count)`` of the attention's traffic in one step over
-        ``n`` ranks: ``batch`` sequences of ``local_seq`` positions on this rank, in
-        ``dtype``, the heads cut over ``tp`` (in :mod:`funcpar.shard.comm`'s convention: a
-        send and its receive are each recorded with the buffer's bytes)."""
+                       tp: int = 1, recomputed: tuple[str, ...] = ()
+                       ) -> list[tuple[str, int, str, int]]:
+        """``(op, total bytes, what, count)`` of the attention's (and the MoE blocks' router
+        statistics') traffic in one step over ``n`` ranks: ``batch`` sequences of
+        ``local_seq`` positions on this rank, in ``dtype``, the heads cut over ``tp`` (in
+        :mod:`funcpar.shard.comm`'s convention: a send and its receive are each recorded with
+        the buffer's bytes). ``recomputed``: the modules remat checkpoints, whose forward
+        traffic the backward's recompute repeats."""
         size = torch.empty((), dtype=dtype).element_size()
         work = torch.empty((), dtype=_work_dtype(dtype)).element_size()
+        router = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+
+        def times(name: str) -> int:  # forward passes: 2 when inside a rematted module
+            return 1 + any(name == r or name.startswith(r + ".") for r in recomputed)
+
         out = []
-        for _name, heads, kv, d in self.attention:
+        for name, heads, kv, d in self.attention:
             h, k = heads // tp, kv // tp
             per_head = batch * local_seq * d
+            f = times(name)
             if self.mode == "ring":
                 kv_bytes = 2 * k * per_head
                 for op in ("send", "recv"):
-                    out += [(op, (n - 1) * kv_bytes * size, "cp ring: kv blocks (forward)",
-                             n - 1),
+                    out += [(op, f * (n - 1) * kv_bytes * size, "cp ring: kv blocks (forward)",
+                             f * (n - 1)),
                             (op, (n - 1) * kv_bytes * size, "cp ring: kv blocks (backward)",
                              n - 1),
                             (op, n * kv_bytes * work, "cp ring: dkv accumulators (backward)",
@@ -488,10 +499,17 @@ class ContextParallel:
             else:
                 repeat = ulysses_kv_heads(h, k, n)
                 sent = h + 2 * (k if repeat is None else len(repeat))
-                for what in ("forward", "backward"):
-                    out += [("all_to_all", sent * per_head * size, f"cp ulysses: qkv ({what})",
-                             1),
-                            ("all_to_all", h * per_head * size, f"cp ulysses: out ({what})", 1)]
+                for what, c in (("forward", f), ("backward", 1)):
+                    out += [("all_to_all", c * sent * per_head * size,
+                             f"cp ulysses: qkv ({what})", c),
+                            ("all_to_all", c * h * per_head * size, f"cp ulysses: out ({what})",
+                             c)]
+        for name, e in self.moe:
+            # Per sequence the counts and probabilities of every expert, and the z-loss sum.
+            nbytes = (2 * batch * e + 1) * router
+            f = times(name)
+            out += [("all_reduce", f * nbytes, "cp: MoE router stats (forward)", f),
+                    ("all_reduce", nbytes, "cp: MoE router stats (backward)", 1)]
         return out
 
 
@@ -707,7 +725,8 @@ def context_parallel(
             local_batch=_cp_local_batch(step.local_batch, mesh, axis),
             loss_fn=_cp_loss(step.loss_fn, mesh, ContextParallel(
                 axis, mode, overlap, int(bucket_mb * 2**20),
-                tuple((name, *_heads(m)) for name, m in attn.items()))),
+                tuple((name, *_heads(m)) for name, m in attn.items()),
+                tuple((name, m.n_experts) for name, m in moe.items()))),
             sync_grads=_cp_grads(step.sync_grads, mesh, axis, int(bucket_mb * 2**20)),
             sync_loss=mean_loss(step.sync_loss, mesh, axis, "cp loss"),
         ), state
@@ -762,7 +781,7 @@ def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], moe: dict[str, nn.
             return apply_fn(params, buffers, tokens, attention_mask=dummy, use_cache=False,
                             position_ids=positions[None].expand(tokens.shape[0], -1))
 
-    for attr in ("module", "precision", "remat"):
+    for attr in ("module", "precision", "remat", "remat_modules"):
         if hasattr(apply_fn, attr):
             setattr(apply, attr, getattr(apply_fn, attr))
     apply.context_parallel = axis

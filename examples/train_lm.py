@@ -422,9 +422,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.sample_every:
             p.error("--sample-every with --cp: decoding cannot run context-parallel; sample "
                     "from a checkpoint with examples/generate.py --ckpt")
-        if args.seq_len % (2 * args.cp):
-            p.error(f"--cp {args.cp} cuts each sequence into 2 x {args.cp} equal chunks: "
-                    f"--seq-len {args.seq_len} must be a multiple of {2 * args.cp}")
+        if args.seq_len % (2 * args.cp) and args.experts:
+            p.error(f"--cp {args.cp} cuts each sequence into 2 x {args.cp} equal chunks: with "
+                    f"--experts (no padding) --seq-len {args.seq_len} must be a multiple of "
+                    f"{2 * args.cp}")
         if args.compile and args.cp_mode == "ring":
             p.error("--cp --cp-mode ring does not work with --compile: the ring's sends have "
                     "no functional collective (use --cp-mode ulysses; docs/CONTEXT_PARALLEL.md)")

@@ -153,7 +153,7 @@ def _batches(seq=SEQ, batch=4, ignore=False):
 
 def train(cp=1, mode="ring", opt="adamw", dp=1, tp=1, sp=False, zero=0, remat=False,
           ignore=False, records=False, amp=None, pp=1, schedule="1f1b", cfg=CFG, ep=1,
-          compile=False):
+          compile=False, seq=SEQ):
     """10 steps; (losses, whole params) on every rank (and the first step's collectives; under
     ``pp`` the params of this rank's stages). Transforms in the documented order:
     pipeline_split, shard_params, context_parallel, data_parallel, zero_partition, remat."""
@@ -185,7 +185,7 @@ def train(cp=1, mode="ring", opt="adamw", dp=1, tp=1, sp=False, zero=0, remat=Fa
         transforms.append(amp_cast(amp))
     step, state = compose(*transforms)(step, state)
     losses, recs = [], []
-    for i, batch in enumerate(_batches(ignore=ignore)):
+    for i, batch in enumerate(_batches(seq=seq, ignore=ignore)):
         with comm_log.capture() as got:
             state, metrics = step(state, batch)
         if i == 0:
@@ -216,7 +216,8 @@ def _check(results, ref, tol=1e-10):
 def _cp2_cases():
     return {(mode, opt): train(2, mode, opt) for mode in ("ring", "ulysses")
             for opt in ("adamw",)} | {"ignore": train(2, "ring", "sgd", ignore=True),
-                                      "remat": train(2, "ring", remat=True)}
+                                      "remat": train(2, "ring", remat=True),
+                                      "uneven": train(2, "ulysses", seq=SEQ - 1, ignore=True)}
 
 
 def test_llama_cp2_ring_and_ulysses_match_one_process_float64():
@@ -226,6 +227,8 @@ def test_llama_cp2_ring_and_ulysses_match_one_process_float64():
         _check([r[(mode, "adamw")] for r in results], ref)
     _check([r["ignore"] for r in results], train(opt="sgd", ignore=True))
     _check([r["remat"] for r in results], ref)
+    # 15 positions: padded to 16 at the end (token 0, ignored targets), exact.
+    _check([r["uneven"] for r in results], train(seq=SEQ - 1, ignore=True))
 
 
 def _bf16_cases():
@@ -322,8 +325,9 @@ def test_moe_cp2_with_pp2_and_ep2_float64():
 
 
 def _compiled_ulysses():
-    import funcpar.train.whole_step as whole_step
     from torch._dynamo.utils import counters
+
+    import funcpar.train.whole_step as whole_step
 
     whole_step.BACKEND = "eager"  # dynamo's capture of the traced region, no code generation
     torch._dynamo.reset()
@@ -415,11 +419,27 @@ def test_pipeline_after_context_parallel_is_refused_naming_both():
         pipeline_split(mesh, microbatches=2)(*context_parallel(mesh)(*_step()))
 
 
-def test_sequence_that_does_not_split_is_refused():
-    step, state = context_parallel(DeviceMesh.virtual(rank=0, cp=2))(*_step())
+def test_uneven_sequence_with_moe_is_refused():
+    step, state = context_parallel(DeviceMesh.virtual(rank=0, cp=2))(
+        *_step(Llama(MOE_CFG), moe_lm_loss))
     ids = torch.randint(0, CFG.vocab_size, (2, 7))
-    with pytest.raises(ValueError, match=r"4 equal chunks \(zigzag\), but the batch .* has 6"):
+    with pytest.raises(ValueError, match=r"a multiple of 4 positions with MoE blocks "
+                                         r"\(layers.0.mlp\): padding would enter the router "
+                                         r"losses; got 6"):
         step(state, (ids[:, :-1], ids[:, 1:]))
+
+
+def test_pad_sequences():
+    from funcpar.transforms.context_parallel import pad_sequences
+
+    ids = torch.arange(10).view(2, 5)
+    x, y = pad_sequences((ids, ids + 1), 4, ignore_index=-7)
+    assert x.tolist() == [[0, 1, 2, 3, 4, 0, 0, 0], [5, 6, 7, 8, 9, 0, 0, 0]]
+    assert y[:, 5:].eq(-7).all() and y[:, :5].equal(ids + 1)
+    same = (ids[:, :4], ids[:, :4])
+    assert pad_sequences(same, 4) is same
+    with pytest.raises(ValueError, match="integer token ids and targets only"):
+        pad_sequences((ids.double(), ids), 4)
 
 
 # ------------------------------------------------------------------------------ plan vs comm

@@ -431,7 +431,10 @@ class Plan:
             raise ValueError(f"batch_shape {batch_shape}: a batch of {b} does not split over "
                              f"dp={dp}")
         cp = self.context_parallel
-        return b // dp, t // (1 if cp is None else self.mesh.size(cp.axis)), False
+        if cp is None:
+            return b // dp, t, False
+        n = self.mesh.size(cp.axis)
+        return b // dp, -(-t // (2 * n)) * 2, False  # padded to a multiple of 2 cp
 
     def _tp_rows(self, rows: _Rows, batch_shape: tuple[int, int] | None) -> None:
         sp, axis = self.sharding, self.sharding.axis
@@ -759,7 +762,7 @@ class Plan:
                      "state)")
         act = self.activation_bytes()
         if act is not None:
-            b, t, _ = self._local_batch(self.batch_shape)
+            _, t, _ = self._local_batch(self.batch_shape)
             lines.append(f"  activations     {_human(act):>12} (estimate: {t} positions of the "
                          f"sequence {self.batch_shape[1]} on this rank; funcpar.auto.model)")
             lines.append(f"  with them       {_human(m.resident + act):>12}")

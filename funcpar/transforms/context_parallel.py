@@ -13,8 +13,12 @@ the causal mask a query chunk ``a`` attends to the chunks ``< a`` in full and to
 triangularly, so rank ``i`` computes ``i + (2N - 1 - i) = 2N - 1`` full chunk pairs plus two
 triangles: the same on every rank. Every tensor of the batch ``(inputs, targets)`` is cut along
 dim 1 (its sequence dim) the same way, so labels shifted before the cut (the targets of
-``(ids[:, :-1], ids[:, 1:])``) stay with their tokens. ``S`` must divide by ``2 N`` (else a
-ValueError naming the numbers: pad the sequences to a multiple, with ``ignore_index`` targets).
+``(ids[:, :-1], ids[:, 1:])``) stay with their tokens. A length ``S`` that does not divide by
+``2 N`` is padded at the end to the next multiple (:func:`pad_sequences`: token id 0, targets
+``ignore_index``), which is exact: under the causal mask no real position attends to a later
+one, and a pad's target is not counted (its output's gradient is exactly zero). With MoE blocks
+the pads would be routed and enter the router losses, so there the length must divide (a
+ValueError naming the numbers).
 The model sees each token's global position (funcpar's :class:`~funcpar.models.Llama`:
 ``positions=``, passed by the wrapped ``apply_fn``), so rotary embeddings are unchanged.
 
@@ -139,6 +143,7 @@ from funcpar.transforms.data_parallel import bucketed_mean, mean_loss
 __all__ = [
     "ContextParallel",
     "context_parallel",
+    "pad_sequences",
     "ring_attention",
     "ulysses_attention",
     "ulysses_kv_heads",
@@ -722,7 +727,9 @@ def context_parallel(
         return dataclasses.replace(
             step, apply_fn=_cp_apply(step.apply_fn, attn, moe, module, mesh, axis, mode,
                                      overlap, staged=step.pipeline is not None),
-            local_batch=_cp_local_batch(step.local_batch, mesh, axis),
+            local_batch=_cp_local_batch(step.local_batch, mesh, axis,
+                                        getattr(step.loss_fn, "ignore_index", -100),
+                                        sorted(moe), _limit(module)),
             loss_fn=_cp_loss(step.loss_fn, mesh, ContextParallel(
                 axis, mode, overlap, int(bucket_mb * 2**20),
                 tuple((name, *_heads(m)) for name, m in attn.items()),
@@ -744,8 +751,9 @@ def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], moe: dict[str, nn.
     n, r = mesh.size(axis), mesh.rank(axis)
     lead = 2 if staged else 0
     hf = _is_hf(module)
-    limit = (getattr(getattr(module, "config", None), "max_position_embeddings", None) if hf
-             else getattr(getattr(module, "cfg", None), "max_seq_len", None))
+    limit = _limit(module)
+    if limit is not None:  # the batch's own length is checked before the padding
+        limit = -(-limit // (2 * n)) * 2 * n
 
     def make(name: str) -> Callable:
         if mode == "ring":
@@ -788,9 +796,56 @@ def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], moe: dict[str, nn.
     return apply
 
 
-def _cp_local_batch(inner: Callable | None, mesh: DeviceMesh, axis: str) -> Callable:
+def pad_sequences(batch: Any, multiple: int, ignore_index: int = -100) -> Any:
+    """``(inputs, targets)`` with dim 1 padded at the end to a multiple of ``multiple``: the
+    token ids with 0, the targets with ``ignore_index``. Exact for causal attention: no real
+    position attends to a later one, and a pad's target is not counted."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise TypeError("a batch must be a pair (inputs, targets)")
+    leaves, spec = tree_flatten(batch[0])
+    targets = batch[1]
+    if not torch.is_tensor(targets) or targets.dim() < 2:
+        raise ValueError("context_parallel pads the targets along dim 1: they must be a "
+                         f"tensor of at least 2 dims, got {getattr(targets, 'shape', targets)}")
+    extra = -targets.shape[1] % multiple
+    if extra == 0:
+        return batch
+
+    def pad(x: Tensor, value: int) -> Tensor:
+        if not torch.is_tensor(x) or x.dim() < 2 or x.is_floating_point():
+            raise ValueError("context_parallel pads the sequences (dim 1) of integer token ids "
+                             "and targets only; got an input "
+                             f"{getattr(x, 'dtype', type(x).__name__)} "
+                             f"{tuple(getattr(x, 'shape', ()))}: pad to a multiple of "
+                             f"{multiple} yourself")
+        fill = x.new_full((x.shape[0], extra, *x.shape[2:]), value)
+        return torch.cat([x, fill], 1)
+
+    inputs = tree_unflatten(spec, [pad(x, 0) for x in leaves])
+    return type(batch)((inputs, pad(targets, ignore_index)))
+
+
+def _limit(module: nn.Module) -> int | None:
+    """The longest sequence the model declares (funcpar's ``max_seq_len``, HF's
+    ``max_position_embeddings``)."""
+    if _is_hf(module):
+        return getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    return getattr(getattr(module, "cfg", None), "max_seq_len", None)
+
+
+def _cp_local_batch(inner: Callable | None, mesh: DeviceMesh, axis: str, ignore_index: int,
+                    moe: list[str], limit: int | None) -> Callable:
+    n = mesh.size(axis)
+
     def local_batch(batch: Any) -> Any:
-        batch = zigzag_split(batch, mesh, axis)
+        seq = getattr(batch[1], "shape", (0, 0))[1] if isinstance(batch, (tuple, list)) else 0
+        if limit is not None and seq > limit:
+            raise ValueError(f"sequence length {seq} exceeds the model's limit {limit}")
+        if seq % (2 * n) and moe:
+            raise ValueError(f"context_parallel over {n} ranks needs sequences of a multiple "
+                             f"of {2 * n} positions with MoE blocks ({moe[0]}): padding would "
+                             f"enter the router losses; got {seq}")
+        batch = zigzag_split(pad_sequences(batch, 2 * n, ignore_index), mesh, axis)
         return inner(batch) if inner is not None else batch
 
     return local_batch

@@ -38,8 +38,9 @@ Composition: apply ``pipeline_split`` **first**, on the freshly built step (whol
 0): it cuts the model, and the transforms after it - :func:`shard_params` (tensor parallel
 inside each stage), :func:`expert_parallel` (the experts of this rank's stages' MoE blocks over
 ``ep``), :func:`context_parallel` (each stage's attention over ``cp``, the activations sent
-between stages each rank's sequence chunk), :func:`data_parallel`, :func:`zero_partition` (per stage, over the ranks of the same
-pipeline coordinate), :func:`amp_cast` - see a step over this rank's stages like any other.
+between stages each rank's sequence chunk), :func:`data_parallel`, :func:`zero_partition`
+(per stage, over the ranks of the same pipeline coordinate), :func:`amp_cast` - see a step over
+this rank's stages like any other.
 The mesh holds ``pp`` with the other axes (``DeviceMesh.from_env(pp=2, dp=2, tp=2)``); the pp
 fibres (ranks that differ only in their pp coordinate) carry the transfers.
 

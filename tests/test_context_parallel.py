@@ -603,6 +603,18 @@ def test_hugging_face_refusals():
         intermediate_size=32, attn_implementation="sdpa"))
     with pytest.raises(ValueError, match="BertForMaskedLM: no causal self-attention module"):
         cp(*step_of(bert))
+    # Pipelined by a StagedModel of the user's: refused (the stages would need position_ids).
+    from funcpar.pipeline.stages import StagedModel
+
+    mesh = DeviceMesh.virtual(rank=0, pp=2, cp=2)
+    def never(*args):
+        raise AssertionError("the refusal comes before any stage runs")
+
+    stages = StagedModel("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"),
+                         never, never, never)
+    piped = pipeline_split(mesh, microbatches=2, stages=stages)(*step_of(_hf_model()))
+    with pytest.raises(ValueError, match="context_parallel and pipeline_split: a Hugging Face"):
+        context_parallel(mesh)(*piped)
 
 
 def _remat_plan_cases(cases):

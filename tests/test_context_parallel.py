@@ -651,15 +651,16 @@ def test_plan_equals_comm_log_under_remat_and_moe():
 
 
 # --------------------------------------------------------------------------------- evaluation
-def _eval(cp=1, dp=1, mode="ring", pp=1):
+def _eval(cp=1, dp=1, mode="ring", pp=1, moe=False):
     """make_eval_step of the (pp x cp x dp) step on two batches with unevenly ignored
-    targets."""
+    targets (``moe``: the MoE model, whose evaluation leaves the router losses out)."""
     from funcpar.train import make_eval_step
 
-    model = Llama(CFG).double()
+    model = Llama(MOE_CFG if moe else CFG).double()
     apply_fn, params, buffers = functionalize(model)
     opt = fo.adamw(1e-2)
-    step, state = make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt)
+    step = make_train_step(apply_fn, moe_lm_loss if moe else lm_loss, opt)
+    state = init_state(params, buffers, opt)
     if cp * dp * pp > 1:
         mesh = DeviceMesh.from_env(**({"pp": pp} if pp > 1 else {}), dp=dp, cp=cp)
         step, state = compose(*([pipeline_split(mesh, microbatches=2)] if pp > 1 else []),
@@ -695,6 +696,8 @@ def test_evaluation_under_cp2_pp2_equals_one_process():
     # The pipeline's forwards alone, each stage's attention over cp, the last stage's piece
     # loss weighted by the cp group's token count.
     _eval_equal(run_ranks(_eval, 4, 2, 1, "ring", 2, backend=None, timeout=240), _eval())
+    _eval_equal(run_ranks(_eval, 4, 2, 1, "ulysses", 2, True, backend=None, timeout=240),
+                _eval(moe=True))
 
 
 def test_generation_refuses_the_context_parallel_apply_fn():

@@ -432,9 +432,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.experts and args.capacity_factor:
             p.error("--cp with --experts needs dropless routing (--capacity-factor 0): the "
                     "capacity is per sequence, and each cp rank holds part of every sequence")
-        if args.preset is not None and args.pp > 1:
-            p.error("--cp with --pp: the presets' plan does not model context_parallel x "
-                    "pipeline_split yet; compose by hand (drop --preset)")
         if args.preset not in (None, "hybrid"):
             p.error(f"--preset {args.preset} has no context parallelism: use --preset hybrid "
                     "(sp_size) or compose by hand (drop --preset)")

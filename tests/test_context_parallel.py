@@ -270,6 +270,21 @@ def _cp2pp2_cases(cases):
     return {case: train(2, case[0], case[1], pp=2, schedule=case[2]) for case in cases}
 
 
+def _preset_pp_cp():
+    """10 steps of hybrid_parallel(pp_size=2, sp_size=2, "ring_attn"): (losses, params)."""
+    from funcpar.presets import hybrid_parallel
+
+    step, state = hybrid_parallel(Llama(CFG).double(), lm_loss, OPTIMIZERS["adamw"](None),
+                                  pp_size=2, microbatches=2, sp_size=2,
+                                  sequence_parallelism_mode="ring_attn", donate=False,
+                                  max_norm=None)
+    losses = []
+    for batch in _batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, state.params
+
+
 def _check_pipelined(results, ref):
     _check(results, ref)
     # The ranks' stages together hold every leaf.
@@ -281,6 +296,11 @@ def test_cp2_pp2_equals_one_process_float64():
     # sent between the stages each rank's zigzag chunk, 2 micro-batches (1F1B).
     results = run_ranks(_cp2pp2_cases, 4, [("ring", "adamw", "1f1b")], timeout=300)
     _check_pipelined([r[("ring", "adamw", "1f1b")] for r in results], train())
+
+
+@pytest.mark.slow
+def test_hybrid_preset_pp2_sp2_ring_attn_equals_one_process_float64():
+    _check_pipelined(run_ranks(_preset_pp_cp, 4, timeout=300), train())
 
 
 @pytest.mark.slow
@@ -517,9 +537,6 @@ def test_preset_sp_mode_errors():
         hybrid_parallel(sp_size=2, sequence_parallelism_mode="ring")
     with pytest.raises(ValueError, match="'ring_attn'.* needs sp_size > 1"):
         hybrid_parallel(sequence_parallelism_mode="ring_attn")
-    with pytest.raises(ValueError, match="context_parallel .* and pipeline_split"):
-        hybrid_parallel(sp_size=2, sequence_parallelism_mode="all_to_all", pp_size=2,
-                        microbatches=2)
     with pytest.raises(ValueError, match="sp_size .2. must be 1 or tp_size .4."):
         hybrid_parallel(sp_size=2, tp_size=4, sequence_parallelism_mode="split_gather")
     assert hybrid_parallel(tp_size=2, sequence_parallelism_mode="split_gather").sequence_parallel

@@ -335,8 +335,6 @@ def test_pipeline_flag_errors(capsys):
         (["--cp", "2", "--compile"], "--cp --cp-mode ring does not work with --compile"),
         (["--cp", "2", "--preset", "ddp"], "--preset ddp has no context parallelism"),
         (["--cp", "2", "--sample-every", "5"], "--sample-every with --cp: decoding cannot"),
-        (["--cp", "2", "--pp", "2", "--preset", "hybrid"],
-         "--cp with --pp: the presets' plan does not model context_parallel x pipeline_split"),
     ):
         with pytest.raises(SystemExit):
             train_lm.main(argv)

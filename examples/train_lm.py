@@ -36,7 +36,9 @@ recomputes every K-th block's activations in the backward instead of keeping the
 ``--cp N`` cuts every sequence over a ``cp`` axis of ``N`` ranks (``context_parallel``,
 docs/CONTEXT_PARALLEL.md; mesh ``pp x dp x cp x tp``): ``--cp-mode ring`` passes the keys and
 values around a ring, ``ulysses`` exchanges heads for positions with all_to_alls. The loss,
-token count and tokens/s reported are the global batch's, as in one process.
+token count and tokens/s reported are the global batch's, as in one process. It composes with
+``--pp`` (each stage's attention over ``cp``) and with dropless ``--experts``
+(``--capacity-factor 0``; ``--ep`` too).
 
 ``--experts E`` gives every ``--moe-every``-th block a Mixture-of-Experts feed-forward
 (docs/MOE.md); ``--ep P`` spreads the experts over an ``ep`` axis (``expert_parallel``) and
@@ -425,14 +427,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if args.sample_every:
             p.error("--sample-every with --cp: decoding cannot run context-parallel; sample "
                     "from a checkpoint with examples/generate.py --ckpt")
-        if args.seq_len % (2 * args.cp):
-            p.error(f"--cp {args.cp} cuts each sequence into 2 x {args.cp} equal chunks: "
-                    f"--seq-len {args.seq_len} must be a multiple of {2 * args.cp}")
-        for flag, on in (("--pp", args.pp > 1), ("--experts", args.experts > 0),
-                         ("--compile", args.compile)):
-            if on:
-                p.error(f"--cp (context_parallel) does not work with {flag} yet "
-                        "(docs/CONTEXT_PARALLEL.md)")
+        if args.seq_len % (2 * args.cp) and args.experts:
+            p.error(f"--cp {args.cp} cuts each sequence into 2 x {args.cp} equal chunks: with "
+                    f"--experts (no padding) --seq-len {args.seq_len} must be a multiple of "
+                    f"{2 * args.cp}")
+        if args.compile and args.cp_mode == "ring":
+            p.error("--cp --cp-mode ring does not work with --compile: the ring's sends have "
+                    "no functional collective (use --cp-mode ulysses; docs/CONTEXT_PARALLEL.md)")
+        if args.experts and args.capacity_factor:
+            p.error("--cp with --experts needs dropless routing (--capacity-factor 0): the "
+                    "capacity is per sequence, and each cp rank holds part of every sequence")
         if args.preset not in (None, "hybrid"):
             p.error(f"--preset {args.preset} has no context parallelism: use --preset hybrid "
                     "(sp_size) or compose by hand (drop --preset)")

@@ -214,6 +214,53 @@ def test_cp2_with_tp2_and_dp2_on_four_ranks_match_one_process(tmp_path, data_cac
             assert set(got) == set(ref)
 
 
+def _rel_losses(got, ref):
+    assert len(got) == len(ref), (len(got), len(ref))
+    return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+
+
+@pytest.mark.slow
+def test_cp2_pp2_trains_evaluates_and_checkpoints_like_one_process(tmp_path, data_cache):
+    """``--cp 2 --pp 2`` (4 ranks): the one-process losses, evaluation and parameters (float64,
+    1e-10); its step-2 checkpoint resumes in one process onto the same steps 3-4, and the
+    one-process step-2 checkpoint resumes under ``--cp 2`` (ulysses) onto them too."""
+    steps = ["--dtype", "float64", "--print-every", "2", "--kv-heads", "2", "--warmup", "2",
+             "--eval-every", "2", "--eval-batches", "2", "--save-every", "2"]
+    one = train_lm.main(_small(tmp_path / "one", data_cache, 4, *steps,
+                               "--ckpt-dir", str(tmp_path / "one_ckpt")))
+    ref_losses = [r["loss"] for r in one["history"]]
+    ref_rows = [json.loads(line) for line in
+                (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    ckpt = tmp_path / "cppp_ckpt"
+    argv = _small(tmp_path / "cppp", data_cache, 4, *steps, "--cp", "2", "--pp", "2",
+                  "--ckpt-dir", str(ckpt))
+    merged = {}
+    for rank, res in enumerate(run_ranks(_rank_run, 4, argv, backend=None, timeout=300)):
+        assert _rel_losses(res["losses"], ref_losses) <= 1e-10, rank
+        merged.update(res["params"])
+    assert set(merged) == set(one["params"])
+    for name, ref in one["params"].items():
+        err = float((merged[name] - ref).abs().max() / ref.abs().max())
+        assert err <= 1e-10, (name, err)
+    rows = [json.loads(line) for line in
+            (tmp_path / "cppp" / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["eval_loss"], g["eval_loss"]) for r, g in zip(ref_rows, rows) if "eval_loss" in r]
+    assert len(evals) == 2 and all(abs(a - b) <= 1e-10 * abs(a) for a, b in evals), evals
+
+    # cp2 x pp2's checkpoint, resumed in one process.
+    resumed = train_lm.main(_small(tmp_path / "one_resumed", data_cache, 4, *steps[:12],
+                                   "--resume", str(ckpt / "step_00000002")))
+    assert _rel_losses([r["loss"] for r in resumed["history"]], ref_losses[2:]) <= 1e-10
+    # The one-process checkpoint, resumed under cp2.
+    argv = _small(tmp_path / "cp_resumed", data_cache, 4, *steps[:12], "--cp", "2",
+                  "--cp-mode", "ulysses", "--resume", str(tmp_path / "one_ckpt" / "step_00000002"))
+    for rank, res in enumerate(run_ranks(_rank_run, 2, argv, backend=None, timeout=300)):
+        assert _rel_losses(res["losses"], ref_losses[2:]) <= 1e-10, rank
+        for name, ref in one["params"].items():
+            err = float((res["params"][name] - ref).abs().max() / ref.abs().max())
+            assert err <= 1e-10, (rank, name, err)
+
+
 def test_pp2_interleaved_on_two_ranks_matches_one_process(tmp_path, data_cache):
     """``--pp 2 --schedule interleaved`` (4 stages of one block, 4 micro-batches): the one-process
     losses on every rank, and between them the ranks hold the whole, trained parameters."""
@@ -282,9 +329,10 @@ def test_pipeline_flag_errors(capsys):
          "each rank's batch (6 = --batch-size / --dp) does not split into --microbatches 4"),
         (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
         (["--pp", "2", "--compile"], "--compile does not work with --pp > 1 yet"),
-        (["--cp", "2", "--seq-len", "30"], "--seq-len 30 must be a multiple of 4"),
-        (["--cp", "2", "--experts", "2"], "--cp (context_parallel) does not work with "
-                                          "--experts yet"),
+        (["--cp", "2", "--seq-len", "30", "--experts", "2", "--capacity-factor", "0"],
+         "--seq-len 30 must be a multiple of 4"),
+        (["--cp", "2", "--experts", "2"], "--cp with --experts needs dropless routing"),
+        (["--cp", "2", "--compile"], "--cp --cp-mode ring does not work with --compile"),
         (["--cp", "2", "--preset", "ddp"], "--preset ddp has no context parallelism"),
         (["--cp", "2", "--sample-every", "5"], "--sample-every with --cp: decoding cannot"),
     ):

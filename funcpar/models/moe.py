@@ -205,7 +205,11 @@ class MoE(nn.Module):
         self, x: Float[Tensor, "batch seq dim"]
     ) -> tuple[Float[Tensor, "batch seq dim"], MoEStats]:
         b, t, d = x.shape
-        r = route(self.router_logits(x), self.top_k, self.capacity_factor)
+        # ``self.route`` is :func:`route` on one process; context parallelism installs one whose
+        # router losses are the whole sequences' for the duration of a call
+        # (funcpar.transforms.context_parallel).
+        r = self.__dict__.get("route", route)(self.router_logits(x), self.top_k,
+                                              self.capacity_factor)
         flat = r.kept.reshape(-1)
         a = flat.nonzero().squeeze(-1)
         token = torch.div(a, self.top_k, rounding_mode="floor")

@@ -6,8 +6,9 @@ and LM head: on the last stage), and three functions that run the pieces -
 ``embed(module, *inputs) -> x``, ``block(module, i, x, *inputs) -> x`` and
 ``head(module, x, *inputs) -> output``. Every stage receives the micro-batch's model inputs
 too (every rank has the batch), so a stage can derive positions or masks from the token ids,
-never from the hidden states it was sent. :func:`llama_stages` describes funcpar's
-:class:`~funcpar.models.Llama`.
+never from the hidden states it was sent. Keyword arguments given to the stage's call reach
+all three (context parallelism passes ``positions=``, the global positions of the token chunk
+this rank holds). :func:`llama_stages` describes funcpar's :class:`~funcpar.models.Llama`.
 
 Side losses: a stage before the last may return ``SideLoss(hidden, loss)`` instead of the
 hidden states alone, where ``loss`` is a 0-d term of the training loss computed inside the
@@ -70,17 +71,19 @@ class StagedModel:
     side_losses: Callable[[nn.Module], bool] | None = None
 
 
-def _llama_rotary(module: nn.Module, x: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+def _llama_rotary(module: nn.Module, x: Tensor, tokens: Tensor,
+                  positions: Tensor | None) -> tuple[Tensor, Tensor]:
     from funcpar.models.llama import rotary_cos_sin
 
     cfg = module.cfg
     # From the token ids' sequence length (every stage has them): under sequence parallelism x
-    # would hold a chunk of the sequence only.
+    # would hold a chunk of the sequence only. Under context parallelism the tokens are a
+    # chunk too, and ``positions`` their global positions.
     return rotary_cos_sin(tokens.shape[1], cfg.head_dim, cfg.rope_theta, dtype=x.dtype,
-                          device=x.device)
+                          device=x.device, positions=positions)
 
 
-def _llama_embed(module: nn.Module, tokens: Tensor) -> Tensor:
+def _llama_embed(module: nn.Module, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
     if tokens.shape[1] > module.cfg.max_seq_len:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len "
                          f"{module.cfg.max_seq_len}")
@@ -96,12 +99,12 @@ class _MoEHidden(NamedTuple):
 
 
 def _llama_block(module: nn.Module, i: int, x: Tensor | _MoEHidden,
-                 tokens: Tensor) -> Tensor | _MoEHidden:
+                 tokens: Tensor, positions: Tensor | None = None) -> Tensor | _MoEHidden:
     if not module.cfg.n_experts:
-        cos, sin = _llama_rotary(module, x, tokens)
+        cos, sin = _llama_rotary(module, x, tokens, positions)
         return module.layers[i](x, cos, sin)
     h, stats = x if isinstance(x, _MoEHidden) else (x, ())
-    cos, sin = _llama_rotary(module, h, tokens)
+    cos, sin = _llama_rotary(module, h, tokens, positions)
     if not module.cfg.is_moe(i):
         return _MoEHidden(module.layers[i](h, cos, sin), stats)
     h, s = module.layers[i](h, cos, sin)
@@ -116,7 +119,8 @@ def _llama_hand_over(module: nn.Module, x: Tensor | _MoEHidden) -> Tensor | Side
     return SideLoss(x.hidden, router_loss(module.cfg, x.stats)) if x.stats else x.hidden
 
 
-def _llama_head(module: nn.Module, x: Tensor | _MoEHidden, tokens: Tensor) -> Any:
+def _llama_head(module: nn.Module, x: Tensor | _MoEHidden, tokens: Tensor,
+                positions: Tensor | None = None) -> Any:
     if not module.cfg.n_experts:
         return module.lm_head(module.norm(x))
     from funcpar.models.llama import moe_output
@@ -286,20 +290,21 @@ class StageRunner(nn.Module):
         self._staged = staged
 
     def forward(self, lo: int, hi: int, first: bool, last: bool, x: Tensor | None,
-                *inputs: Any) -> Any:
+                *inputs: Any, **kwargs: Any) -> Any:
         st, m = self._staged, self.model
         if first:
-            x = st.embed(m, *inputs)
+            x = st.embed(m, *inputs, **kwargs)
         for i in range(lo, hi):
-            x = st.block(m, i, x, *inputs)
+            x = st.block(m, i, x, *inputs, **kwargs)
         if last:
-            return st.head(m, x, *inputs)
+            return st.head(m, x, *inputs, **kwargs)
         return x if st.hand_over is None else st.hand_over(m, x)
 
 
 def stage_apply(module: nn.Module, staged: StagedModel, plan: StagePlan) -> Callable:
-    """``apply(params, buffers, stage, x, *inputs) -> (output, new_buffers)``: virtual stage
-    ``stage`` of the model on ``x`` (None on the first stage, which embeds ``inputs``); the
+    """``apply(params, buffers, stage, x, *inputs, **kwargs) -> (output, new_buffers)``:
+    virtual stage ``stage`` of the model on ``x`` (None on the first stage, which embeds
+    ``inputs``; ``kwargs`` go to the :class:`StagedModel`'s functions with them); the
     last stage returns the model's output, the others hidden states (or a :class:`SideLoss`).
     ``params`` holds (at least) the stage's leaves, by their dotted names; the module's own
     tensors are untouched.
@@ -309,7 +314,7 @@ def stage_apply(module: nn.Module, staged: StagedModel, plan: StagePlan) -> Call
     training = module.training  # fixed now, as functionalize fixes it
 
     def apply(params: dict[str, Tensor], buffers: dict[str, Tensor], stage: int,
-              x: Tensor | None, *inputs: Any) -> tuple[Any, dict[str, Tensor]]:
+              x: Tensor | None, *inputs: Any, **kwargs: Any) -> tuple[Any, dict[str, Tensor]]:
         lo, hi = plan.ranges[stage]
         missing = [n for n in plan.names[stage] if n not in params]
         if missing:
@@ -322,7 +327,7 @@ def stage_apply(module: nn.Module, staged: StagedModel, plan: StagePlan) -> Call
         module.train(training)
         try:
             out = torch.func.functional_call(
-                runner, tensors, (lo, hi, stage == 0, stage == k - 1, x, *inputs),
+                runner, tensors, (lo, hi, stage == 0, stage == k - 1, x, *inputs), kwargs,
                 tie_weights=True, strict=False)
         finally:
             module.train(was_training)

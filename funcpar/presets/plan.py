@@ -70,7 +70,9 @@ data-parallel axis and precision - and derives, without running it:
   reductions; ZeRO-2/3 keep their part), optimizer state (:func:`funcpar.optim.memory.
   state_bytes`) on the device and in an offload store, and the transient copies: the compute
   dtype's copy of the parameters under amp, the gathered leaves of ZeRO-3 (the leaves outside
-  every block plus the largest block).
+  every block plus the largest block); with a ``batch_shape`` and funcpar's Llama, the
+  activations the backward keeps (:meth:`Plan.activation_bytes`, an estimate per token times
+  the rank's tokens: the sequence over ``cp`` too).
 
 ``tests/test_presets.py`` checks the communication against :func:`~funcpar.shard.comm.
 comm_report`'s records of a real step, count and bytes per (op, axis); ``tests/test_moe_plan.py``
@@ -329,6 +331,41 @@ class Plan:
         return rest + max((sum(blocks[j:j + k]) for j in range(len(blocks) - k + 1)),
                           default=0)
 
+    def activation_bytes(self, batch_shape: tuple[int, int] | None = None) -> int | None:
+        """The activations the backward keeps on this rank for a global ``batch_shape``
+        ``(batch, seq)`` (default: the preset's): :mod:`funcpar.auto.model`'s bytes per token
+        (measured on funcpar's Llama with saved-tensor hooks) times this rank's tokens - the
+        batch over ``dp`` (and ``ep``), the sequence over ``cp`` - plus the rotary tables of
+        each block and the head's; a block that ``remat`` checkpoints whole keeps its input,
+        and one such block's activations are held again while it recomputes. An estimate (the
+        ring keeps the unrepeated kv heads, less than one process's repeat under GQA). None
+        without a batch shape, for a model other than funcpar's Llama, or under a pipeline."""
+        from funcpar.auto.model import model_spec  # the search's model: no import cycle here
+        from funcpar.models.llama import Llama
+
+        batch_shape = batch_shape if batch_shape is not None else self.batch_shape
+        module = getattr(self.step.apply_fn, "module", None)
+        if batch_shape is None or not isinstance(module, Llama) or self.pipelined:
+            return None
+        spec = model_spec(module)
+        b, t, _ = self._local_batch(batch_shape)
+        if self.moe_blocks:  # expert parallelism splits the batch over its axis too
+            b //= self.mesh.size(self.moe_blocks[0].axis)
+        tp = self.mesh.size(self.sharding.axis) if self.sharding is not None else 1
+        s = _size(self.compute_dtype)
+        tokens = b * t
+        rope = spec.rope_bytes(t, s)
+        rematted = set(getattr(self.step.apply_fn, "remat_modules", ()) or ())
+        kept, again = 0.0, 0.0
+        for i in range(spec.layers):
+            block = spec.block_activation_bytes(i, s, tp, self.sequence_parallel) * tokens
+            if f"layers.{i}" in rematted:
+                kept += tokens * s * spec.dim
+                again = max(again, block + rope)
+            else:
+                kept += block + rope
+        return int(kept + again + spec.head_activation_bytes(s, tp) * tokens)
+
     # ------------------------------------------------------------------- communication
     def expected_comm(self, batch_shape: tuple[int, int] | None = None, *,
                       routing: Sequence[Any] | None = None) -> list[CommRow]:
@@ -396,7 +433,10 @@ class Plan:
             raise ValueError(f"batch_shape {batch_shape}: a batch of {b} does not split over "
                              f"dp={dp}")
         cp = self.context_parallel
-        return b // dp, t // (1 if cp is None else self.mesh.size(cp.axis)), False
+        if cp is None:
+            return b // dp, t, False
+        n = self.mesh.size(cp.axis)
+        return b // dp, -(-t // (2 * n)) * 2, False  # padded to a multiple of 2 cp
 
     def _tp_rows(self, rows: _Rows, batch_shape: tuple[int, int] | None) -> None:
         sp, axis = self.sharding, self.sharding.axis
@@ -493,17 +533,21 @@ class Plan:
         cp = self.context_parallel
         if cp is None:
             return
+        recomputed = ()
         if getattr(self.step.apply_fn, "remat", False):
-            raise ValueError("the expected communication of context_parallel under remat is not "
-                             "modeled (the recompute repeats the attention's forward traffic); "
-                             "measure a step with funcpar.shard.comm.comm_report")
+            recomputed = getattr(self.step.apply_fn, "remat_modules", None)
+            if recomputed is None:
+                raise ValueError("the expected communication of context_parallel under a remat "
+                                 "that does not name its modules is not modeled; measure a "
+                                 "step with funcpar.shard.comm.comm_report")
         n = self.mesh.size(cp.axis)
         if batch_shape is None:
             b, t, per_token = 1, 1, True
         else:
             b, t, per_token = self._local_batch(batch_shape)
         tp = self.mesh.size(self.sharding.axis) if self.sharding is not None else 1
-        for op, nbytes, what, count in cp.attention_comm(n, b, t, self.compute_dtype, tp):
+        for op, nbytes, what, count in cp.attention_comm(n, b, t, self.compute_dtype, tp,
+                                                         recomputed):
             rows.add(op, cp.axis, nbytes, what, count=count, per_token=per_token)
         rows.add("all_reduce", cp.axis, 8, "cp: counted targets")
         rows.add("all_reduce", cp.axis, self._loss_bytes(), "cp: loss mean")
@@ -717,7 +761,16 @@ class Plan:
             lines.append(f"  zero-3 gathered {_human(m.zero3_gathered):>12} (peak during the "
                          "step: leaves outside blocks + the largest block)")
         lines.append(f"  total           {_human(m.resident):>12} (params + grads + optimizer "
-                     "state; activations not counted)")
+                     "state)")
+        act = self.activation_bytes()
+        if act is not None:
+            _, t, _ = self._local_batch(self.batch_shape)
+            lines.append(f"  activations     {_human(act):>12} (estimate: {t} positions of the "
+                         f"sequence {self.batch_shape[1]} on this rank; funcpar.auto.model)")
+            lines.append(f"  with them       {_human(m.resident + act):>12}")
+        else:
+            lines.append("  activations not counted (no batch_shape, a pipeline, or a model "
+                         "other than funcpar's Llama)")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

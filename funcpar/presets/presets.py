@@ -370,9 +370,6 @@ class Preset:
             object.__setattr__(self, "sequence_parallel", True)
         elif self.sp_size == 1:
             raise ValueError(f"{who}: sequence_parallelism_mode={mode!r} needs sp_size > 1")
-        elif self.pp_size > 1:
-            raise ValueError(f"{who}: context_parallel ({mode}) and pipeline_split do not "
-                             "compose yet: pp_size must be 1")
 
     # ------------------------------------------------------------------------------- mesh
     def _check_mesh(self, mesh: DeviceMesh) -> None:

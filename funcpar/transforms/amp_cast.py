@@ -243,6 +243,8 @@ def _cast_apply(apply_fn: Callable, dtype: torch.dtype, keep: list[bool],
     apply.module = getattr(apply_fn, "module", None)
     apply.keep_fp32 = keep  # per flat leaf; offload's master params read it
     apply.remat = getattr(apply_fn, "remat", False)  # see funcpar.train.whole_step.applies
+    if hasattr(apply_fn, "remat_modules"):  # what the plan counts twice (funcpar.presets.plan)
+        apply.remat_modules = apply_fn.remat_modules
     apply.precision = {v: k for k, v in PRECISIONS.items()}[dtype]  # see TrainStep.__post_init__
     return apply
 

@@ -13,8 +13,12 @@ the causal mask a query chunk ``a`` attends to the chunks ``< a`` in full and to
 triangularly, so rank ``i`` computes ``i + (2N - 1 - i) = 2N - 1`` full chunk pairs plus two
 triangles: the same on every rank. Every tensor of the batch ``(inputs, targets)`` is cut along
 dim 1 (its sequence dim) the same way, so labels shifted before the cut (the targets of
-``(ids[:, :-1], ids[:, 1:])``) stay with their tokens. ``S`` must divide by ``2 N`` (else a
-ValueError naming the numbers: pad the sequences to a multiple, with ``ignore_index`` targets).
+``(ids[:, :-1], ids[:, 1:])``) stay with their tokens. A length ``S`` that does not divide by
+``2 N`` is padded at the end to the next multiple (:func:`pad_sequences`: token id 0, targets
+``ignore_index``), which is exact: under the causal mask no real position attends to a later
+one, and a pad's target is not counted (its output's gradient is exactly zero). With MoE blocks
+the pads would be routed and enter the router losses, so there the length must divide (a
+ValueError naming the numbers).
 The model sees each token's global position (funcpar's :class:`~funcpar.models.Llama`:
 ``positions=``, passed by the wrapped ``apply_fn``), so rotary embeddings are unchanged.
 
@@ -75,18 +79,42 @@ the cp attention on the unrepeated kv heads; the model gets ``position_ids`` (th
 positions) and a prepared placeholder mask (so that transformers builds none: its
 packed-sequence detection would read the zigzag positions' jump as a new sequence; any other
 mask reaching the attention is a ValueError). Such a model takes only the token ids under cp.
-Eager attention, attention dropout, and models with no such module (BERT) are refused by name;
-MoE blocks are refused (the router's load-balancing loss is a product of per-rank means, not
-exact under a cut).
+Eager attention, attention dropout, and models with no such module (BERT) are refused by name.
+
+**MoE blocks** (funcpar's :class:`~funcpar.models.moe.MoE`, with ``funcpar.models.moe_lm_loss``).
+Dropless routing (``capacity_factor=None``) chooses each token's experts and gates from that
+token alone, so the block's output is one process's token by token. Its router losses are not
+per token: per sequence ``E sum_e f_e P_e`` (``f_e`` the share of the sequence's assignments
+to ``e``, ``P_e`` its mean router probability) and the z-loss ``mean_t logsumexp(l_t)^2``.
+The block's ``route`` (an instance attribute for the call, like ``attend``) sums, per
+sequence, the assignment counts and router probabilities and the tokens' squared
+log-sum-exps over ``cp`` in one all-reduce, and forms the losses from the sums: every rank
+holds the whole sequences' router losses. The all-reduce's backward all-reduces the
+gradients (sum forward, sum backward: ``enter_region`` then ``exit_region``), so each rank's
+router gradient is ``N`` times its tokens' share and the mean over ``cp`` is one process's;
+the loss adds the router term unweighted to the weighted token mean
+(``(L - R) N n_r / n + R``). Capacity-limited routing is refused: the capacity
+``ceil(f k T / E)`` and the order in which assignments claim it are per sequence, and a rank
+holds ``T / N`` of it, so other assignments would be dropped than in one process. Router
+noise is refused (each rank would draw its tokens' noise from its own generator).
+
+**Pipelines.** Under :func:`~funcpar.transforms.pipeline_split` (applied first) the wrapped
+``apply_fn`` is a stage's: the attention of every stage's blocks runs over ``cp`` and the
+stage functions get ``positions=`` (:mod:`funcpar.pipeline.stages`), the activations sent
+between stages are each rank's zigzag chunk (``[micro-batch, S / N, dim]``), and the loss is
+weighted per micro-batch on the last stage (the pipeline's loss is the mean of its
+micro-batches' losses, each of them here the micro-batch's global token mean). The ranks of a
+cp group run the same schedule, so their ring transfers and all_to_alls meet in order.
 
 **Composition.** ``context_parallel`` rewrites ``apply_fn``, ``local_batch``, ``loss_fn``,
 ``sync_grads`` and ``sync_loss`` by wrapping the inner ones, so it composes with
 ``data_parallel`` (any order; the batch is cut on dim 0 by dp, on dim 1 by cp),
 ``zero_partition`` 1-3, ``remat`` and ``amp_cast`` in any order, and with ``shard_params``
 (with or without sequence parallelism) applied *before* it (the vocab-parallel loss replaces the
-step's loss; ``context_parallel`` then weights that one). ``pipeline_split`` and
-``compile=True`` (the ring's point-to-point sends have no functional collective) are refused
-with an error naming both transforms.
+step's loss; ``context_parallel`` then weights that one), and ``pipeline_split`` applied
+before it. ``compile=True``: Ulysses compiles as one whole-step region (its all_to_alls and
+all-reduces are functional collectives); the ring is refused, naming both (point-to-point
+sends have no functional collective, so the step cannot be traced as one region).
 """
 
 from __future__ import annotations
@@ -103,9 +131,10 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from funcpar.models.moe import Routing, route
 from funcpar.shard import comm
 from funcpar.shard.mesh import DeviceMesh
-from funcpar.shard.tp_ops import all_to_all_grad
+from funcpar.shard.tp_ops import all_to_all_grad, enter_region, exit_region
 from funcpar.state.train_state import TrainState
 from funcpar.state.tree import tree_flatten, tree_unflatten
 from funcpar.train.step import TrainStep
@@ -114,6 +143,7 @@ from funcpar.transforms.data_parallel import bucketed_mean, mean_loss
 __all__ = [
     "ContextParallel",
     "context_parallel",
+    "pad_sequences",
     "ring_attention",
     "ulysses_attention",
     "ulysses_kv_heads",
@@ -431,31 +461,42 @@ def ulysses_attention(
 class ContextParallel:
     """What :func:`context_parallel` did to a step, kept on its loss function (attribute
     ``context_parallel``) for the plan (:mod:`funcpar.presets.plan`) and the other transforms:
-    ``attention`` lists ``(name, heads, kv_heads, head_dim)`` of every attention module."""
+    ``attention`` lists ``(name, heads, kv_heads, head_dim)`` of every attention module,
+    ``moe`` ``(name, experts)`` of every MoE block."""
 
     axis: str
     mode: str
     overlap: bool
     bucket_bytes: int
     attention: tuple[tuple[str, int, int, int], ...]
+    moe: tuple[tuple[str, int], ...] = ()
 
     def attention_comm(self, n: int, batch: int, local_seq: int, dtype: torch.dtype,
-                       tp: int = 1) -> list[tuple[str, int, str, int]]:
-        """``(op, total bytes, what, count)`` of the attention's traffic in one step over
-        ``n`` ranks: ``batch`` sequences of ``local_seq`` positions on this rank, in
-        ``dtype``, the heads cut over ``tp`` (in :mod:`funcpar.shard.comm`'s convention: a
-        send and its receive are each recorded with the buffer's bytes)."""
+                       tp: int = 1, recomputed: tuple[str, ...] = ()
+                       ) -> list[tuple[str, int, str, int]]:
+        """``(op, total bytes, what, count)`` of the attention's (and the MoE blocks' router
+        statistics') traffic in one step over ``n`` ranks: ``batch`` sequences of
+        ``local_seq`` positions on this rank, in ``dtype``, the heads cut over ``tp`` (in
+        :mod:`funcpar.shard.comm`'s convention: a send and its receive are each recorded with
+        the buffer's bytes). ``recomputed``: the modules remat checkpoints, whose forward
+        traffic the backward's recompute repeats."""
         size = torch.empty((), dtype=dtype).element_size()
         work = torch.empty((), dtype=_work_dtype(dtype)).element_size()
+        router = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
+
+        def times(name: str) -> int:  # forward passes: 2 when inside a rematted module
+            return 1 + any(name == r or name.startswith(r + ".") for r in recomputed)
+
         out = []
-        for _name, heads, kv, d in self.attention:
+        for name, heads, kv, d in self.attention:
             h, k = heads // tp, kv // tp
             per_head = batch * local_seq * d
+            f = times(name)
             if self.mode == "ring":
                 kv_bytes = 2 * k * per_head
                 for op in ("send", "recv"):
-                    out += [(op, (n - 1) * kv_bytes * size, "cp ring: kv blocks (forward)",
-                             n - 1),
+                    out += [(op, f * (n - 1) * kv_bytes * size, "cp ring: kv blocks (forward)",
+                             f * (n - 1)),
                             (op, (n - 1) * kv_bytes * size, "cp ring: kv blocks (backward)",
                              n - 1),
                             (op, n * kv_bytes * work, "cp ring: dkv accumulators (backward)",
@@ -463,10 +504,17 @@ class ContextParallel:
             else:
                 repeat = ulysses_kv_heads(h, k, n)
                 sent = h + 2 * (k if repeat is None else len(repeat))
-                for what in ("forward", "backward"):
-                    out += [("all_to_all", sent * per_head * size, f"cp ulysses: qkv ({what})",
-                             1),
-                            ("all_to_all", h * per_head * size, f"cp ulysses: out ({what})", 1)]
+                for what, c in (("forward", f), ("backward", 1)):
+                    out += [("all_to_all", c * sent * per_head * size,
+                             f"cp ulysses: qkv ({what})", c),
+                            ("all_to_all", c * h * per_head * size, f"cp ulysses: out ({what})",
+                             c)]
+        for name, e in self.moe:
+            # Per sequence the counts and probabilities of every expert, and the z-loss sum.
+            nbytes = (2 * batch * e + 1) * router
+            f = times(name)
+            out += [("all_reduce", f * nbytes, "cp: MoE router stats (forward)", f),
+                    ("all_reduce", nbytes, "cp: MoE router stats (backward)", 1)]
         return out
 
 
@@ -474,12 +522,27 @@ def _is_hf(module: nn.Module) -> bool:
     return type(module).__module__.startswith("transformers.")
 
 
+def _moe_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """The MoE blocks (funcpar's :class:`~funcpar.models.moe.MoE`) of ``module``, refused where
+    their routing is not per token (module docstring, "MoE blocks")."""
+    found = {name: m for name, m in module.named_modules() if _qualname(m) == _MOE}
+    for name, m in found.items():
+        if m.capacity_factor is not None:
+            raise ValueError(
+                f"context_parallel and capacity-limited MoE routing ({name}: capacity_factor="
+                f"{m.capacity_factor}): the capacity and the order in which assignments claim "
+                "it are per sequence, and under cp each rank holds 1/cp of every sequence, so "
+                "other assignments would be dropped than in one process: use "
+                "capacity_factor=None (dropless routing, exact under cp)")
+        if m.noise_std > 0:
+            raise ValueError(
+                f"context_parallel and MoE router noise ({name}: noise_std={m.noise_std}): "
+                "each rank would draw its tokens' noise from its own stream, not one "
+                "process's draws: set router_noise=0 under cp")
+    return found
+
+
 def _attention_modules(module: nn.Module) -> dict[str, nn.Module]:
-    for name, m in module.named_modules():
-        if _qualname(m) == _MOE:
-            raise ValueError(f"context_parallel and MoE blocks ({name}): the router's "
-                             "load-balancing loss is a product of per-rank means, not exact "
-                             "under a sequence cut")
     if _is_hf(module):
         return _hf_attention_modules(module)
     want = _MODELS.get(_qualname(module))
@@ -574,20 +637,48 @@ def _installed_hf(attn: dict[str, nn.Module], make: Callable[[str], Callable], d
 
 
 @contextmanager
-def _installed(attn: dict[str, nn.Module], make: Callable[[str], Callable]) -> Iterator[None]:
-    """Each attention module's ``attend`` replaced for one call (an instance attribute, which
-    remat records at a block's forward and reinstalls for its recompute)."""
-    for name, m in attn.items():
-        if "attend" in m.__dict__:
-            raise ValueError(f"{name}.attend is already replaced: context_parallel is applied "
+def _installed(mods: dict[str, nn.Module], make: Callable[[str], Callable],
+               attr: str = "attend") -> Iterator[None]:
+    """Each module's ``attr`` (an attention's ``attend``, an MoE block's ``route``) replaced
+    for one call (an instance attribute, which remat records at a block's forward and
+    reinstalls for its recompute)."""
+    for name, m in mods.items():
+        if attr in m.__dict__:
+            raise ValueError(f"{name}.{attr} is already replaced: context_parallel is applied "
                              "twice (apply it once)")
-    for name, m in attn.items():
-        m.attend = make(name)
+    for name, m in mods.items():
+        setattr(m, attr, make(name))
     try:
         yield
     finally:
-        for m in attn.values():
-            m.__dict__.pop("attend", None)
+        for m in mods.values():
+            m.__dict__.pop(attr, None)
+
+
+def _cp_route(mesh: DeviceMesh, axis: str, purpose: str) -> Callable[..., Routing]:
+    """:func:`funcpar.models.moe.route` (dropless) on this rank's tokens, its router losses
+    those of the whole sequences (module docstring, "MoE blocks"): per sequence the
+    assignment counts and router probabilities summed over cp, and the tokens' squared
+    log-sum-exps, in one all-reduce whose backward all-reduces the gradients too."""
+    n = mesh.size(axis)
+
+    def cp_route(logits: Tensor, top_k: int, capacity_factor: float | None) -> Routing:
+        r = route(logits, top_k, capacity_factor)  # the choices and gates are per token
+        groups, t, e = logits.shape
+        probs = logits.softmax(-1)
+        counts = F.one_hot(r.expert, e).sum((1, 2)).to(probs.dtype)  # [groups, e]
+        local = torch.cat([counts.reshape(-1), probs.sum(1).reshape(-1),
+                           torch.logsumexp(logits, -1).pow(2).sum()[None]])
+        # Sum forward, sum of the ranks' gradients backward: every rank's loss holds the
+        # same router losses, and the gradient mean over cp then counts each rank's tokens
+        # once (module docstring).
+        total = exit_region(enter_region(local, mesh, axis, purpose), mesh, axis, purpose)
+        seq, ge = t * n, groups * e
+        frac = total[:ge].view(groups, e) / seq / top_k
+        aux = e * (frac * (total[ge:2 * ge].view(groups, e) / seq)).sum(-1).mean()
+        return r._replace(aux_loss=aux, z_loss=total[-1] / (groups * seq))
+
+    return cp_route
 
 
 def context_parallel(
@@ -610,31 +701,39 @@ def context_parallel(
         if module is None:
             raise TypeError("context_parallel needs a step built on functionalize(module)'s "
                             "apply_fn")
-        if step.pipeline is not None:
-            raise ValueError("context_parallel and pipeline_split do not compose yet: the "
-                             "pipeline's stages call the blocks without the global positions")
-        if step.compile:
-            raise ValueError("context_parallel and compile=True do not compose: the ring's "
-                             "point-to-point sends have no functional collective (compile the "
-                             "step without context parallelism, or leave compile off)")
+        if step.pipeline is not None and _is_hf(module):
+            raise ValueError("context_parallel and pipeline_split: a Hugging Face model under "
+                             "both is not supported (its stages would need the global "
+                             "position_ids and the attention hook per stage)")
+        if step.compile and mode == "ring":
+            raise ValueError("context_parallel (ring) and compile=True do not compose: the "
+                             "ring's point-to-point sends have no functional collective, so "
+                             "the whole step cannot be traced as one region (use "
+                             "mode='ulysses', whose all_to_alls trace in, or leave compile off)")
         if getattr(step.apply_fn, "context_parallel", None) is not None:
             raise ValueError("context_parallel is already applied: apply it once")
         attn = _attention_modules(module)
+        moe = _moe_modules(module)
         if not getattr(step.loss_fn, "token_cross_entropy", False):
             raise ValueError("context_parallel needs a token-mean loss (declared by "
                              "token_cross_entropy = True, as funcpar.models.lm_loss): each rank "
                              "weights its mean by its share of the counted targets")
-        if getattr(step.loss_fn, "extra_loss", None) is not None:
+        if getattr(step.loss_fn, "extra_loss", None) is not None and not moe:
             raise ValueError("context_parallel: the loss adds a term of the output "
-                             "(extra_loss) that is not a token mean")
+                             "(extra_loss) that is not a token mean, and the model has no MoE "
+                             "block whose router losses cp makes the whole sequences'")
         if n == 1:
             return step, state
         return dataclasses.replace(
-            step, apply_fn=_cp_apply(step.apply_fn, attn, module, mesh, axis, mode, overlap),
-            local_batch=_cp_local_batch(step.local_batch, mesh, axis),
+            step, apply_fn=_cp_apply(step.apply_fn, attn, moe, module, mesh, axis, mode,
+                                     overlap, staged=step.pipeline is not None),
+            local_batch=_cp_local_batch(step.local_batch, mesh, axis,
+                                        getattr(step.loss_fn, "ignore_index", -100),
+                                        sorted(moe), _limit(module)),
             loss_fn=_cp_loss(step.loss_fn, mesh, ContextParallel(
                 axis, mode, overlap, int(bucket_mb * 2**20),
-                tuple((name, *_heads(m)) for name, m in attn.items()))),
+                tuple((name, *_heads(m)) for name, m in attn.items()),
+                tuple((name, m.n_experts) for name, m in moe.items()))),
             sync_grads=_cp_grads(step.sync_grads, mesh, axis, int(bucket_mb * 2**20)),
             sync_loss=mean_loss(step.sync_loss, mesh, axis, "cp loss"),
         ), state
@@ -642,12 +741,19 @@ def context_parallel(
     return transform
 
 
-def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], module: nn.Module,
-              mesh: DeviceMesh, axis: str, mode: str, overlap: bool) -> Callable:
+def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], moe: dict[str, nn.Module],
+              module: nn.Module, mesh: DeviceMesh, axis: str, mode: str, overlap: bool,
+              staged: bool) -> Callable:
+    """``apply_fn`` with the cp attention (and MoE routing) installed and the global positions
+    passed; ``staged``:
+    ``apply_fn`` is a pipeline stage's (:func:`funcpar.pipeline.stages.stage_apply`), whose
+    stage index and received activation come before the token ids."""
     n, r = mesh.size(axis), mesh.rank(axis)
+    lead = 2 if staged else 0
     hf = _is_hf(module)
-    limit = (getattr(getattr(module, "config", None), "max_position_embeddings", None) if hf
-             else getattr(getattr(module, "cfg", None), "max_seq_len", None))
+    limit = _limit(module)
+    if limit is not None:  # the batch's own length is checked before the padding
+        limit = -(-limit // (2 * n)) * 2 * n
 
     def make(name: str) -> Callable:
         if mode == "ring":
@@ -656,17 +762,22 @@ def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], module: nn.Module,
         return lambda q, k, v, scale=None: ulysses_attention(q, k, v, mesh, axis, scale=scale,
                                                              purpose=name)
 
+    def route_of(name: str) -> Callable:
+        return _cp_route(mesh, axis, f"{name}: cp router stats")
+
     if hf:
         _register_hf()
 
-    def apply(params: Any, buffers: Any, tokens: Tensor, *args: Any, **kwargs: Any) -> Any:
+    def apply(params: Any, buffers: Any, *args: Any, **kwargs: Any) -> Any:
+        tokens = args[lead]
         seq = tokens.shape[1] * n
         if limit is not None and seq > limit:
             raise ValueError(f"sequence length {seq} exceeds the model's limit {limit}")
         positions = zigzag_positions(seq, n, r, device=tokens.device)
         if not hf:
-            with _installed(attn, make):
-                return apply_fn(params, buffers, tokens, *args, positions=positions, **kwargs)
+            with _installed(attn, make), _installed(moe, route_of, "route"):
+                return apply_fn(params, buffers, *args, positions=positions, **kwargs)
+        args = args[1:]
         if args or kwargs:
             raise ValueError("context_parallel: a Hugging Face model takes only the token ids "
                              f"under cp (got {len(args)} more inputs and {sorted(kwargs)})")
@@ -678,16 +789,63 @@ def _cp_apply(apply_fn: Callable, attn: dict[str, nn.Module], module: nn.Module,
             return apply_fn(params, buffers, tokens, attention_mask=dummy, use_cache=False,
                             position_ids=positions[None].expand(tokens.shape[0], -1))
 
-    for attr in ("module", "precision", "remat"):
+    for attr in ("module", "precision", "remat", "remat_modules"):
         if hasattr(apply_fn, attr):
             setattr(apply, attr, getattr(apply_fn, attr))
     apply.context_parallel = axis
     return apply
 
 
-def _cp_local_batch(inner: Callable | None, mesh: DeviceMesh, axis: str) -> Callable:
+def pad_sequences(batch: Any, multiple: int, ignore_index: int = -100) -> Any:
+    """``(inputs, targets)`` with dim 1 padded at the end to a multiple of ``multiple``: the
+    token ids with 0, the targets with ``ignore_index``. Exact for causal attention: no real
+    position attends to a later one, and a pad's target is not counted."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise TypeError("a batch must be a pair (inputs, targets)")
+    leaves, spec = tree_flatten(batch[0])
+    targets = batch[1]
+    if not torch.is_tensor(targets) or targets.dim() < 2:
+        raise ValueError("context_parallel pads the targets along dim 1: they must be a "
+                         f"tensor of at least 2 dims, got {getattr(targets, 'shape', targets)}")
+    extra = -targets.shape[1] % multiple
+    if extra == 0:
+        return batch
+
+    def pad(x: Tensor, value: int) -> Tensor:
+        if not torch.is_tensor(x) or x.dim() < 2 or x.is_floating_point():
+            raise ValueError("context_parallel pads the sequences (dim 1) of integer token ids "
+                             "and targets only; got an input "
+                             f"{getattr(x, 'dtype', type(x).__name__)} "
+                             f"{tuple(getattr(x, 'shape', ()))}: pad to a multiple of "
+                             f"{multiple} yourself")
+        fill = x.new_full((x.shape[0], extra, *x.shape[2:]), value)
+        return torch.cat([x, fill], 1)
+
+    inputs = tree_unflatten(spec, [pad(x, 0) for x in leaves])
+    return type(batch)((inputs, pad(targets, ignore_index)))
+
+
+def _limit(module: nn.Module) -> int | None:
+    """The longest sequence the model declares (funcpar's ``max_seq_len``, HF's
+    ``max_position_embeddings``)."""
+    if _is_hf(module):
+        return getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    return getattr(getattr(module, "cfg", None), "max_seq_len", None)
+
+
+def _cp_local_batch(inner: Callable | None, mesh: DeviceMesh, axis: str, ignore_index: int,
+                    moe: list[str], limit: int | None) -> Callable:
+    n = mesh.size(axis)
+
     def local_batch(batch: Any) -> Any:
-        batch = zigzag_split(batch, mesh, axis)
+        seq = getattr(batch[1], "shape", (0, 0))[1] if isinstance(batch, (tuple, list)) else 0
+        if limit is not None and seq > limit:
+            raise ValueError(f"sequence length {seq} exceeds the model's limit {limit}")
+        if seq % (2 * n) and moe:
+            raise ValueError(f"context_parallel over {n} ranks needs sequences of a multiple "
+                             f"of {2 * n} positions with MoE blocks ({moe[0]}): padding would "
+                             f"enter the router losses; got {seq}")
+        batch = zigzag_split(pad_sequences(batch, 2 * n, ignore_index), mesh, axis)
         return inner(batch) if inner is not None else batch
 
     return local_batch
@@ -697,6 +855,7 @@ def _cp_loss(inner: Callable, mesh: DeviceMesh, info: ContextParallel) -> Callab
     axis = info.axis
     n = mesh.size(axis)
     ignore = getattr(inner, "ignore_index", -100)
+    extra = getattr(inner, "extra_loss", None)
 
     def loss(output: Any, targets: Tensor) -> Tensor:
         # The global token mean is sum_r n_r L_r / n; a rank's share, times n so that the
@@ -705,7 +864,13 @@ def _cp_loss(inner: Callable, mesh: DeviceMesh, info: ContextParallel) -> Callab
         total = comm.all_reduce(mine, mesh, axis, purpose="cp token count")
         value = inner(output, targets)
         # In the loss's dtype: int64 / int64 would divide in the default dtype (float32).
-        return value * (mine.to(value.dtype) * n / total.to(value.dtype))
+        weight = mine.to(value.dtype) * n / total.to(value.dtype)
+        if extra is None:
+            return value * weight
+        # An MoE model's router losses: the whole sequences' on every rank (_cp_route), so
+        # added unweighted; the token mean is the rest.
+        term = extra(output).to(value.dtype)
+        return (value - term) * weight + term
 
     def group_count(targets: Tensor) -> Tensor:
         # The counted targets of the sequences the cp group holds together: what weighs this
@@ -714,6 +879,8 @@ def _cp_loss(inner: Callable, mesh: DeviceMesh, info: ContextParallel) -> Callab
 
     loss.context_parallel = info
     loss.group_count = group_count
+    if extra is not None:
+        loss.extra_loss = extra
     return loss
 
 

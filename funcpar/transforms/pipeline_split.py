@@ -37,8 +37,10 @@ What the step computes is the single-process step on the whole batch:
 Composition: apply ``pipeline_split`` **first**, on the freshly built step (whole model, step
 0): it cuts the model, and the transforms after it - :func:`shard_params` (tensor parallel
 inside each stage), :func:`expert_parallel` (the experts of this rank's stages' MoE blocks over
-``ep``), :func:`data_parallel`, :func:`zero_partition` (per stage, over the ranks of the same
-pipeline coordinate), :func:`amp_cast` - see a step over this rank's stages like any other.
+``ep``), :func:`context_parallel` (each stage's attention over ``cp``, the activations sent
+between stages each rank's sequence chunk), :func:`data_parallel`, :func:`zero_partition`
+(per stage, over the ranks of the same pipeline coordinate), :func:`amp_cast` - see a step over
+this rank's stages like any other.
 The mesh holds ``pp`` with the other axes (``DeviceMesh.from_env(pp=2, dp=2, tp=2)``); the pp
 fibres (ranks that differ only in their pp coordinate) carry the transfers.
 
@@ -108,7 +110,9 @@ def pipeline_split(
             ("shard_params", step.layouts is not None), ("zero_partition",
                                                           step.partition is not None),
             ("data_parallel", step.dp_axis is not None), ("amp_cast", step.precision is not None),
-            ("a loss scaler", step.loss_scaler is not None)) if on]
+            ("a loss scaler", step.loss_scaler is not None),
+            ("context_parallel", getattr(step.apply_fn, "context_parallel", None) is not None))
+            if on]
         if later:
             raise ValueError(f"apply pipeline_split first: the step already has {later}, which "
                              "must apply per stage, after the model is cut")

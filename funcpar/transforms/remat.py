@@ -504,6 +504,8 @@ def _remat_apply(apply_fn: Callable, chosen: list[tuple[str, nn.Module]]) -> Cal
 
     apply.module = getattr(apply_fn, "module", None)
     apply.remat = True  # TrainStep's whole-step compile steps aside (funcpar.train.whole_step)
+    # What the recompute repeats (the plan counts the collectives inside these modules twice).
+    apply.remat_modules = tuple(name for name, _ in chosen)
     if hasattr(apply_fn, "precision"):  # amp_cast's mark (TrainStep's ZeRO-3 order check)
         apply.precision = apply_fn.precision
     return apply

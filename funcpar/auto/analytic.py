@@ -32,6 +32,7 @@ import math
 from functools import lru_cache
 
 from funcpar.auto.model import ModelSpec
+from funcpar.auto.pipeline_memory import StageBytes, pipeline_peak
 
 __all__ = ["AnalyticPlan", "Choice", "CommItem", "Memory", "analytic_plan", "in_flight",
            "stage_blocks", "step_buffers"]
@@ -134,7 +135,10 @@ class Memory:
 
     The peak (:attr:`peak`) is parameters, optimizer state and amp copy plus the larger of
     the two phases: forward/backward (activations, transients, ZeRO-3's gathered leaves) and
-    the end of the step (``step_buffers``)."""
+    the end of the step (``step_buffers``). Under a pipeline the forward/backward phase is
+    ``pipeline_phase`` instead (:mod:`funcpar.auto.pipeline_memory`: activations in flight,
+    the gradients accumulated and the point-to-point buffers at the schedule's worst point,
+    the half-precision copy of the parameters included per micro-batch)."""
 
     params: float
     grads: float
@@ -145,6 +149,7 @@ class Memory:
     activations: float
     transient: float
     step_buffers: float = 0.0
+    pipeline_phase: float | None = None
 
     @property
     def resident(self) -> float:
@@ -153,23 +158,35 @@ class Memory:
 
     @property
     def peak(self) -> float:
+        if self.pipeline_phase is not None:
+            return self.params + self.opt_state + max(
+                self.pipeline_phase, self.step_buffers + self.compute_params, self.grads)
         return self.params + self.opt_state + self.compute_params + max(
             self.zero3_gathered + self.activations + self.transient,
             max(self.step_buffers, self.grads))
 
 
-def step_buffers(grad_bytes: float, dp: int, zero: int, clip: bool) -> float:
+def step_buffers(grad_bytes: float, dp: int, zero: int, clip: bool,
+                 pipeline: bool = False) -> float:
     """Bytes at the end of a step beside parameters and optimizer state, for ``grad_bytes``
     of local (tensor-parallel) gradients before ZeRO: measured on gloo ranks with the
     presets' composition (benchmarks/bench_auto.py's memory sampler; docs/AUTO_PARALLEL.md),
     in units of ``G = grad_bytes`` over ``n = dp`` ranks: one process ``G`` (+ ``G`` for the
     clipped copy); data parallelism ``3 G`` (autograd's gradients, the bucket's flat buffer,
     the mean) ``+ G`` clipped; ZeRO-1 that ``+ (1 + 1/n) G`` (the gathered updates and the
-    part); ZeRO-2 ``(3 + 1/n) G + G/n`` clipped; ZeRO-3 ``2 G/n + G/n`` clipped."""
+    part); ZeRO-2 ``(3 + 1/n) G + G/n`` clipped; ZeRO-3 ``2 G/n + G/n`` clipped.
+
+    Under a pipeline (``pipeline``) the gradients are reduced after the schedule, not from
+    the backward's hooks: the bucket's flat copy and its mean beside the gradients, ``3 G``,
+    are freed before the clip copies (``(1 + 1) G``); ZeRO-1 and -2 add their part,
+    ``(3 + 1/n) G`` (measured at ``n = 2``: ``3 G``, ``3.5 G``, ``3.2 G`` for ZeRO-0, 1, 2;
+    tests/test_auto_pipeline.py)."""
     n = dp
     c = 1.0 if clip else 0.0
     if n == 1:
         units = 1 + c
+    elif pipeline:
+        units = max(3 + (1 / n if zero in (1, 2) else 0), 1 + c)
     elif zero == 0:
         units = 3 + c
     elif zero == 1:
@@ -189,11 +206,11 @@ def _balanced_cut(costs: tuple[float, ...], first: float, last: float, k: int) -
 
 
 @lru_cache(maxsize=4096)
-def stage_blocks(spec: ModelSpec, pp: int, v: int) -> tuple[tuple[int, ...], ...]:
-    """Per pipeline rank, the blocks of its stages (rank ``r`` holds stages ``r, r + p, ...``),
-    cut as :func:`~funcpar.pipeline.stages.plan_stages` balances them (by parameter count,
-    embedding on the first stage, final norm and head on the last); configs whose exact
-    search would take long (``k L^2 > 2e5``) are cut evenly."""
+def stage_cut(spec: ModelSpec, pp: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """The blocks of each of the ``pp v`` stages, cut as
+    :func:`~funcpar.pipeline.stages.plan_stages` balances them (by parameter count, embedding
+    on the first stage, final norm and head on the last); configs whose exact search would
+    take long (``k L^2 > 2e5``) are cut evenly."""
     k, n = pp * v, spec.layers
     costs = tuple(float(b.tp_split + b.replicated + b.experts)
                   for b in map(spec.block, range(n)))
@@ -204,7 +221,14 @@ def stage_blocks(spec: ModelSpec, pp: int, v: int) -> tuple[tuple[int, ...], ...
                   n]
     else:
         bounds = [round(i * n / k) for i in range(k + 1)]
-    stages = [tuple(range(bounds[s], bounds[s + 1])) for s in range(k)]
+    return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(k))
+
+
+@lru_cache(maxsize=4096)
+def stage_blocks(spec: ModelSpec, pp: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """Per pipeline rank, the blocks of its stages (rank ``r`` holds stages ``r, r + p, ...``
+    of :func:`stage_cut`)."""
+    stages, k = stage_cut(spec, pp, v), pp * v
     return tuple(tuple(b for s in range(r, k, pp) for b in stages[s]) for r in range(pp))
 
 
@@ -410,10 +434,55 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
     activations = kept * held + (spec.head_activation_bytes(s, tp) * mb_tokens if last else 0)
     if last:  # the logits' gradient and the softmax (float32) while the head's backward runs
         transient = max(transient, 2 * mb_tokens * spec.vocab / tp * 4)
+    phase = None
+    if pp > 1:
+        stages = [_stage_bytes(spec, c, st, st == 0, st == pp * v - 1, mb_tokens, seq, s)
+                  for st in range(r, pp * v, pp)]
+        phase = pipeline_peak(c.schedule, pp, m, v, r, stages)
     mem = Memory(params, grads, 0.0 if c.offload else opt, opt if c.offload else 0.0,
                  compute, gathered, activations, transient,
-                 step_buffers(grad_bytes, dp, c.zero, clip))
+                 step_buffers(grad_bytes, dp, c.zero, clip, pp > 1), phase)
     return AnalyticPlan(c, tuple(items), mem, blocks, first, last)
+
+
+def _stage_bytes(spec: ModelSpec, c: Choice, stage: int, first: bool, last: bool,
+                 mb_tokens: int, seq: int, s: int) -> StageBytes:
+    """One pipeline stage's quantities for :func:`funcpar.auto.pipeline_memory.pipeline_peak`
+    (that module's docstring)."""
+    tp, ep, d = c.tp, c.ep, spec.dim
+    blocks = stage_cut(spec, c.pp, c.virtual_stages)[stage]
+    bc = [spec.block(i) for i in blocks]
+    local = (sum(b.tp_split for b in bc) + (spec.embed if first else 0)
+             + (spec.head if last else 0)) / tp + sum(b.replicated for b in bc) + (
+        d if last else 0) + sum(b.experts for b in bc) / ep
+    leaves = [spec.embed / tp if first else 0, spec.head / tp if last else 0]
+    for i in blocks:
+        leaves.append(spec.n_experts // ep * spec.ffn * d if spec.is_moe(i)
+                      else max(spec.ffn * d, d * d) / tp)
+    per_block = [spec.block_activation_bytes(i, s, tp, c.sequence_parallel) for i in blocks]
+    rope = spec.rope_bytes(seq, s)
+    if c.remat:
+        acts = len(blocks) * (mb_tokens * s * d + rope)
+        recompute = max(per_block, default=0) * mb_tokens + rope
+    else:
+        acts = sum(per_block) * mb_tokens + rope * len(blocks)
+        recompute = 0.0
+    fwd_t = bwd_t = recompute
+    if c.precision != "fp32":  # amp_cast's half-precision copy, made per call, saved
+        acts += local * s
+    vocab = spec.vocab / tp
+    if last:
+        # Kept: the final norm's tensors and the float32 log-softmax; the logits (and their
+        # float32 copy in half precision) live only while the loss is computed.
+        head = spec.head_activation_bytes(s, tp)
+        acts += (head - (s + (4 if s < 4 else 0)) * vocab) * mb_tokens
+        fwd_t += (s + (4 if s < 4 else 0)) * vocab * mb_tokens
+        bwd_t = max(bwd_t, 8 * vocab * mb_tokens)
+    # A block's backward: the MLP's input gradients (about two F-wide tensors a token).
+    bwd_t = max(bwd_t, 2 * spec.ffn / tp * s * mb_tokens)
+    mb_act = mb_tokens * d * s
+    return StageBytes(acts, fwd_t, bwd_t, local * PARAM_BYTES, max(leaves) * PARAM_BYTES,
+                      0.0 if last else mb_act, 0.0 if first else mb_act)
 
 
 def _norm_groups(c: Choice, tp_split: bool, experts: bool, *,

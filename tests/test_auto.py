@@ -333,7 +333,8 @@ def test_shipped_profiles_label_every_figure():
         prof = load_profile(name)
         figs = [f for t in prof.matmul.values() for _, f in t]
         figs += [*prof.attention.values(), prof.mem_bw, prof.host_bw, prof.host_mem_bw,
-                 prof.memory, prof.op_latency, prof.overlap, *prof.nominal.values()]
+                 prof.memory, prof.op_latency, prof.overlap, *prof.nominal.values(),
+                 *([prof.stage_call] if prof.stage_call else [])]
         figs += [f for link in prof.links.values() for f in link.values()]
         assert all(f.source and f.source != "unlabelled" for f in figs), name
         assert prof.links or prof.collectives_source, name

@@ -15,7 +15,9 @@ Step time on the slowest pipeline rank (docs/AUTO_PARALLEL.md has the derivation
   dispatched op (``OPS_FWD`` a block); ``t_b = 2 t_f`` (``+ t_f`` of the blocks under remat);
 * ``c_mb``: the critical-path collectives of a micro-batch (tensor parallelism's all-reduces or
   sequence-parallel gathers and scatters, expert parallelism's all_to_all, the pipeline's
-  point-to-point transfers), each ``DeviceProfile.collective_time`` on its axis;
+  point-to-point transfers), each ``DeviceProfile.collective_time`` on its axis; on a pipeline
+  rank also its fixed cost per micro-batch (:func:`_pipeline_overhead`: ``2 v`` stage calls
+  and the gradient accumulation's adds);
 * hidden collectives (``CommItem.phase`` ``*_hidden``) cost ``max(T_c - overlap T_compute,
   T_c / count)``: what the compute beside them cannot hide, at least their last bucket;
 * ``t_opt``: the optimizer's bytes per local parameter (AdamW reads p, g, m, v and writes p,
@@ -30,6 +32,7 @@ copy, ZeRO-3 gathered leaves, activations (micro-batches in flight) and transien
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import lru_cache
 
 from funcpar.auto.analytic import (
@@ -42,7 +45,7 @@ from funcpar.auto.analytic import (
 from funcpar.auto.model import OPS_FWD, ModelSpec
 from funcpar.auto.profile import DeviceProfile
 
-__all__ = ["Estimate", "axis_span", "estimate"]
+__all__ = ["Estimate", "axis_span", "estimate", "pipeline_time", "schedule_makespan"]
 
 OPS_HEAD = 12
 OPT_BYTES_MOVED = 28.0  # AdamW: p, g, m, v read; p, m, v written (float32)
@@ -150,6 +153,72 @@ def _hidden(t: float, count: int, under: float, overlap: float) -> float:
     return max(t - overlap * under, t / max(count, 1) if overlap > 0 else t)
 
 
+def pipeline_time(m: int, p: int, v: int, per_microbatch: float) -> float:
+    """A pipeline's makespan, ``(m + (p - 1) / v)`` micro-batch times: the makespan of
+    :func:`funcpar.pipeline.schedules.simulate` for GPipe and 1F1B, and for the interleaved
+    schedule where ``p`` divides ``m`` (tests/test_auto.py), with every stage equal."""
+    return (m + (p - 1) / v) * per_microbatch
+
+
+def schedule_makespan(schedule: str, p: int, m: int, v: int,
+                      cost: Callable[[str, int, int], float], transfer: float = 0.0) -> float:
+    """The makespan of ``schedule``'s compute order (:func:`funcpar.pipeline.schedules.
+    compute_order`) with ``cost(kind, stage, mb)`` seconds per forward / backward and
+    ``transfer`` seconds per point-to-point transfer between ranks, spent by the sender after
+    the compute that produced it (gloo sends from the calling thread; on NCCL the launch) and
+    ending when the receiver may use it: each action starts when its rank's previous one ends
+    and its input is there (the previous stage's forward of the micro-batch, the next stage's
+    backward, the last stage's own forward), as the runtime runs it. Unequal stages (the
+    embedding on the first, the head on the last) priced as they are, where
+    :func:`pipeline_time` assumes them equal."""
+    from funcpar.pipeline.schedules import compute_order
+
+    orders = [compute_order(schedule, p, v, m, r) for r in range(p)]
+    last = p * v - 1
+    end: dict[tuple[str, int, int], float] = {}
+    pos, clock = [0] * p, [0.0] * p
+    remaining = sum(map(len, orders))
+    while remaining:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
+                if a.kind == "F":
+                    dep = ("F", a.stage - 1, a.mb) if a.stage > 0 else None
+                else:
+                    dep = ("F", a.stage, a.mb) if a.stage == last else ("B", a.stage + 1,
+                                                                         a.mb)
+                if dep is not None and dep not in end:
+                    break
+                ready = 0.0 if dep is None else end[dep]
+                clock[r] = max(clock[r], ready) + cost(a.kind, a.stage, a.mb)
+                to = a.stage + 1 if a.kind == "F" else a.stage - 1
+                if 0 <= to <= last and to % p != r:  # the output goes to another rank
+                    clock[r] += transfer
+                end[(a.kind, a.stage, a.mb)] = clock[r]
+                pos[r] += 1
+                remaining -= 1
+                moved = True
+        if not moved:  # pragma: no cover - compute_order's lists are deadlock-free
+            raise RuntimeError(f"{schedule} p={p} m={m} v={v}: no action can start")
+    return max(clock)
+
+
+def _pipeline_overhead(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile) -> float:
+    """A pipeline rank's fixed cost per micro-batch beyond its compute and transfers: one
+    forward and one backward call per local stage (``stage_call``), and the accumulation of
+    the micro-batch's gradients (one add per leaf: ``op_latency`` each, reading the sum and
+    the new gradient and writing the sum over ``mem_bw``; the first micro-batch's gradients
+    are the sum, so ``(m - 1) / m`` of it a micro-batch)."""
+    c = plan.choice
+    m, v = c.microbatches, c.virtual_stages
+    leaves = sum(spec.block(i).leaves for i in plan.blocks) + (1 if plan.first else 0) + (
+        2 if plan.last else 0)
+    grad_bytes = plan.memory.grads * (c.dp if c.zero >= 2 else 1)
+    acc = leaves * profile.op_latency.value + 3 * grad_bytes / profile.mem_bw.value
+    return 2 * v * profile.stage_call_time() + acc * (m - 1) / m
+
+
 def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, global_batch: int,
                seq: int, opt_bytes: float) -> tuple[float, dict[str, float]]:
     c = plan.choice
@@ -159,8 +228,9 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
                                   c.precision, c.sequence_parallel, profile)
     t_b = 2 * t_f + (t_blocks if c.remat else 0.0)
     crit, _ = _comm_time(plan, profile, ("fwd", "bwd"))
-    per_mb = t_f + t_b + crit / m
-    pipe = (m + (p - 1) / v) * per_mb
+    t_pipe = _pipeline_overhead(spec, plan, profile) if p > 1 else 0.0
+    per_mb = t_f + t_b + crit / m + t_pipe
+    pipe = pipeline_time(m, p, v, per_mb)
     fh, fn = _comm_time(plan, profile, ("fwd_hidden",))
     bh, bn = _comm_time(plan, profile, ("bwd_hidden",))
     ov = profile.overlap.value
@@ -178,7 +248,8 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
         t_opt = (moved + amp) / profile.mem_bw.value
         t_off = 0.0
     parts = {"compute": m * (t_f + t_b), "bubble": (p - 1) / v * (t_f + t_b),
-             "critical comm": (m + (p - 1) / v) * crit / m, "hidden comm exposed": hidden,
+             "critical comm": (m + (p - 1) / v) * crit / m,
+             "pipeline overhead": (m + (p - 1) / v) * t_pipe, "hidden comm exposed": hidden,
              "step comm": step_comm, "optimizer": t_opt, "offload": t_off}
     return pipe + hidden + step_comm + t_opt + t_off, parts
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -67,8 +68,14 @@ DENSE = [Choice(tp=2, dp=2), Choice(tp=2, dp=2, zero=2), Choice(dp=4, zero=1),
          Choice(tp=2, dp=2, zero=2, offload="cpu")]
 
 
-@pytest.mark.parametrize("c", DENSE + [Choice(ep=2, dp=2, zero=2, precision="fp32"),
-                                       Choice(ep=2, dp=2), Choice(ep=4, precision="fp32")],
+CP = [Choice(cp=2, dp=2, precision="fp32"), Choice(cp=2, dp=2, zero=2),
+      Choice(cp=2, dp=2, zero=3, precision="fp32"), Choice(cp=2, tp=2),
+      Choice(cp=2, dp=2, cp_mode="ulysses"), Choice(cp=4, cp_mode="ulysses", precision="fp32"),
+      Choice(cp=2, tp=2, sequence_parallel=True, cp_mode="ulysses")]
+
+
+@pytest.mark.parametrize("c", DENSE + CP + [Choice(ep=2, dp=2, zero=2, precision="fp32"),
+                                            Choice(ep=2, dp=2), Choice(ep=4, precision="fp32")],
                          ids=str)
 def test_analytic_plan_equals_plan(c):
     cfg = MOE if c.ep > 1 else CFG
@@ -222,6 +229,32 @@ def test_regime_large_hidden_small_batch_is_tensor_parallel():
     else:
         comm = n * act * ar + 3 * tokens * 4 * ar
     closed = _compute(spec, tokens, 512, tp=8) + comm
+    assert res.best.time == pytest.approx(closed, rel=0.01)
+
+
+def test_regime_long_sequence_small_batch_is_context_parallel():
+    """One sequence of 16k tokens on 8 ranks: no data parallelism to use, so tensor, context
+    or pipeline parallelism must split it. tp8 pays its activation all-reduces on the
+    critical path; the ring's kv hops hide under the attention (quadratic in the sequence),
+    so the search takes context parallelism: here tp2 x cp4 with the ring."""
+    spec = ModelSpec(vocab=1024, dim=256, layers=4, heads=8, kv_heads=8, ffn=688)
+    seq = 16384
+    res = auto_parallel(spec, world_size=8, global_batch=1, seq_len=seq,
+                        profile=_flat(memory=2e9), constraints={"sequence_parallel": False})
+    c = res.best.choice
+    assert (c.tp, c.cp, c.cp_mode, c.pp) == (2, 4, "ring", 1)
+    assert all(e.time > res.best.time for e in res.ranked if e.choice.cp == 1)
+    tokens = seq // 4
+    act = tokens * spec.dim * 2  # bf16
+    # tp2: per block 4 activation all-reduces, the embedding's and the head's, the
+    # cross-entropy's three float32 ones (ring factor 2 (n-1)/n = 1); the ring hidden; then
+    # over cp4 the mean of the tp-split gradients (float32), the token count and the loss.
+    local = sum(spec.block(i).tp_split for i in range(spec.layers)) + spec.embed + spec.head
+    local = local / 2 + sum(spec.block(i).replicated for i in range(spec.layers)) + spec.dim
+    tp_comm = ((4 * spec.layers + 2) * act + 3 * tokens * 4) / BW
+    cp_comm = 2 * 3 / 4 * (4 * local + 8 + 4) / BW
+    closed = _compute(spec, tokens, seq, tp=2) + tp_comm + cp_comm
+    assert res.best.parts["cp ring exposed"] == 0
     assert res.best.time == pytest.approx(closed, rel=0.01)
 
 
@@ -395,3 +428,25 @@ def test_train_lm_auto_trains_with_the_winner(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "chosen: tp1 pp1 dp1" in text and "profile cpu-gloo" in text
     assert len(out["history"]) == 2 and math.isfinite(out["last_loss"])
+
+
+def test_train_lm_what_if_picks_context_parallelism(capsys):
+    """A long-context run (8 sequences of 64k tokens on 64 H100s): the batch cannot feed 64
+    data-parallel ranks, and the search cuts the sequences (a cp layout, printed)."""
+    from tests._examples import load_example
+
+    train_lm = load_example("train_lm.py", "train_lm_auto")
+    train_lm.main(["--auto", "--what-if", "--world", "64", "--profile", "h100", "--dim", "4096",
+                   "--layers", "32", "--heads", "32", "--kv-heads", "8", "--batch-size", "8",
+                   "--seq-len", "65536"])
+    chosen = next(line for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("chosen:"))
+    assert re.search(r" cp\d+-(ring|ulysses) ", chosen), chosen
+
+
+def test_train_lm_auto_refuses_2d_tensor_parallelism_with_reason():
+    from tests._examples import load_example
+
+    train_lm = load_example("train_lm.py", "train_lm_auto")
+    with pytest.raises(SystemExit, match="does not search --tp-mode 2d.*no 2D tensor"):
+        train_lm.main(["--auto", "--tp", "4", "--tp-mode", "2d", "--steps", "1"])

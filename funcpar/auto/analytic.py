@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import lru_cache
+from typing import Any
 
 from funcpar.auto.model import ModelSpec
 from funcpar.auto.pipeline_memory import StageBytes, pipeline_peak
@@ -39,14 +40,17 @@ __all__ = ["AnalyticPlan", "Choice", "CommItem", "Memory", "analytic_plan", "in_
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PARAM_BYTES = 4  # float32 parameters, gradients and master copy (amp_cast keeps them)
+CP_PRESET_MODES = {"ring": "ring_attn", "ulysses": "all_to_all"}  # the presets' names
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One layout: the mesh ``pp x ep x dp x tp`` (outermost first, as the presets build it)
-    and what runs on it. ``microbatches``: pipeline micro-batches per step (1 without a
+    """One layout: the mesh ``pp x ep x dp x cp x tp`` (outermost first, as the presets build
+    it) and what runs on it. ``microbatches``: pipeline micro-batches per step (1 without a
     pipeline). ``remat``: every block recomputed in the backward. ``offload``: the optimizer
-    state in host memory ("cpu")."""
+    state in host memory ("cpu"). ``cp``: context parallelism (each sequence cut over ``cp``
+    ranks, :func:`funcpar.transforms.context_parallel`) in ``cp_mode`` ``"ring"`` or
+    ``"ulysses"``."""
 
     tp: int = 1
     pp: int = 1
@@ -60,17 +64,22 @@ class Choice:
     offload: str | None = None
     precision: str = "bf16"
     sequence_parallel: bool = False
+    cp: int = 1
+    cp_mode: str = "ring"
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp * self.ep
+        return self.tp * self.pp * self.dp * self.ep * self.cp
 
     def axes(self) -> dict[str, int]:
         """Mesh axes, outermost first (``hybrid_parallel``/``moe_hybrid``'s order)."""
         out = {"pp": self.pp} if self.pp > 1 else {}
         if self.ep > 1:
             out["ep"] = self.ep
-        out.update(dp=self.dp, tp=self.tp)
+        out["dp"] = self.dp
+        if self.cp > 1:
+            out["cp"] = self.cp
+        out["tp"] = self.tp
         return out
 
     def preset_kwargs(self) -> dict:
@@ -81,6 +90,8 @@ class Choice:
         if self.pp > 1:
             kw.update(microbatches=self.microbatches, pp_style=self.schedule,
                       num_model_chunks=self.virtual_stages)
+        if self.cp > 1:
+            kw.update(sp_size=self.cp, sequence_parallelism_mode=CP_PRESET_MODES[self.cp_mode])
         if self.ep > 1:
             kw["ep_size"] = self.ep
         else:
@@ -89,6 +100,8 @@ class Choice:
 
     def __str__(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}-{self.cp_mode}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts.append(f"zero{self.zero}")
@@ -167,7 +180,7 @@ class Memory:
 
 
 def step_buffers(grad_bytes: float, dp: int, zero: int, clip: bool,
-                 pipeline: bool = False) -> float:
+                 pipeline: bool = False, cp: int = 1) -> float:
     """Bytes at the end of a step beside parameters and optimizer state, for ``grad_bytes``
     of local (tensor-parallel) gradients before ZeRO: measured on gloo ranks with the
     presets' composition (benchmarks/bench_auto.py's memory sampler; docs/AUTO_PARALLEL.md),
@@ -180,10 +193,13 @@ def step_buffers(grad_bytes: float, dp: int, zero: int, clip: bool,
     the backward's hooks: the bucket's flat copy and its mean beside the gradients, ``3 G``,
     are freed before the clip copies (``(1 + 1) G``); ZeRO-1 and -2 add their part,
     ``(3 + 1/n) G`` (measured at ``n = 2``: ``3 G``, ``3.5 G``, ``3.2 G`` for ZeRO-0, 1, 2;
-    tests/test_auto_pipeline.py)."""
+    tests/test_auto_pipeline.py). Context parallelism alone (``cp > 1``, ``dp = 1``) means
+    its gradients in flat buckets as data parallelism does: ``(3 + 1) G``."""
     n = dp
     c = 1.0 if clip else 0.0
-    if n == 1:
+    if n == 1 and cp > 1:
+        units = 3 + c
+    elif n == 1:
         units = 1 + c
     elif pipeline:
         units = max(3 + (1 / n if zero in (1, 2) else 0), 1 + c)
@@ -292,11 +308,13 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
     first, last = r == 0, r == pp - 1
     d = spec.dim
     b_local = global_batch // (dp * ep)
-    tokens = b_local * seq  # this rank's tokens per step, all micro-batches together
+    cp = c.cp
+    lseq = seq // cp  # this rank's positions of each sequence (context parallelism's cut)
+    tokens = b_local * lseq  # this rank's tokens per step, all micro-batches together
     items: list[CommItem] = []
 
     def add(op: str, axis: str, count: int, nbytes: float, what: str, phase: str) -> None:
-        size = {"tp": tp, "dp": dp, "ep": ep, "pp": pp}[axis]
+        size = {"tp": tp, "dp": dp, "ep": ep, "pp": pp, "cp": cp}[axis]
         if count and size > 1:
             items.append(CommItem(op, axis, count, nbytes, what, phase))
 
@@ -323,7 +341,7 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         if last:
             add("all_reduce", "tp", m, act, "tp: head input grads", "bwd")
     elif tp > 1:
-        pad = b_local * math.ceil(seq / tp) * tp * d * s
+        pad = b_local * math.ceil(lseq / tp) * tp * d * s
         n = len(dense)
         reps = 2 if c.remat else 1  # the recompute repeats the forward's gathers/scatters
         add("all_gather", "tp", 2 * n * m * reps, 2 * n * pad * reps, "sp: region inputs "
@@ -403,9 +421,13 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         for axes in _norm_groups(c, tp > 1 and split > 0, experts > 0, optimizer=True):
             for axis in axes:
                 add("all_reduce", axis, 1, 4, "norm: clip_by_global_norm", "step")
+    # ------------------------------------------------------------- context parallelism
+    if cp > 1:
+        _cp_rows(add, spec, c, len(blocks), b_local, lseq, s, loss_bytes,
+                 grad_bytes / (dp if c.zero >= 2 else 1), cap)
     # ---------------------------------------------------------------------- pipeline
     if pp > 1:
-        mb_act = b_local // m * seq * d * s
+        mb_act = b_local // m * lseq * d * s
         add("p2p", "pp", 2 * v * m, 2 * v * m * mb_act, "pp: activations forward and their "
             "grads backward", "fwd")
     # ------------------------------------------------------------------------ memory
@@ -421,9 +443,9 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         k = min(2, len(sizes))
         largest = max((sum(sizes[j:j + k]) for j in range(len(sizes) - k + 1)), default=0)
         gathered = (outside + largest) * s
-    mb_tokens = b_local // m * seq
+    mb_tokens = b_local // m * lseq
     per_block = [spec.block_activation_bytes(i, s, tp, c.sequence_parallel) for i in blocks]
-    rope = spec.rope_bytes(seq, s)
+    rope = spec.rope_bytes(lseq, s)
     held = in_flight(c.schedule, pp, m, v, r)
     if c.remat:
         kept = len(blocks) * (mb_tokens * s * d + rope)
@@ -436,12 +458,12 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         transient = max(transient, 2 * mb_tokens * spec.vocab / tp * 4)
     phase = None
     if pp > 1:
-        stages = [_stage_bytes(spec, c, st, st == 0, st == pp * v - 1, mb_tokens, seq, s)
+        stages = [_stage_bytes(spec, c, st, st == 0, st == pp * v - 1, mb_tokens, lseq, s)
                   for st in range(r, pp * v, pp)]
         phase = pipeline_peak(c.schedule, pp, m, v, r, stages)
     mem = Memory(params, grads, 0.0 if c.offload else opt, opt if c.offload else 0.0,
                  compute, gathered, activations, transient,
-                 step_buffers(grad_bytes, dp, c.zero, clip, pp > 1), phase)
+                 step_buffers(grad_bytes, dp, c.zero, clip, pp > 1, cp), phase)
     return AnalyticPlan(c, tuple(items), mem, blocks, first, last)
 
 
@@ -483,6 +505,50 @@ def _stage_bytes(spec: ModelSpec, c: Choice, stage: int, first: bool, last: bool
     mb_act = mb_tokens * d * s
     return StageBytes(acts, fwd_t, bwd_t, local * PARAM_BYTES, max(leaves) * PARAM_BYTES,
                       0.0 if last else mb_act, 0.0 if first else mb_act)
+
+
+def _cp_rows(add: Any, spec: ModelSpec, c: Choice, n_blocks: int, b_local: int, lseq: int,
+             s: int, loss_bytes: float, grad_bytes: float, cap: int) -> None:
+    """Context parallelism's collectives (:meth:`funcpar.transforms.context_parallel.
+    ContextParallel.attention_comm` and the plan's ``_cp_rows``): per attention, ring - the
+    key/value block (``2 x kv_heads / tp`` heads of the rank's positions) sent and received
+    ``n - 1`` times forward and again backward, with the float32 ``(dK, dV)`` accumulators
+    ``n`` times; Ulysses - two all_to_alls forward (q, k, v to head-split; the output back)
+    and two backward. Then the token count, the loss mean and the gradients' mean in buckets.
+    The ring's transfers are posted before the block they overlap (``overlap=True``, the
+    transform's default): phases ``fwd_ring``/``bwd_ring``, hidden under the attention's
+    compute as far as the profile's ``overlap`` allows; the all_to_alls wait."""
+    n, tp, hd = c.cp, c.tp, spec.head_dim
+    h, k = spec.heads // tp, spec.kv_heads // tp
+    per_head = b_local * lseq * hd
+    L = n_blocks
+    if c.cp_mode == "ring":
+        kv = 2 * k * per_head
+        work = 4  # the accumulators: float32 for float32 and half-precision inputs
+        for op in ("send", "recv"):
+            add(op, "cp", L * (n - 1), L * (n - 1) * kv * s, "cp ring: kv blocks (forward)",
+                "fwd_ring")
+            add(op, "cp", L * (n - 1), L * (n - 1) * kv * s, "cp ring: kv blocks (backward)",
+                "bwd_ring")
+            add(op, "cp", L * n, L * n * kv * work, "cp ring: dkv accumulators (backward)",
+                "bwd_ring")
+        if c.remat:  # the recompute repeats the forward's ring (not in the plan: it refuses)
+            for op in ("send", "recv"):
+                add(op, "cp", L * (n - 1), L * (n - 1) * kv * s, "cp ring: kv blocks "
+                    "(recompute)", "bwd_ring")
+    else:
+        # ulysses_kv_heads: the kv heads split over the ranks when they divide by n, else
+        # (they divide n) each rank receives the one its query heads share.
+        sent = h + 2 * (k if k % n == 0 else n)
+        reps = 3 if c.remat else 2  # forward, backward (and the recompute's forward)
+        add("all_to_all", "cp", reps * L, reps * L * sent * per_head * s, "cp ulysses: qkv",
+            "fwd")
+        add("all_to_all", "cp", reps * L, reps * L * h * per_head * s, "cp ulysses: out",
+            "bwd")
+    add("all_reduce", "cp", 1, 8, "cp: counted targets", "step")
+    add("all_reduce", "cp", 1, loss_bytes, "cp: loss mean", "step")
+    add("all_reduce", "cp", _buckets(grad_bytes, cap), grad_bytes, "cp: gradient buckets",
+        "step")
 
 
 def _norm_groups(c: Choice, tp_split: bool, experts: bool, *,

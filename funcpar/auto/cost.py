@@ -107,11 +107,13 @@ def _gemms(spec: ModelSpec, layer: int, tokens: float, tp: int, ep: int
 @lru_cache(maxsize=65536)
 def _forward_time(spec: ModelSpec, blocks: tuple[int, ...], last: bool, tokens: float,
                   seq: int, tp: int, ep: int, precision: str, sp: bool,
-                  profile: DeviceProfile) -> tuple[float, float]:
-    """(whole forward, forward of the blocks alone) of one micro-batch on one rank."""
+                  profile: DeviceProfile) -> tuple[float, float, float]:
+    """(whole forward, forward of the blocks alone, their attention alone) of one
+    micro-batch on one rank; ``tokens`` the rank's, ``seq`` the whole sequence each token
+    attends over (under context parallelism more than the rank holds)."""
     s = PRECISION_BYTES[precision]
-    t_blocks = 0.0
-    kinds: dict[bool, float] = {}
+    t_blocks = t_attn = 0.0
+    kinds: dict[bool, tuple[float, float]] = {}
     for i in blocks:
         moe = spec.is_moe(i)
         if moe not in kinds:
@@ -120,15 +122,16 @@ def _forward_time(spec: ModelSpec, blocks: tuple[int, ...], last: bool, tokens: 
             attn = tokens * spec.block_flops(i, seq)[1] / tp / profile.attention_rate(precision)
             ew = ELEMENTWISE_PASSES * tokens * spec.block_activation_bytes(i, s, tp, sp) \
                 / profile.mem_bw.value
-            kinds[moe] = mm + attn + ew + OPS_FWD * profile.op_latency.value
-        t_blocks += kinds[moe]
+            kinds[moe] = (mm + attn + ew + OPS_FWD * profile.op_latency.value, attn)
+        t_blocks += kinds[moe][0]
+        t_attn += kinds[moe][1]
     t = t_blocks
     if last:
         m, k, n = tokens, spec.dim, spec.vocab / tp
         t += 2 * m * k * n / profile.matmul_rate(precision, m, k, n)
         t += ELEMENTWISE_PASSES * tokens * spec.head_activation_bytes(s, tp) / \
             profile.mem_bw.value + OPS_HEAD * profile.op_latency.value
-    return t, t_blocks
+    return t, t_blocks, t_attn
 
 
 def _comm_time(plan: AnalyticPlan, profile: DeviceProfile, phases: tuple[str, ...]
@@ -139,9 +142,11 @@ def _comm_time(plan: AnalyticPlan, profile: DeviceProfile, phases: tuple[str, ..
     for item in plan.comm:
         if item.phase not in phases:
             continue
+        if item.op == "recv":  # the other end of a send: one transfer, priced once
+            continue
         n = sizes[item.axis]
         span = axis_span(c, item.axis)
-        op = "p2p" if item.op == "p2p" else item.op
+        op = "p2p" if item.op in ("p2p", "send") else item.op
         total += item.count * profile.collective_time(op, item.nbytes / item.count, n, span)
         count += item.count
     return total, count
@@ -223,9 +228,10 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
                seq: int, opt_bytes: float) -> tuple[float, dict[str, float]]:
     c = plan.choice
     m, p, v = c.microbatches, c.pp, c.virtual_stages
-    tokens = global_batch // (c.dp * c.ep) // m * seq
-    t_f, t_blocks = _forward_time(spec, plan.blocks, plan.last, float(tokens), seq, c.tp, c.ep,
-                                  c.precision, c.sequence_parallel, profile)
+    tokens = global_batch // (c.dp * c.ep) // m * (seq // c.cp)
+    t_f, t_blocks, t_attn = _forward_time(spec, plan.blocks, plan.last, float(tokens), seq,
+                                          c.tp, c.ep, c.precision, c.sequence_parallel,
+                                          profile)
     t_b = 2 * t_f + (t_blocks if c.remat else 0.0)
     crit, _ = _comm_time(plan, profile, ("fwd", "bwd"))
     t_pipe = _pipeline_overhead(spec, plan, profile) if p > 1 else 0.0
@@ -235,6 +241,13 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
     bh, bn = _comm_time(plan, profile, ("bwd_hidden",))
     ov = profile.overlap.value
     hidden = _hidden(fh, fn, m * t_f, ov) + _hidden(bh, bn, m * t_b, ov)
+    # The ring's hops, each posted before the chunk pair it overlaps: hidden under the
+    # attention's compute (forward; backward twice that, the recompute's forward under remat)
+    # as far as ``overlap`` allows, nothing less than zero.
+    rf, _ = _comm_time(plan, profile, ("fwd_ring",))
+    rb, _ = _comm_time(plan, profile, ("bwd_ring",))
+    ring = max(0.0, rf - ov * m * t_attn) + max(
+        0.0, rb - ov * m * t_attn * (3 if c.remat else 2))
     step_comm, _ = _comm_time(plan, profile, ("step",))
     mem = plan.memory
     local_params = (mem.params / 4) * (c.dp if c.zero == 3 else 1)
@@ -250,8 +263,9 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
     parts = {"compute": m * (t_f + t_b), "bubble": (p - 1) / v * (t_f + t_b),
              "critical comm": (m + (p - 1) / v) * crit / m,
              "pipeline overhead": (m + (p - 1) / v) * t_pipe, "hidden comm exposed": hidden,
+             "cp ring exposed": ring,
              "step comm": step_comm, "optimizer": t_opt, "offload": t_off}
-    return pipe + hidden + step_comm + t_opt + t_off, parts
+    return pipe + hidden + ring + step_comm + t_opt + t_off, parts
 
 
 def estimate(spec: ModelSpec, c: Choice, profile: DeviceProfile, global_batch: int, seq: int, *,

@@ -57,12 +57,18 @@ class StageBytes:
                 self.largest_leaf, self.out, self.dx)
 
 
-def _pareto(vectors: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
-    """The vectors no other one dominates componentwise (all quantities are >= 0)."""
+def _pareto(vectors: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The vectors no other one dominates componentwise (all quantities are >= 0). The
+    counts of sent buffers (``O``, ``D``) only grow over a schedule, so of the events
+    ``vectors`` (in time order) that agree elsewhere the last dominates the others: they are
+    dropped first, which leaves few for the quadratic pass."""
+    latest: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for vec in vectors:
+        latest[tuple(x for i, x in enumerate(vec) if i % _FIELDS < 5)] = vec
     keep: list[tuple[int, ...]] = []
-    for v in sorted(vectors, key=sum, reverse=True):
-        if not any(all(a >= b for a, b in zip(k, v)) for k in keep):
-            keep.append(v)
+    for vec in sorted(set(latest.values()), key=sum, reverse=True):
+        if not any(all(a >= b for a, b in zip(k, vec)) for k in keep):
+            keep.append(vec)
     return tuple(keep)
 
 
@@ -76,7 +82,7 @@ def events(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int,
     n_fwd = [0] * v  # forwards done, per local stage
     n_bwd = [0] * v
     stale = -1  # local stage whose gradient tuple ``got`` still holds beyond the accumulator
-    out: set[tuple[int, ...]] = set()
+    out: list[tuple[int, ...]] = []
 
     def level(fwd_t: int = -1, bwd_t: int = -1, new_g: int = -1, leaf: int = -1,
               in_flight_less: int = -1) -> tuple[int, ...]:
@@ -97,13 +103,13 @@ def events(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int,
         j = a.stage // p
         if a.kind == "F":
             n_fwd[j] += 1
-            out.add(level(fwd_t=j))
+            out.append(level(fwd_t=j))
             continue
-        out.add(level(bwd_t=j))
+        out.append(level(bwd_t=j))
         # autograd.grad has returned: this micro-batch's activations are freed, its gradient
         # tuple is new, the previous one is still referenced; the second backward of a stage
         # then allocates the accumulator's sum leaf by leaf.
-        out.add(level(new_g=j, in_flight_less=j, leaf=j if n_bwd[j] == 1 else -1))
+        out.append(level(new_g=j, in_flight_less=j, leaf=j if n_bwd[j] == 1 else -1))
         n_bwd[j] += 1
         stale = j if n_bwd[j] >= 2 else -1
     return _pareto(out)

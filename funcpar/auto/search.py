@@ -46,7 +46,11 @@ __all__ = ["AutoResult", "NoFeasibleLayout", "auto_parallel", "parse_bytes", "pr
 
 CONSTRAINT_KEYS = ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule",
                    "virtual_stages", "remat", "offload", "precision", "sequence_parallel",
-                   "max_tp")
+                   "max_tp", "cp", "cp_mode")
+#: Context parallelism is offered where each of the ``2 cp`` zigzag chunks of a sequence holds
+#: at least this many positions (below, a chunk pair's attention is too small to hide a ring
+#: hop or to be worth an all_to_all); a ``cp`` constraint lifts it.
+MIN_CP_CHUNK = 64
 
 
 class NoFeasibleLayout(ValueError):
@@ -163,7 +167,27 @@ def _allowed(constraints: Mapping[str, Any], key: str, value: Any) -> bool:
     return value == want
 
 
-def _candidates(spec: ModelSpec, world: int, batch: int, cons: Mapping[str, Any],
+def _cp_options(spec: ModelSpec, world: int, tp: int, pp: int, seq: int,
+                cons: Mapping[str, Any]) -> list[tuple[int, str]]:
+    """``(cp, mode)`` pairs: cp 1, and where context parallelism composes (no pipeline, a
+    dense model) and the zigzag cut divides the sequence into chunks long enough
+    (``MIN_CP_CHUNK``, unless ``cp`` is constrained), ring always and Ulysses where the
+    heads and key/value heads per tensor-parallel rank split over cp
+    (:func:`funcpar.transforms.context_parallel.ulysses_kv_heads`)."""
+    out = [(1, "ring")]
+    if pp > 1 or spec.moe:
+        return out
+    h, k = spec.heads // tp, spec.kv_heads // tp
+    for cp in _divisors(world // tp // pp)[1:]:
+        if seq % (2 * cp) or ("cp" not in cons and seq // (2 * cp) < MIN_CP_CHUNK):
+            continue
+        out.append((cp, "ring"))
+        if h % cp == 0 and (k % cp == 0 or cp % k == 0):
+            out.append((cp, "ulysses"))
+    return out
+
+
+def _candidates(spec: ModelSpec, world: int, batch: int, seq: int, cons: Mapping[str, Any],
                 max_tp: int, untested: bool = False) -> Iterable[Choice]:
     precisions = cons.get("precision", "bf16")
     precisions = [precisions] if isinstance(precisions, str) else list(precisions)
@@ -173,37 +197,47 @@ def _candidates(spec: ModelSpec, world: int, batch: int, cons: Mapping[str, Any]
         for pp in _divisors(world // tp):
             if pp > spec.layers:
                 continue
-            for ep in _divisors(world // tp // pp):
-                if ep > 1 and (not spec.moe or spec.n_experts % ep):
-                    continue
-                dp = world // tp // pp // ep
-                if batch % (dp * ep):
-                    continue
-                local = batch // (dp * ep)
-                if pp == 1:
-                    pipes = [(1, "1f1b", 1)]
-                else:
-                    ms = sorted({m for m in (pp, 2 * pp, 4 * pp, 8 * pp, local)
-                                 if m <= local and local % m == 0})
-                    scheds = [("1f1b", 1)]
-                    if 2 * pp <= spec.layers:
-                        scheds.append(("interleaved", 2))
-                    if "gpipe" in _as_set(cons.get("schedule")):
-                        scheds.append(("gpipe", 1))
-                    # Interleaved only with m a multiple of p (Megatron-LM's condition; the
-                    # bubble's closed form holds there, tests/test_auto.py).
-                    pipes = [(m, s, v) for m in ms for s, v in scheds
-                             if s != "interleaved" or m % pp == 0]
-                zeros = range(4) if dp > 1 else (0,)
-                for zero in zeros:
-                    if pp > 1 and zero == 3 and not untested:
-                        continue
-                    for m, sched, v in pipes:
-                        sps = (False, True) if tp > 1 and (pp == 1 or untested) else (False,)
-                        for sp in sps:
-                            for prec in precisions:
-                                yield Choice(tp, pp, dp, ep, zero, m, sched, v, False, None,
-                                             prec, sp)
+            for cp, cp_mode in _cp_options(spec, world, tp, pp, seq, cons):
+                yield from _meshes(spec, world, batch, cons, untested, precisions, tp, pp, cp,
+                                   cp_mode)
+
+
+def _meshes(spec: ModelSpec, world: int, batch: int, cons: Mapping[str, Any], untested: bool,
+            precisions: list[str], tp: int, pp: int, cp: int, cp_mode: str
+            ) -> Iterable[Choice]:
+    """The layouts of one ``tp x pp x cp``: ep, dp, ZeRO, pipeline schedules, sequence
+    parallelism and precision."""
+    for ep in _divisors(world // tp // pp // cp):
+        if ep > 1 and (not spec.moe or spec.n_experts % ep):
+            continue
+        dp = world // tp // pp // ep // cp
+        if batch % (dp * ep):
+            continue
+        local = batch // (dp * ep)
+        if pp == 1:
+            pipes = [(1, "1f1b", 1)]
+        else:
+            ms = sorted({m for m in (pp, 2 * pp, 4 * pp, 8 * pp, local)
+                         if m <= local and local % m == 0})
+            scheds = [("1f1b", 1)]
+            if 2 * pp <= spec.layers:
+                scheds.append(("interleaved", 2))
+            if "gpipe" in _as_set(cons.get("schedule")):
+                scheds.append(("gpipe", 1))
+            # Interleaved only with m a multiple of p (Megatron-LM's condition; the
+            # bubble's closed form holds there, tests/test_auto.py).
+            pipes = [(m, s, v) for m in ms for s, v in scheds
+                     if s != "interleaved" or m % pp == 0]
+        zeros = range(4) if dp > 1 else (0,)
+        for zero in zeros:
+            if pp > 1 and zero == 3 and not untested:
+                continue
+            for m, sched, v in pipes:
+                sps = (False, True) if tp > 1 and (pp == 1 or untested) else (False,)
+                for sp in sps:
+                    for prec in precisions:
+                        yield Choice(tp, pp, dp, ep, zero, m, sched, v, False, None,
+                                     prec, sp, cp, cp_mode)
 
 
 def _as_set(x: Any) -> set:
@@ -219,7 +253,7 @@ def _fallbacks(c: Choice, untested: bool = False) -> list[Choice]:
         out.append(dataclasses.replace(c, remat=True))
     if c.pp == 1:
         out.append(dataclasses.replace(c, remat=True))
-        if c.ep == 1:
+        if c.ep == 1 and c.cp == 1:  # offload beside cp: composes, but neither run nor planned
             out.append(dataclasses.replace(c, offload="cpu"))
             out.append(dataclasses.replace(c, remat=True, offload="cpu"))
     return out
@@ -227,7 +261,7 @@ def _fallbacks(c: Choice, untested: bool = False) -> list[Choice]:
 
 def _fits_constraints(c: Choice, cons: Mapping[str, Any]) -> bool:
     for key in ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
-                "remat", "offload", "sequence_parallel"):
+                "remat", "offload", "sequence_parallel", "cp", "cp_mode"):
         if not _allowed(cons, key, getattr(c, key)):
             return False
     return True
@@ -246,7 +280,7 @@ def _search(spec: ModelSpec, world: int, mem: float, prof: DeviceProfile, batch:
         n += 1
         return estimate(spec, c, prof, batch, seq, opt_bytes=opt_bytes, margin=margin)
 
-    for c in _candidates(spec, world, batch, cons, max_tp, untested):
+    for c in _candidates(spec, world, batch, seq, cons, max_tp, untested):
         tries = [c] + _fallbacks(c, untested)
         tries = [t for t in tries if _fits_constraints(t, cons)]
         for t in tries:

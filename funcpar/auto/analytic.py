@@ -193,14 +193,19 @@ def step_buffers(grad_bytes: float, dp: int, zero: int, clip: bool,
     the backward's hooks: the bucket's flat copy and its mean beside the gradients, ``3 G``,
     are freed before the clip copies (``(1 + 1) G``); ZeRO-1 and -2 add their part,
     ``(3 + 1/n) G`` (measured at ``n = 2``: ``3 G``, ``3.5 G``, ``3.2 G`` for ZeRO-0, 1, 2;
-    tests/test_auto_pipeline.py). Context parallelism alone (``cp > 1``, ``dp = 1``) means
-    its gradients in flat buckets as data parallelism does: ``(3 + 1) G``."""
+    tests/test_auto_pipeline.py). Context parallelism means its gradients after the
+    backward too (``sync_grads``, flat buckets): alone (``dp = 1``) like a pipeline's
+    reduction, ``max(3, 1 + 1) G`` (measured ``3.0 G`` at cp4); beside data parallelism its
+    flat copy and mean ``2 G`` (of the ZeRO-2/3 part) come on top of what data parallelism's
+    hooks still hold, unclipped (measured ``5.0 G`` at dp2 x cp2, ZeRO-0; the other ZeRO
+    stages are this rule, not measured)."""
     n = dp
     c = 1.0 if clip else 0.0
-    if n == 1 and cp > 1:
-        units = 3 + c
-    elif n == 1:
-        units = 1 + c
+    if cp > 1 and n > 1:
+        clipped = step_buffers(grad_bytes, dp, zero, clip, pipeline) / grad_bytes
+        return max(clipped, clipped - c + 2 / (n if zero >= 2 else 1)) * grad_bytes
+    if n == 1:
+        units = max(3, 1 + c) if cp > 1 else 1 + c
     elif pipeline:
         units = max(3 + (1 / n if zero in (1, 2) else 0), 1 + c)
     elif zero == 0:

@@ -2,11 +2,13 @@
 
 The space (each dimension can be pinned or narrowed by ``constraints``):
 
-* meshes ``pp x ep x dp x tp = world_size``: ``tp`` dividing the heads and key/value heads,
-  at most ``max_tp`` (default: the profile's GPUs per node, so tensor parallelism stays on
-  NVLink); ``pp`` at most the layer count; ``ep`` dividing the experts (MoE models, whose
-  experts' tensor parallelism the plan does not model: ``tp = 1`` there); ``dp`` the rest,
-  with the global batch divisible by ``dp x ep``;
+* meshes ``pp x ep x dp x cp x tp = world_size``: ``tp`` dividing the heads and key/value
+  heads, at most ``max_tp`` (default: the profile's GPUs per node, and then dividing it, so
+  tensor parallelism stays on NVLink); ``pp`` at most the layer count; ``ep`` dividing the
+  experts (MoE models, whose experts' tensor parallelism the plan does not model: ``tp = 1``
+  there); ``cp`` (context parallelism, ring or Ulysses) without a pipeline and for dense
+  models, where the sequence cuts into ``2 cp`` chunks of at least ``MIN_CP_CHUNK`` positions
+  (:func:`_cp_options`); ``dp`` the rest, with the global batch divisible by ``dp x ep``;
 * ZeRO 0-3 over ``dp`` (0-2 under a pipeline); sequence parallelism with ``tp > 1``;
 * pipelines: micro-batches ``m`` in ``{p, 2p, 4p, 8p, b}`` dividing the rank's batch ``b``;
   1F1B and interleaved (``v = 2`` where ``2 p`` stages fit the layers, ``m`` a multiple of
@@ -188,11 +190,12 @@ def _cp_options(spec: ModelSpec, world: int, tp: int, pp: int, seq: int,
 
 
 def _candidates(spec: ModelSpec, world: int, batch: int, seq: int, cons: Mapping[str, Any],
-                max_tp: int, untested: bool = False) -> Iterable[Choice]:
+                max_tp: int, untested: bool = False, node: int = 0) -> Iterable[Choice]:
     precisions = cons.get("precision", "bf16")
     precisions = [precisions] if isinstance(precisions, str) else list(precisions)
     for tp in _divisors(world):
-        if tp > max_tp or spec.heads % tp or spec.kv_heads % tp or (spec.moe and tp > 1):
+        if tp > max_tp or spec.heads % tp or spec.kv_heads % tp or (spec.moe and tp > 1) or (
+                node and node % tp):
             continue
         for pp in _divisors(world // tp):
             if pp > spec.layers:
@@ -280,7 +283,9 @@ def _search(spec: ModelSpec, world: int, mem: float, prof: DeviceProfile, batch:
         n += 1
         return estimate(spec, c, prof, batch, seq, opt_bytes=opt_bytes, margin=margin)
 
-    for c in _candidates(spec, world, batch, seq, cons, max_tp, untested):
+    # On a profile with nodes, tp divides the node so that no tp group straddles two.
+    node = prof.gpus_per_node if prof.links and "max_tp" not in cons else 0
+    for c in _candidates(spec, world, batch, seq, cons, max_tp, untested, node):
         tries = [c] + _fallbacks(c, untested)
         tries = [t for t in tries if _fits_constraints(t, cons)]
         for t in tries:

@@ -102,6 +102,51 @@ def test_analytic_pipeline_memory_equals_plan(c):
         assert (a.params, a.grads) == (m.params, m.grads)
 
 
+@pytest.mark.parametrize("c", [Choice(tp=4, tp_mode="2d", precision="fp32"),
+                               Choice(tp=4, dp=2, tp_mode="2d"),
+                               Choice(tp=4, dp=2, zero=2, tp_mode="2d")], ids=str)
+def test_analytic_2d_equals_the_transforms_account(c):
+    """2D tensor parallelism: its SUMMA broadcasts, reduce-scatters, gathers and all-reduces
+    equal the transform's own account (``tp_modes.planned_collectives``, which
+    tests/test_tp_modes.py holds to the comm log) op by op and axis by axis; the rest
+    (data parallelism, ZeRO, the norms) and the memory equal ``describe``'s plan."""
+    from funcpar.shard import llama_rules
+    from funcpar.transforms.tp_modes import plan_2d, planned_collectives
+
+    ana = analytic_plan(model_spec(CFG), c, B, T)
+    grid = plan_2d(Llama(CFG, device="meta"), llama_rules(CFG.head_dim),
+                   DeviceMesh.virtual(rank=0, **c.axes()))
+    dtype = torch.float32 if c.precision == "fp32" else torch.bfloat16
+    want: dict = {}
+    for p in planned_collectives(grid, B // c.dp // c.grid * T, dtype):
+        n, b = want.get((p.op, p.axis), (0, 0))
+        want[(p.op, p.axis)] = (n + 1, b + p.nbytes)
+    got: dict = {}
+    rest: dict = {}
+    for it in ana.comm:
+        into = got if it.what.startswith("2d:") else rest
+        n, b = into.get((it.op, it.axis), (0, 0))
+        into[(it.op, it.axis)] = (n + it.count, b + it.nbytes)
+    assert got == want
+    plan = _plan(c, CFG)
+    assert rest == {k: (n, float(b)) for k, (n, b) in plan.comm_totals().items()}
+    m, a = plan.memory, ana.memory
+    assert (a.params, a.grads, a.compute_params) == (m.params, m.grads, m.compute_params)
+
+
+def test_search_offers_2d_only_on_square_grids():
+    spec = model_spec(CFG)
+    res = auto_parallel(spec, world_size=8, global_batch=8, seq_len=16, profile=_flat(),
+                        constraints={"tp_mode": "2d"})
+    assert res.ranked and all(e.choice.grid ** 2 == e.choice.tp >= 4 for e in res.ranked)
+    assert all(e.choice.pp == e.choice.cp == 1 and not e.choice.sequence_parallel
+               for e in res.ranked)
+    with pytest.raises(NoFeasibleLayout) as err:
+        auto_parallel(spec, world_size=8, global_batch=8, seq_len=16, profile=_flat(),
+                      constraints={"tp_mode": "2d", "tp": 2})
+    assert err.value.tightest in ("tp", "tp_mode")
+
+
 def _saved_bytes(cfg: LlamaConfig, dtype: torch.dtype, b: int, t: int) -> int:
     """Bytes one block saves for its backward (saved-tensor hooks; parameters excluded)."""
     block = Llama(cfg, dtype=dtype).layers[0]
@@ -444,9 +489,13 @@ def test_train_lm_what_if_picks_context_parallelism(capsys):
     assert re.search(r" cp\d+-(ring|ulysses) ", chosen), chosen
 
 
-def test_train_lm_auto_refuses_2d_tensor_parallelism_with_reason():
+def test_train_lm_what_if_pins_2d_tensor_parallelism(capsys):
+    """``--tp 4 --tp-mode 2d`` with ``--auto`` pins the grid; the rest is searched."""
     from tests._examples import load_example
 
     train_lm = load_example("train_lm.py", "train_lm_auto")
-    with pytest.raises(SystemExit, match="does not search --tp-mode 2d.*no 2D tensor"):
-        train_lm.main(["--auto", "--tp", "4", "--tp-mode", "2d", "--steps", "1"])
+    train_lm.main(["--auto", "--what-if", "--world", "8", "--tp", "4", "--tp-mode", "2d",
+                   "--profile", "cpu-gloo", "--batch-size", "8", "--seq-len", "64"])
+    chosen = next(line for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("chosen:"))
+    assert chosen.startswith("chosen: tp4(2d) pp1 dp2"), chosen

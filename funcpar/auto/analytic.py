@@ -66,6 +66,12 @@ class Choice:
     sequence_parallel: bool = False
     cp: int = 1
     cp_mode: str = "ring"
+    tp_mode: str = "1d"
+
+    @property
+    def grid(self) -> int:
+        """``q`` of 2D tensor parallelism's ``q x q`` grid (``tp = q^2``), 0 under 1D."""
+        return math.isqrt(self.tp) if self.tp_mode == "2d" else 0
 
     @property
     def world(self) -> int:
@@ -79,7 +85,10 @@ class Choice:
         out["dp"] = self.dp
         if self.cp > 1:
             out["cp"] = self.cp
-        out["tp"] = self.tp
+        if self.grid:  # the presets keep the 1D axis, of size 1, beside the grid
+            out.update(tp=1, tp_row=self.grid, tp_col=self.grid)
+        else:
+            out["tp"] = self.tp
         return out
 
     def preset_kwargs(self) -> dict:
@@ -92,6 +101,8 @@ class Choice:
                       num_model_chunks=self.virtual_stages)
         if self.cp > 1:
             kw.update(sp_size=self.cp, sequence_parallelism_mode=CP_PRESET_MODES[self.cp_mode])
+        if self.grid:
+            kw["tp_mode"] = "2d"
         if self.ep > 1:
             kw["ep_size"] = self.ep
         else:
@@ -99,7 +110,8 @@ class Choice:
         return kw
 
     def __str__(self) -> str:
-        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        parts = [f"tp{self.tp}" + ("(2d)" if self.grid else ""), f"pp{self.pp}",
+                 f"dp{self.dp}"]
         if self.cp > 1:
             parts.append(f"cp{self.cp}-{self.cp_mode}")
         if self.ep > 1:
@@ -319,7 +331,8 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
     items: list[CommItem] = []
 
     def add(op: str, axis: str, count: int, nbytes: float, what: str, phase: str) -> None:
-        size = {"tp": tp, "dp": dp, "ep": ep, "pp": pp, "cp": cp}[axis]
+        size = {"tp": tp, "dp": dp, "ep": ep, "pp": pp, "cp": cp, "tp_row": c.grid,
+                "tp_col": c.grid}[axis]
         if count and size > 1:
             items.append(CommItem(op, axis, count, nbytes, what, phase))
 
@@ -329,11 +342,14 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         spec.head if last else 0)
     repl = sum(b.replicated for b in bc) + (d if last else 0)
     experts = sum(b.experts for b in bc)
-    local = split / tp + repl + experts / ep
+    # 2D tensor parallelism splits every leaf over the grid, norms and embedding included.
+    local = (split + repl) / tp if c.grid else split / tp + repl + experts / ep
     # --------------------------------------------------------------- tensor parallelism
     dense = [i for i in blocks if not spec.is_moe(i)]
     act = tokens * d * s
-    if tp > 1 and not c.sequence_parallel:
+    if c.grid:
+        _tp2d_rows(add, spec, c.grid, blocks, first, last, b_local // c.grid * lseq, s)
+    elif tp > 1 and not c.sequence_parallel:
         n = len(dense)
         add("all_reduce", "tp", 2 * n * m, 2 * n * act, "tp: row-split linear outputs", "fwd")
         add("all_reduce", "tp", 2 * n * m, 2 * n * act, "tp: input grads of column-split "
@@ -366,7 +382,7 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         # The gradients of the leaves tp does not split (norms), one all-reduce per dtype.
         add("all_reduce", "tp", 1, repl * PARAM_BYTES, "sp: grads of leaves not split over tp",
             "step")
-    if tp > 1 and last:
+    if tp > 1 and last and not c.grid:
         add("all_reduce", "tp", 3 * m, 3 * tokens * max(s, 4), "tp: vocab-parallel "
             "cross-entropy (max, sum_exp, target)", "fwd")
     # ---------------------------------------------------------------- expert parallelism
@@ -450,6 +466,8 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         gathered = (outside + largest) * s
     mb_tokens = b_local // m * lseq
     per_block = [spec.block_activation_bytes(i, s, tp, c.sequence_parallel) for i in blocks]
+    if c.grid:  # activations grid-partitioned (rows over tp_row, features or heads over tp_col)
+        per_block = [spec.block_activation_bytes(i, s) / tp for i in blocks]
     rope = spec.rope_bytes(lseq, s)
     held = in_flight(c.schedule, pp, m, v, r)
     if c.remat:
@@ -512,6 +530,50 @@ def _stage_bytes(spec: ModelSpec, c: Choice, stage: int, first: bool, last: bool
                       0.0 if last else mb_act, 0.0 if first else mb_act)
 
 
+def _tp2d_rows(add: Any, spec: ModelSpec, q: int, blocks: tuple[int, ...], first: bool,
+               last: bool, rows: int, s: int) -> None:
+    """2D tensor parallelism's collectives (:func:`funcpar.transforms.tp_modes.
+    planned_collectives`, held to the comm log by tests/test_tp_modes.py) on ``rows`` local
+    token rows: per linear ``[out, in]`` SUMMA broadcasts ``q`` panels of the activation
+    (``rows x in/q``, over ``tp_col``) and of the weight (``in/q x out/q``, over ``tp_row``)
+    forward, the weight's again and the activation's again backward, and reduce-scatters the
+    input gradient's partials (``tp_col``) and the weight gradient's (``tp_row``); per RMSNorm
+    the sum of squares all-reduced over ``tp_col`` forward and backward and its weight
+    gathered over ``tp_row`` (reduce-scattered back); the embedding's table likewise; the
+    vocab-parallel cross-entropy's three all-reduces over ``tp_col`` and the token sum and
+    count over ``tp_row``. Dims are taken to divide (the search offers 2D only there)."""
+    d, f, hd = spec.dim, spec.ffn, spec.head_dim
+    linears = [(d, spec.heads * hd), (d, spec.kv_heads * hd), (d, spec.kv_heads * hd),
+               (spec.heads * hd, d), (d, f), (d, f), (f, d)]
+    pairs: dict[tuple[int, int], int] = {}  # (in, out) -> linears of that shape on the rank
+    for _ in blocks:
+        for io in linears:
+            pairs[io] = pairs.get(io, 0) + 1
+    if last:
+        pairs[(d, spec.vocab)] = pairs.get((d, spec.vocab), 0) + 1
+    norms = 2 * len(blocks) + (1 if last else 0)
+    for (n_in, n_out), k in pairs.items():
+        a, w = rows * n_in // q * s, n_in // q * (n_out // q) * s  # one panel of each
+        add("broadcast", "tp_col", q * k, q * k * a, "2d: activation panels (forward)", "fwd")
+        add("broadcast", "tp_row", q * k, q * k * w, "2d: weight panels (forward)", "fwd")
+        add("broadcast", "tp_row", q * k, q * k * w, "2d: weight panels (backward)", "bwd")
+        add("broadcast", "tp_col", q * k, q * k * a, "2d: activation panels (backward)", "bwd")
+        add("reduce_scatter", "tp_col", k, k * q * a, "2d: input-gradient partials", "bwd")
+        add("reduce_scatter", "tp_row", k, k * q * w, "2d: weight-gradient partials", "bwd")
+    add("all_reduce", "tp_col", 2 * norms, 2 * norms * rows * s, "2d: norms' sums of squares "
+        "(forward and backward)", "fwd")
+    add("all_gather", "tp_row", norms, norms * d // q * s, "2d: norm weights gathered", "fwd")
+    add("reduce_scatter", "tp_row", norms, norms * d // q * s, "2d: norm weight grads", "bwd")
+    if first:
+        table = spec.vocab * d // q * s
+        add("all_gather", "tp_row", 1, table, "2d: embedding table gathered", "fwd")
+        add("reduce_scatter", "tp_row", 1, table, "2d: embedding table grad", "bwd")
+    if last:
+        add("all_reduce", "tp_col", 3, 3 * rows * s, "2d: cross-entropy (max, sum_exp, "
+            "target)", "fwd")
+        add("all_reduce", "tp_row", 2, 2 * s, "2d: loss token sum and count", "fwd")
+
+
 def _cp_rows(add: Any, spec: ModelSpec, c: Choice, n_blocks: int, b_local: int, lseq: int,
              s: int, loss_bytes: float, grad_bytes: float, cap: int) -> None:
     """Context parallelism's collectives (:meth:`funcpar.transforms.context_parallel.
@@ -562,6 +624,8 @@ def _norm_groups(c: Choice, tp_split: bool, experts: bool, *,
     parts): :func:`funcpar.shard.reduce.total_sum_of_squares` all-reduces each once per axis."""
     zero_axes = ("dp",) if (c.zero >= 2 or (optimizer and c.zero >= 1)) and c.dp > 1 else ()
     tp_axes = ("tp",) if c.tp > 1 and tp_split else ()
+    if c.grid:  # every leaf is split over both grid axes
+        return [("tp_row", "tp_col") + zero_axes]
     groups = {zero_axes, tp_axes + zero_axes}
     if experts and c.ep > 1:
         groups.add(("ep",) + zero_axes)

@@ -90,9 +90,13 @@ def axis_span(choice: Choice, axis: str) -> int:
     return axes[axis] * inner
 
 
-def _gemms(spec: ModelSpec, layer: int, tokens: float, tp: int, ep: int
+def _gemms(spec: ModelSpec, layer: int, tokens: float, tp: int, ep: int, grid: int = 0
            ) -> list[tuple[float, float, float]]:
-    """(m, k, n) of each forward GEMM of block ``layer`` on one rank."""
+    """(m, k, n) of each forward GEMM of block ``layer`` on one rank; under 2D tensor
+    parallelism (``grid`` = q) SUMMA's ``q`` panel products of ``m/q x k/q x n/q`` each."""
+    if grid:
+        return [(m / grid, k / grid, n / grid) for m, k, n in _gemms(spec, layer, tokens, 1, ep)
+                for _ in range(grid)]
     d, f, hd = spec.dim, spec.ffn, spec.head_dim
     out = [(tokens, d, (d + 2 * spec.kv_heads * hd) / tp), (tokens, d / tp, d)]
     if spec.is_moe(layer):
@@ -107,7 +111,7 @@ def _gemms(spec: ModelSpec, layer: int, tokens: float, tp: int, ep: int
 @lru_cache(maxsize=65536)
 def _forward_time(spec: ModelSpec, blocks: tuple[int, ...], last: bool, tokens: float,
                   seq: int, tp: int, ep: int, precision: str, sp: bool,
-                  profile: DeviceProfile) -> tuple[float, float, float]:
+                  profile: DeviceProfile, grid: int = 0) -> tuple[float, float, float]:
     """(whole forward, forward of the blocks alone, their attention alone) of one
     micro-batch on one rank; ``tokens`` the rank's, ``seq`` the whole sequence each token
     attends over (under context parallelism more than the rank holds)."""
@@ -118,17 +122,23 @@ def _forward_time(spec: ModelSpec, blocks: tuple[int, ...], last: bool, tokens: 
         moe = spec.is_moe(i)
         if moe not in kinds:
             mm = sum(2 * m * k * n / profile.matmul_rate(precision, m, k, n)
-                     for m, k, n in _gemms(spec, i, tokens, tp, ep))
+                     for m, k, n in _gemms(spec, i, tokens, tp, ep, grid))
             attn = tokens * spec.block_flops(i, seq)[1] / tp / profile.attention_rate(precision)
-            ew = ELEMENTWISE_PASSES * tokens * spec.block_activation_bytes(i, s, tp, sp) \
-                / profile.mem_bw.value
+            act = spec.block_activation_bytes(i, s) / tp if grid else \
+                spec.block_activation_bytes(i, s, tp, sp)
+            ew = ELEMENTWISE_PASSES * tokens * act / profile.mem_bw.value
             kinds[moe] = (mm + attn + ew + OPS_FWD * profile.op_latency.value, attn)
         t_blocks += kinds[moe][0]
         t_attn += kinds[moe][1]
     t = t_blocks
     if last:
         m, k, n = tokens, spec.dim, spec.vocab / tp
-        t += 2 * m * k * n / profile.matmul_rate(precision, m, k, n)
+        if grid:  # q panel products of (tokens / q) x (dim / q) x (vocab / q)
+            m, k = tokens / grid, spec.dim / grid
+            n = spec.vocab / grid
+            t += grid * 2 * m * k * n / profile.matmul_rate(precision, m, k, n)
+        else:
+            t += 2 * m * k * n / profile.matmul_rate(precision, m, k, n)
         t += ELEMENTWISE_PASSES * tokens * spec.head_activation_bytes(s, tp) / \
             profile.mem_bw.value + OPS_HEAD * profile.op_latency.value
     return t, t_blocks, t_attn
@@ -231,7 +241,7 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
     tokens = global_batch // (c.dp * c.ep) // m * (seq // c.cp)
     t_f, t_blocks, t_attn = _forward_time(spec, plan.blocks, plan.last, float(tokens), seq,
                                           c.tp, c.ep, c.precision, c.sequence_parallel,
-                                          profile)
+                                          profile, c.grid)
     t_b = 2 * t_f + (t_blocks if c.remat else 0.0)
     crit, _ = _comm_time(plan, profile, ("fwd", "bwd"))
     t_pipe = _pipeline_overhead(spec, plan, profile) if p > 1 else 0.0

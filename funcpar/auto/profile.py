@@ -20,9 +20,11 @@ A :class:`DeviceProfile` holds, each figure with its source (:class:`Figure`):
   byte in :mod:`funcpar.shard.comm`'s byte convention, fitted on ``n`` ranks) or link figures
   ``links["intra"|"inter"] = {bw, alpha}`` priced as rings: ``hops alpha + f bytes / bw`` with
   ``f = 2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather, reduce_scatter and
-  all_to_all, 1 for p2p; ``hops = 2 log2 n`` for all_reduce (NCCL's trees), ``n - 1`` for the
-  others, 1 for p2p. A group whose ranks lie within ``gpus_per_node`` consecutive ranks uses
-  ``intra`` (NVLink), any other ``inter`` (InfiniBand per GPU).
+  all_to_all, 1 for p2p and broadcast (pipelined); ``hops = 2 log2 n`` for all_reduce (NCCL's
+  trees), ``log2 n`` for broadcast, ``n - 1`` for the others, 1 for p2p. A broadcast without a
+  fit of its own is priced as the all_gather that moves as many bytes into each rank. A group
+  whose ranks lie within ``gpus_per_node`` consecutive ranks uses ``intra``
+  (NVLink), any other ``inter`` (InfiniBand per GPU).
 
 :func:`measure` fills one on the current devices (``python -m funcpar.profile``);
 :func:`load_profile` reads JSON or a shipped reference (``funcpar/auto/profiles/*.json``:
@@ -134,6 +136,10 @@ class DeviceProfile:
         ``span`` consecutive ranks (module docstring)."""
         if n <= 1:
             return 0.0
+        if op == "broadcast" and op not in self.collectives and self.collectives:
+            # Not measured: a pipelined broadcast moves its bytes once into each rank, as an
+            # all_gather of n / (n - 1) times them does (2D tensor parallelism's panels).
+            return self.collective_time("all_gather", nbytes * n / (n - 1), n, span)
         fitted = self.collectives.get(op)
         if fitted:
             sizes = sorted(fitted)
@@ -218,12 +224,14 @@ class DeviceProfile:
 def _ring(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    return 1.0 if op == "p2p" else (n - 1) / n
+    return 1.0 if op in ("p2p", "broadcast") else (n - 1) / n
 
 
 def _hops(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2 * math.ceil(math.log2(n))
+    if op == "broadcast":
+        return float(math.ceil(math.log2(n)))
     return 1.0 if op == "p2p" else float(n - 1)
 
 

@@ -34,6 +34,7 @@ removal admits the fastest layout (or the memory limit, with the least memory an
 from __future__ import annotations
 
 import dataclasses
+import math
 import time as _time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -48,7 +49,7 @@ __all__ = ["AutoResult", "NoFeasibleLayout", "auto_parallel", "parse_bytes", "pr
 
 CONSTRAINT_KEYS = ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule",
                    "virtual_stages", "remat", "offload", "precision", "sequence_parallel",
-                   "max_tp", "cp", "cp_mode")
+                   "max_tp", "cp", "cp_mode", "tp_mode")
 #: Context parallelism is offered where each of the ``2 cp`` zigzag chunks of a sequence holds
 #: at least this many positions (below, a chunk pair's attention is too small to hide a ring
 #: hop or to be worth an all_to_all); a ``cp`` constraint lifts it.
@@ -194,19 +195,36 @@ def _candidates(spec: ModelSpec, world: int, batch: int, seq: int, cons: Mapping
     precisions = cons.get("precision", "bf16")
     precisions = [precisions] if isinstance(precisions, str) else list(precisions)
     for tp in _divisors(world):
-        if tp > max_tp or spec.heads % tp or spec.kv_heads % tp or (spec.moe and tp > 1) or (
-                node and node % tp):
+        if tp > max_tp or (spec.moe and tp > 1) or (node and node % tp):
             continue
-        for pp in _divisors(world // tp):
-            if pp > spec.layers:
-                continue
-            for cp, cp_mode in _cp_options(spec, world, tp, pp, seq, cons):
-                yield from _meshes(spec, world, batch, cons, untested, precisions, tp, pp, cp,
-                                   cp_mode)
+        for tp_mode in _tp_modes(spec, tp, batch, world):
+            for pp in _divisors(world // tp):
+                if pp > spec.layers or (pp > 1 and tp_mode == "2d"):
+                    continue
+                cps = [(1, "ring")] if tp_mode == "2d" else _cp_options(spec, world, tp, pp,
+                                                                        seq, cons)
+                for cp, cp_mode in cps:
+                    yield from _meshes(spec, world, batch, cons, untested, precisions, tp, pp,
+                                       cp, cp_mode, tp_mode)
+
+
+def _tp_modes(spec: ModelSpec, tp: int, batch: int, world: int) -> list[str]:
+    """``"1d"`` where ``tp`` divides the heads and key/value heads; ``"2d"`` (SUMMA on a
+    ``q x q`` grid, :mod:`funcpar.transforms.tp_modes`) where ``tp = q^2 >= 4``, ``q``
+    divides the heads and key/value heads (whole heads over ``tp_col``), ``tp`` the hidden
+    size (the embedding's and norms' two-level cut) and ``q`` the MLP's width and the
+    vocabulary (even panels), and the batch has rows for every grid row."""
+    out = ["1d"] if spec.heads % tp == 0 and spec.kv_heads % tp == 0 else []
+    q = math.isqrt(tp)
+    if (tp >= 4 and q * q == tp and not spec.moe and spec.heads % q == 0
+            and spec.kv_heads % q == 0 and spec.dim % tp == 0 and spec.ffn % q == 0
+            and spec.vocab % q == 0 and batch >= q * (world // tp)):
+        out.append("2d")
+    return out
 
 
 def _meshes(spec: ModelSpec, world: int, batch: int, cons: Mapping[str, Any], untested: bool,
-            precisions: list[str], tp: int, pp: int, cp: int, cp_mode: str
+            precisions: list[str], tp: int, pp: int, cp: int, cp_mode: str, tp_mode: str
             ) -> Iterable[Choice]:
     """The layouts of one ``tp x pp x cp``: ep, dp, ZeRO, pipeline schedules, sequence
     parallelism and precision."""
@@ -236,11 +254,12 @@ def _meshes(spec: ModelSpec, world: int, batch: int, cons: Mapping[str, Any], un
             if pp > 1 and zero == 3 and not untested:
                 continue
             for m, sched, v in pipes:
-                sps = (False, True) if tp > 1 and (pp == 1 or untested) else (False,)
+                sps = (False, True) if tp > 1 and tp_mode == "1d" and (
+                    pp == 1 or untested) else (False,)
                 for sp in sps:
                     for prec in precisions:
                         yield Choice(tp, pp, dp, ep, zero, m, sched, v, False, None,
-                                     prec, sp, cp, cp_mode)
+                                     prec, sp, cp, cp_mode, tp_mode)
 
 
 def _as_set(x: Any) -> set:
@@ -264,7 +283,7 @@ def _fallbacks(c: Choice, untested: bool = False) -> list[Choice]:
 
 def _fits_constraints(c: Choice, cons: Mapping[str, Any]) -> bool:
     for key in ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
-                "remat", "offload", "sequence_parallel", "cp", "cp_mode"):
+                "remat", "offload", "sequence_parallel", "cp", "cp_mode", "tp_mode"):
         if not _allowed(cons, key, getattr(c, key)):
             return False
     return True

@@ -388,9 +388,9 @@ def _fresh():
     return make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt)
 
 
-def _auto_vs_preset():
-    res = auto_parallel(CFG, world_size=2, global_batch=8, seq_len=16, profile=_flat(),
-                        constraints={"precision": "fp32", "zero": 2})
+def _auto_vs_preset(world: int = 2, constraints: dict | None = None):
+    res = auto_parallel(CFG, world_size=world, global_batch=8, seq_len=16, profile=_flat(),
+                        constraints=constraints or {"precision": "fp32", "zero": 2})
     choice = res.best.choice
     auto = _losses(*res.preset()(*_fresh()))
     preset = _losses(*hybrid_parallel(**choice.preset_kwargs())(*_fresh()))
@@ -400,6 +400,16 @@ def _auto_vs_preset():
 def test_winner_is_the_equivalent_preset():
     for text, (la, pa), (lb, pb) in run_ranks(_auto_vs_preset, 2, timeout=240):
         assert "zero2" in text
+        assert la == lb
+        assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.slow
+def test_2d_winner_is_the_equivalent_preset():
+    """A 2D winner (4 ranks, a 2 x 2 grid) is ``hybrid_parallel(tp_mode="2d")``."""
+    for text, (la, pa), (lb, pb) in run_ranks(_auto_vs_preset, 4, 4, {
+            "precision": "fp32", "tp_mode": "2d"}, timeout=300):
+        assert text.startswith("tp4(2d)")
         assert la == lb
         assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 

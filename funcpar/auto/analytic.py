@@ -7,10 +7,13 @@ count) and a layout per call. The search prices thousands of layouts of 70B-405B
 uses this module, which follows the same rules (the plan module's docstring: tensor
 parallelism's per-region all-reduces or sequence-parallel gathers and scatters, data
 parallelism's buckets, ZeRO's per-bucket or per-leaf gathers and reduce-scatters, expert
-parallelism's all_to_all under balanced routing, the norms' all-reduces) on per-block element
-counts (:class:`~funcpar.auto.model.ModelSpec`). ``tests/test_auto.py`` holds it to the plan on
+parallelism's all_to_all under balanced routing, context parallelism's ring transfers or
+all_to_alls and its means, the norms' all-reduces) on per-block element counts
+(:class:`~funcpar.auto.model.ModelSpec`). ``tests/test_auto.py`` holds it to the plan on
 small configs: bytes per (op, axis) and memory equal where every split is even; counts of
-bucketed collectives within one (buckets are cut on leaf boundaries, here on totals).
+bucketed collectives within one (buckets are cut on leaf boundaries, here on totals). 2D
+tensor parallelism's SUMMA collectives, which the plan does not list, follow the transform's
+own account (:func:`funcpar.transforms.tp_modes.planned_collectives`) and are held to it.
 
 Beyond the plan it models what the plan does not (stated as assumptions, docs/AUTO_PARALLEL.md):
 
@@ -21,7 +24,8 @@ Beyond the plan it models what the plan does not (stated as assumptions, docs/AU
   micro-batch crosses every stage boundary forward (activation) and backward (its gradient):
   ``2 v`` point-to-point transfers per micro-batch on a rank;
 * **activations** (:meth:`~funcpar.auto.model.ModelSpec.block_activation_bytes`) times the
-  micro-batches in flight on the rank (:func:`in_flight`);
+  micro-batches in flight on the rank (:func:`in_flight`); a pipeline rank's peak walks its
+  schedule (:mod:`funcpar.auto.pipeline_memory`);
 * **remat** of every block (the recompute repeats the forward's tensor-parallel all-reduces).
 """
 

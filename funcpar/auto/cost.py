@@ -10,7 +10,8 @@ Step time on the slowest pipeline rank (docs/AUTO_PARALLEL.md has the derivation
       + c_step + t_opt + t_offload                 update gathers, norms, optimizer, offload
 
 * ``t_f`` per micro-batch: every GEMM of the rank's blocks and head at its shape's
-  throughput (``DeviceProfile.matmul_rate``), causal attention at ``attention_rate``,
+  throughput (``DeviceProfile.matmul_rate``; under 2D tensor parallelism SUMMA's ``q`` panel
+  products of ``m/q x k/q x n/q``), causal attention at ``attention_rate``,
   elementwise traffic (4x the saved activation bytes) over ``mem_bw``, and ``op_latency`` per
   dispatched op (``OPS_FWD`` a block); ``t_b = 2 t_f`` (``+ t_f`` of the blocks under remat);
 * ``c_mb``: the critical-path collectives of a micro-batch (tensor parallelism's all-reduces or

@@ -469,17 +469,8 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         largest = max((sum(sizes[j:j + k]) for j in range(len(sizes) - k + 1)), default=0)
         gathered = (outside + largest) * s
     mb_tokens = b_local // m * lseq
-    per_block = [spec.block_activation_bytes(i, s, tp, c.sequence_parallel) for i in blocks]
-    if c.grid:  # activations grid-partitioned (rows over tp_row, features or heads over tp_col)
-        per_block = [spec.block_activation_bytes(i, s) / tp for i in blocks]
-    rope = spec.rope_bytes(lseq, s)
     held = in_flight(c.schedule, pp, m, v, r)
-    if c.remat:
-        kept = len(blocks) * (mb_tokens * s * d + rope)
-        transient = max(per_block, default=0) * mb_tokens + rope
-    else:
-        kept = sum(per_block) * mb_tokens + rope * len(blocks)
-        transient = 0.0
+    kept, transient = _kept(spec, c, blocks, mb_tokens, lseq, s)
     activations = kept * held + (spec.head_activation_bytes(s, tp) * mb_tokens if last else 0)
     if last:  # the logits' gradient and the softmax (float32) while the head's backward runs
         transient = max(transient, 2 * mb_tokens * spec.vocab / tp * 4)
@@ -492,6 +483,25 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
                  compute, gathered, activations, transient,
                  step_buffers(grad_bytes, dp, c.zero, clip, pp > 1, cp), phase)
     return AnalyticPlan(c, tuple(items), mem, blocks, first, last)
+
+
+def _kept(spec: ModelSpec, c: Choice, blocks: tuple[int, ...], mb_tokens: int, lseq: int,
+          s: int) -> tuple[float, float]:
+    """(what ``blocks`` keep for the backward of one micro-batch of ``mb_tokens`` tokens, the
+    transient of recomputing one of them under remat): the saved activations and rotary
+    tables, or under remat each block's input and one block's activations while it
+    recomputes. Under 2D tensor parallelism the activations are grid-partitioned (rows over
+    ``tp_row``, features or heads over ``tp_col``): one process's over ``tp``."""
+    tp = c.tp
+    if c.grid:
+        per_block = [spec.block_activation_bytes(i, s) / tp for i in blocks]
+    else:
+        per_block = [spec.block_activation_bytes(i, s, tp, c.sequence_parallel) for i in blocks]
+    rope = spec.rope_bytes(lseq, s)
+    if c.remat:
+        return (len(blocks) * (mb_tokens * s * spec.dim + rope),
+                max(per_block, default=0) * mb_tokens + rope)
+    return sum(per_block) * mb_tokens + rope * len(blocks), 0.0
 
 
 def _stage_bytes(spec: ModelSpec, c: Choice, stage: int, first: bool, last: bool,
@@ -508,14 +518,7 @@ def _stage_bytes(spec: ModelSpec, c: Choice, stage: int, first: bool, last: bool
     for i in blocks:
         leaves.append(spec.n_experts // ep * spec.ffn * d if spec.is_moe(i)
                       else max(spec.ffn * d, d * d) / tp)
-    per_block = [spec.block_activation_bytes(i, s, tp, c.sequence_parallel) for i in blocks]
-    rope = spec.rope_bytes(seq, s)
-    if c.remat:
-        acts = len(blocks) * (mb_tokens * s * d + rope)
-        recompute = max(per_block, default=0) * mb_tokens + rope
-    else:
-        acts = sum(per_block) * mb_tokens + rope * len(blocks)
-        recompute = 0.0
+    acts, recompute = _kept(spec, c, blocks, mb_tokens, seq, s)
     fwd_t = bwd_t = recompute
     if c.precision != "fp32":  # amp_cast's half-precision copy, made per call, saved
         acts += local * s

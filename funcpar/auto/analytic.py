@@ -347,10 +347,18 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
     repl = sum(b.replicated for b in bc) + (d if last else 0)
     experts = sum(b.experts for b in bc)
     # 2D tensor parallelism splits every leaf over the grid, norms and embedding included.
-    local = (split + repl) / tp if c.grid else split / tp + repl + experts / ep
+    local = (split + repl) / tp if c.grid else split / tp + repl + experts / (ep * tp)
     # --------------------------------------------------------------- tensor parallelism
     dense = [i for i in blocks if not spec.is_moe(i)]
+    moe = [i for i in blocks if spec.is_moe(i)]
     act = tokens * d * s
+    # The expert rows a rank computes per step: its sequences' kept assignments (balanced
+    # routing under ep: as many received as sent), at most the experts' capacity.
+    if moe and spec.capacity_factor is not None:
+        cap_e = math.ceil(spec.capacity_factor * spec.top_k * seq / spec.n_experts - 1e-9)
+    else:
+        cap_e = seq
+    rows = b_local * min(spec.top_k * seq, spec.n_experts * cap_e)
     if c.grid:
         _tp2d_rows(add, spec, c.grid, blocks, first, last, b_local // c.grid * lseq, s)
     elif tp > 1 and not c.sequence_parallel:
@@ -361,6 +369,18 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         if c.remat:
             add("all_reduce", "tp", 2 * n * m, 2 * n * act, "tp: recompute's row-split "
                 "outputs (remat)", "bwd")
+        if moe:
+            # An MoE block: the attention's region (one all-reduce each way) and the experts'
+            # (their rows' partial sums forward, the rows' input gradient backward;
+            # docs/MOE.md, "Tensor parallelism inside the experts").
+            k, reps = len(moe), 2 if c.remat else 1
+            xr = rows * d * s
+            add("all_reduce", "tp", k * m * reps, k * act * reps, "tp: MoE attention output",
+                "fwd")
+            add("all_reduce", "tp", k * m, k * act, "tp: MoE attention input grads", "bwd")
+            add("all_reduce", "tp", k * m * reps, k * xr * reps, "tp: experts' output rows",
+                "fwd")
+            add("all_reduce", "tp", k * m, k * xr, "tp: experts' input grads", "bwd")
         if first:
             add("all_reduce", "tp", m, act, "tp: vocab-parallel embedding output", "fwd")
         if last:
@@ -391,17 +411,11 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
             "cross-entropy (max, sum_exp, target)", "fwd")
     # ---------------------------------------------------------------- expert parallelism
     loss_bytes = max(s, 4) if amp else PARAM_BYTES
-    moe = [i for i in blocks if spec.is_moe(i)]
     if ep > 1:
         add("all_reduce", "ep", 1, loss_bytes, "ep: loss mean", "step")
         nonexp = (split / tp + repl) * PARAM_BYTES / (dp if c.zero >= 2 else 1)
         add("all_reduce", "ep", _buckets(nonexp, cap), nonexp, "ep: grads of leaves not split "
             "over ep (mean)", "step")
-        if moe and spec.capacity_factor is not None:
-            cap_e = math.ceil(spec.capacity_factor * spec.top_k * seq / spec.n_experts - 1e-9)
-        else:
-            cap_e = seq
-        rows = b_local * min(spec.top_k * seq, spec.n_experts * cap_e)
         k = len(moe)
         add("all_to_all", "ep", k * m, k * 8 * ep, "ep: token counts", "fwd")
         add("all_to_all", "ep", 2 * k * m, 2 * k * rows * d * s, "ep: token rows and expert "
@@ -464,7 +478,7 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
     if c.zero == 3:
         outside = ((spec.embed / tp if first else 0) + (spec.head / tp + d if last else 0))
         # The block computing and the one prefetched (zero_partition's prefetch=1).
-        sizes = [b.tp_split / tp + b.replicated + b.experts / ep for b in bc]
+        sizes = [b.tp_split / tp + b.replicated + b.experts / (ep * tp) for b in bc]
         k = min(2, len(sizes))
         largest = max((sum(sizes[j:j + k]) for j in range(len(sizes) - k + 1)), default=0)
         gathered = (outside + largest) * s
@@ -513,10 +527,10 @@ def _stage_bytes(spec: ModelSpec, c: Choice, stage: int, first: bool, last: bool
     bc = [spec.block(i) for i in blocks]
     local = (sum(b.tp_split for b in bc) + (spec.embed if first else 0)
              + (spec.head if last else 0)) / tp + sum(b.replicated for b in bc) + (
-        d if last else 0) + sum(b.experts for b in bc) / ep
+        d if last else 0) + sum(b.experts for b in bc) / (ep * tp)
     leaves = [spec.embed / tp if first else 0, spec.head / tp if last else 0]
     for i in blocks:
-        leaves.append(spec.n_experts // ep * spec.ffn * d if spec.is_moe(i)
+        leaves.append(spec.n_experts // ep * spec.ffn * d / tp if spec.is_moe(i)
                       else max(spec.ffn * d, d * d) / tp)
     acts, recompute = _kept(spec, c, blocks, mb_tokens, seq, s)
     fwd_t = bwd_t = recompute
@@ -634,6 +648,6 @@ def _norm_groups(c: Choice, tp_split: bool, experts: bool, *,
     if c.grid:  # every leaf is split over both grid axes
         return [("tp_row", "tp_col") + zero_axes]
     groups = {zero_axes, tp_axes + zero_axes}
-    if experts and c.ep > 1:
-        groups.add(("ep",) + zero_axes)
+    if experts and c.ep > 1:  # the experts: split over ep, and over tp with their ffn
+        groups.add(("ep",) + (("tp",) if c.tp > 1 else ()) + zero_axes)
     return [g for g in groups if g]

@@ -103,7 +103,7 @@ def _gemms(spec: ModelSpec, layer: int, tokens: float, tp: int, ep: int, grid: i
     if spec.is_moe(layer):
         rows = tokens * spec.top_k * ep / spec.n_experts  # per local expert, balanced
         out += [(tokens, d, spec.n_experts)]
-        out += [(rows, d, 2 * f), (rows, f, d)] * (spec.n_experts // ep)
+        out += [(rows, d, 2 * f / tp), (rows, f / tp, d)] * (spec.n_experts // ep)
     else:
         out += [(tokens, d, 2 * f / tp), (tokens, f / tp, d)]
     return out

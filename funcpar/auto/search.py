@@ -5,10 +5,11 @@ The space (each dimension can be pinned or narrowed by ``constraints``):
 * meshes ``pp x ep x dp x cp x tp = world_size``: ``tp`` dividing the heads and key/value
   heads, at most ``max_tp`` (default: the profile's GPUs per node, and then dividing it, so
   tensor parallelism stays on NVLink); ``pp`` at most the layer count; ``ep`` dividing the
-  experts (MoE models, whose experts' tensor parallelism the plan does not model: ``tp = 1``
-  there); ``cp`` (context parallelism, ring or Ulysses) without a pipeline and for dense
-  models, where the sequence cuts into ``2 cp`` chunks of at least ``MIN_CP_CHUNK`` positions
-  (:func:`_cp_options`); ``dp`` the rest, with the global batch divisible by ``dp x ep``;
+  experts (MoE models; with ``tp`` each expert's ffn split over it, docs/MOE.md, and no
+  sequence parallelism); ``cp`` (context parallelism, ring or Ulysses) without a pipeline
+  and for dense models, where the sequence cuts into ``2 cp`` chunks of at least
+  ``MIN_CP_CHUNK`` positions (:func:`_cp_options`); ``dp`` the rest, with the global batch
+  divisible by ``dp x ep``;
 * ZeRO 0-3 over ``dp`` (0-2 under a pipeline); sequence parallelism with ``tp > 1``;
 * pipelines: micro-batches ``m`` in ``{p, 2p, 4p, 8p, b}`` dividing the rank's batch ``b``;
   1F1B and interleaved (``v = 2`` where ``2 p`` stages fit the layers, ``m`` a multiple of
@@ -195,7 +196,7 @@ def _candidates(spec: ModelSpec, world: int, batch: int, seq: int, cons: Mapping
     precisions = cons.get("precision", "bf16")
     precisions = [precisions] if isinstance(precisions, str) else list(precisions)
     for tp in _divisors(world):
-        if tp > max_tp or (spec.moe and tp > 1) or (node and node % tp):
+        if tp > max_tp or (node and node % tp):
             continue
         for tp_mode in _tp_modes(spec, tp, batch, world):
             for pp in _divisors(world // tp):
@@ -253,8 +254,13 @@ def _meshes(spec: ModelSpec, world: int, batch: int, cons: Mapping[str, Any], un
         for zero in zeros:
             if pp > 1 and zero == 3 and not untested:
                 continue
+            # MoE with tp: tested with ep and dp up to ZeRO-2 (tests/test_moe_tp.py), not
+            # under a pipeline or ZeRO-3.
+            if spec.moe and tp > 1 and (pp > 1 or zero == 3) and not untested:
+                continue
             for m, sched, v in pipes:
-                sps = (False, True) if tp > 1 and tp_mode == "1d" and (
+                # Sequence parallelism: not with MoE blocks (they route whole sequences).
+                sps = (False, True) if tp > 1 and tp_mode == "1d" and not spec.moe and (
                     pp == 1 or untested) else (False,)
                 for sp in sps:
                     for prec in precisions:

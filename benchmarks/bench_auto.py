@@ -44,7 +44,10 @@ DENSE_LAYOUTS = [
     Choice(pp=2, dp=2, microbatches=2, precision="fp32"),
     Choice(pp=2, tp=2, microbatches=4, precision="fp32"),
     Choice(pp=4, microbatches=4, precision="fp32"),
+    Choice(pp=2, dp=2, microbatches=4, schedule="gpipe", precision="fp32"),
     Choice(dp=4, remat=True, precision="fp32"),
+    Choice(cp=2, dp=2, precision="fp32"), Choice(cp=4, cp_mode="ulysses", precision="fp32"),
+    Choice(cp=2, tp=2, precision="fp32"), Choice(tp=4, tp_mode="2d", precision="fp32"),
 ]
 MOE_LAYOUTS = [
     Choice(dp=4, precision="fp32"), Choice(dp=4, zero=2, precision="fp32"),

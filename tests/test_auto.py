@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -67,8 +68,14 @@ DENSE = [Choice(tp=2, dp=2), Choice(tp=2, dp=2, zero=2), Choice(dp=4, zero=1),
          Choice(tp=2, dp=2, zero=2, offload="cpu")]
 
 
-@pytest.mark.parametrize("c", DENSE + [Choice(ep=2, dp=2, zero=2, precision="fp32"),
-                                       Choice(ep=2, dp=2), Choice(ep=4, precision="fp32")],
+CP = [Choice(cp=2, dp=2, precision="fp32"), Choice(cp=2, dp=2, zero=2),
+      Choice(cp=2, dp=2, zero=3, precision="fp32"), Choice(cp=2, tp=2),
+      Choice(cp=2, dp=2, cp_mode="ulysses"), Choice(cp=4, cp_mode="ulysses", precision="fp32"),
+      Choice(cp=2, tp=2, sequence_parallel=True, cp_mode="ulysses")]
+
+
+@pytest.mark.parametrize("c", DENSE + CP + [Choice(ep=2, dp=2, zero=2, precision="fp32"),
+                                            Choice(ep=2, dp=2), Choice(ep=4, precision="fp32")],
                          ids=str)
 def test_analytic_plan_equals_plan(c):
     cfg = MOE if c.ep > 1 else CFG
@@ -93,6 +100,51 @@ def test_analytic_pipeline_memory_equals_plan(c):
         a = analytic_plan(model_spec(cfg), c, B, T,
                           rank=DeviceMesh.virtual(rank=rank, **c.axes()).rank("pp")).memory
         assert (a.params, a.grads) == (m.params, m.grads)
+
+
+@pytest.mark.parametrize("c", [Choice(tp=4, tp_mode="2d", precision="fp32"),
+                               Choice(tp=4, dp=2, tp_mode="2d"),
+                               Choice(tp=4, dp=2, zero=2, tp_mode="2d")], ids=str)
+def test_analytic_2d_equals_the_transforms_account(c):
+    """2D tensor parallelism: its SUMMA broadcasts, reduce-scatters, gathers and all-reduces
+    equal the transform's own account (``tp_modes.planned_collectives``, which
+    tests/test_tp_modes.py holds to the comm log) op by op and axis by axis; the rest
+    (data parallelism, ZeRO, the norms) and the memory equal ``describe``'s plan."""
+    from funcpar.shard import llama_rules
+    from funcpar.transforms.tp_modes import plan_2d, planned_collectives
+
+    ana = analytic_plan(model_spec(CFG), c, B, T)
+    grid = plan_2d(Llama(CFG, device="meta"), llama_rules(CFG.head_dim),
+                   DeviceMesh.virtual(rank=0, **c.axes()))
+    dtype = torch.float32 if c.precision == "fp32" else torch.bfloat16
+    want: dict = {}
+    for p in planned_collectives(grid, B // c.dp // c.grid * T, dtype):
+        n, b = want.get((p.op, p.axis), (0, 0))
+        want[(p.op, p.axis)] = (n + 1, b + p.nbytes)
+    got: dict = {}
+    rest: dict = {}
+    for it in ana.comm:
+        into = got if it.what.startswith("2d:") else rest
+        n, b = into.get((it.op, it.axis), (0, 0))
+        into[(it.op, it.axis)] = (n + it.count, b + it.nbytes)
+    assert got == want
+    plan = _plan(c, CFG)
+    assert rest == {k: (n, float(b)) for k, (n, b) in plan.comm_totals().items()}
+    m, a = plan.memory, ana.memory
+    assert (a.params, a.grads, a.compute_params) == (m.params, m.grads, m.compute_params)
+
+
+def test_search_offers_2d_only_on_square_grids():
+    spec = model_spec(CFG)
+    res = auto_parallel(spec, world_size=8, global_batch=8, seq_len=16, profile=_flat(),
+                        constraints={"tp_mode": "2d"})
+    assert res.ranked and all(e.choice.grid ** 2 == e.choice.tp >= 4 for e in res.ranked)
+    assert all(e.choice.pp == e.choice.cp == 1 and not e.choice.sequence_parallel
+               for e in res.ranked)
+    with pytest.raises(NoFeasibleLayout) as err:
+        auto_parallel(spec, world_size=8, global_batch=8, seq_len=16, profile=_flat(),
+                      constraints={"tp_mode": "2d", "tp": 2})
+    assert err.value.tightest in ("tp", "tp_mode")
 
 
 def _saved_bytes(cfg: LlamaConfig, dtype: torch.dtype, b: int, t: int) -> int:
@@ -225,6 +277,32 @@ def test_regime_large_hidden_small_batch_is_tensor_parallel():
     assert res.best.time == pytest.approx(closed, rel=0.01)
 
 
+def test_regime_long_sequence_small_batch_is_context_parallel():
+    """One sequence of 16k tokens on 8 ranks: no data parallelism to use, so tensor, context
+    or pipeline parallelism must split it. tp8 pays its activation all-reduces on the
+    critical path; the ring's kv hops hide under the attention (quadratic in the sequence),
+    so the search takes context parallelism: here tp2 x cp4 with the ring."""
+    spec = ModelSpec(vocab=1024, dim=256, layers=4, heads=8, kv_heads=8, ffn=688)
+    seq = 16384
+    res = auto_parallel(spec, world_size=8, global_batch=1, seq_len=seq,
+                        profile=_flat(memory=2e9), constraints={"sequence_parallel": False})
+    c = res.best.choice
+    assert (c.tp, c.cp, c.cp_mode, c.pp) == (2, 4, "ring", 1)
+    assert all(e.time > res.best.time for e in res.ranked if e.choice.cp == 1)
+    tokens = seq // 4
+    act = tokens * spec.dim * 2  # bf16
+    # tp2: per block 4 activation all-reduces, the embedding's and the head's, the
+    # cross-entropy's three float32 ones (ring factor 2 (n-1)/n = 1); the ring hidden; then
+    # over cp4 the mean of the tp-split gradients (float32), the token count and the loss.
+    local = sum(spec.block(i).tp_split for i in range(spec.layers)) + spec.embed + spec.head
+    local = local / 2 + sum(spec.block(i).replicated for i in range(spec.layers)) + spec.dim
+    tp_comm = ((4 * spec.layers + 2) * act + 3 * tokens * 4) / BW
+    cp_comm = 2 * 3 / 4 * (4 * local + 8 + 4) / BW
+    closed = _compute(spec, tokens, seq, tp=2) + tp_comm + cp_comm
+    assert res.best.parts["cp ring exposed"] == 0
+    assert res.best.time == pytest.approx(closed, rel=0.01)
+
+
 def test_regime_memory_binds_zero_then_offload():
     spec = ModelSpec(vocab=4096, dim=1024, layers=4, heads=16, kv_heads=16, ffn=2752)
     p = spec.n_params
@@ -310,9 +388,9 @@ def _fresh():
     return make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt)
 
 
-def _auto_vs_preset():
-    res = auto_parallel(CFG, world_size=2, global_batch=8, seq_len=16, profile=_flat(),
-                        constraints={"precision": "fp32", "zero": 2})
+def _auto_vs_preset(world: int = 2, constraints: dict | None = None):
+    res = auto_parallel(CFG, world_size=world, global_batch=8, seq_len=16, profile=_flat(),
+                        constraints=constraints or {"precision": "fp32", "zero": 2})
     choice = res.best.choice
     auto = _losses(*res.preset()(*_fresh()))
     preset = _losses(*hybrid_parallel(**choice.preset_kwargs())(*_fresh()))
@@ -326,6 +404,16 @@ def test_winner_is_the_equivalent_preset():
         assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
+@pytest.mark.slow
+def test_2d_winner_is_the_equivalent_preset():
+    """A 2D winner (4 ranks, a 2 x 2 grid) is ``hybrid_parallel(tp_mode="2d")``."""
+    for text, (la, pa), (lb, pb) in run_ranks(_auto_vs_preset, 4, 4, {
+            "precision": "fp32", "tp_mode": "2d"}, timeout=300):
+        assert text.startswith("tp4(2d)")
+        assert la == lb
+        assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
 # ------------------------------------------------------------------------------ profiles
 def test_shipped_profiles_label_every_figure():
     assert {"h100", "a100", "cpu-gloo"} <= set(shipped_profiles())
@@ -333,7 +421,8 @@ def test_shipped_profiles_label_every_figure():
         prof = load_profile(name)
         figs = [f for t in prof.matmul.values() for _, f in t]
         figs += [*prof.attention.values(), prof.mem_bw, prof.host_bw, prof.host_mem_bw,
-                 prof.memory, prof.op_latency, prof.overlap, *prof.nominal.values()]
+                 prof.memory, prof.op_latency, prof.overlap, *prof.nominal.values(),
+                 *([prof.stage_call] if prof.stage_call else [])]
         figs += [f for link in prof.links.values() for f in link.values()]
         assert all(f.source and f.source != "unlabelled" for f in figs), name
         assert prof.links or prof.collectives_source, name
@@ -394,3 +483,29 @@ def test_train_lm_auto_trains_with_the_winner(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "chosen: tp1 pp1 dp1" in text and "profile cpu-gloo" in text
     assert len(out["history"]) == 2 and math.isfinite(out["last_loss"])
+
+
+def test_train_lm_what_if_picks_context_parallelism(capsys):
+    """A long-context run (8 sequences of 64k tokens on 64 H100s): the batch cannot feed 64
+    data-parallel ranks, and the search cuts the sequences (a cp layout, printed)."""
+    from tests._examples import load_example
+
+    train_lm = load_example("train_lm.py", "train_lm_auto")
+    train_lm.main(["--auto", "--what-if", "--world", "64", "--profile", "h100", "--dim", "4096",
+                   "--layers", "32", "--heads", "32", "--kv-heads", "8", "--batch-size", "8",
+                   "--seq-len", "65536"])
+    chosen = next(line for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("chosen:"))
+    assert re.search(r" cp\d+-(ring|ulysses) ", chosen), chosen
+
+
+def test_train_lm_what_if_pins_2d_tensor_parallelism(capsys):
+    """``--tp 4 --tp-mode 2d`` with ``--auto`` pins the grid; the rest is searched."""
+    from tests._examples import load_example
+
+    train_lm = load_example("train_lm.py", "train_lm_auto")
+    train_lm.main(["--auto", "--what-if", "--world", "8", "--tp", "4", "--tp-mode", "2d",
+                   "--profile", "cpu-gloo", "--batch-size", "8", "--seq-len", "64"])
+    chosen = next(line for line in capsys.readouterr().out.splitlines()
+                  if line.startswith("chosen:"))
+    assert chosen.startswith("chosen: tp4(2d) pp1 dp2"), chosen

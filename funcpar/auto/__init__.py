@@ -1,5 +1,5 @@
-"""Automatic layouts: choose ``tp x pp x dp x ep x ZeRO x remat x offload`` for a model and a
-cluster from a cost model priced by a device profile (docs/AUTO_PARALLEL.md).
+"""Automatic layouts: choose ``tp (1D or 2D) x pp x dp x ep x cp x ZeRO x remat x offload`` for
+a model and a cluster from a cost model priced by a device profile (docs/AUTO_PARALLEL.md).
 
 * :mod:`funcpar.auto.model`: parameters, FLOPs and activations of a Llama config;
 * :mod:`funcpar.auto.analytic`: the plan's collectives and memory per rank, analytically;

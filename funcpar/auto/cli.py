@@ -3,9 +3,9 @@
 ``add_auto_flags(parser)`` adds the flags; ``resolve_auto(args, cfg)`` runs the search for the
 script's model and batch and either prints the plan for a cluster that is not there
 (``--what-if``: returns None, nothing starts) or writes the winner into ``args`` (``tp``,
-``pp``, ``dp``, ``zero``, ``precision``, ``microbatches``, ``schedule``, ``virtual_stages``,
-``sequence_parallel``, ``remat``; ``args.auto_choice`` the :class:`~funcpar.auto.Choice`'s
-fields) and
+``pp``, ``dp``, ``cp``, ``cp_mode``, ``tp_mode``, ``zero``, ``precision``, ``microbatches``,
+``schedule``, ``virtual_stages``, ``sequence_parallel``, ``remat``; ``args.auto_choice`` the
+:class:`~funcpar.auto.Choice`'s fields) and
 prints why it won. The script then composes ``preset_for(args.auto_choice, ...)``: the
 ``hybrid_parallel`` (or ``moe_hybrid``) preset with those arguments, then ``remat`` when chosen.
 """
@@ -23,9 +23,10 @@ __all__ = ["add_auto_flags", "resolve_auto"]
 def add_auto_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("automatic layout (funcpar.auto, docs/AUTO_PARALLEL.md)")
     g.add_argument("--auto", action="store_true",
-                   help="choose tp x pp x dp x ep x ZeRO x remat x offload by the cost model "
-                        "for this run's world, model and batch (replaces --tp/--pp/--dp/--zero/"
-                        "--precision/--remat) and print why")
+                   help="choose tp (1d or 2d) x pp x dp x ep x cp x ZeRO x remat x offload by "
+                        "the cost model for this run's world, model and batch (replaces --tp/"
+                        "--pp/--dp/--zero/--precision/--remat; --cp N and --tp N --tp-mode 2d "
+                        "pin theirs) and print why")
     g.add_argument("--what-if", action="store_true",
                    help="with --auto: print the chosen layout for --world ranks and exit "
                         "without starting anything")
@@ -49,11 +50,6 @@ def resolve_auto(args: argparse.Namespace, cfg: Any) -> Any:
 
     if args.what_if and not args.auto:
         raise SystemExit("error: --what-if goes with --auto")
-    for flag, value, default in (("--cp", getattr(args, "cp", 1), 1),
-                                 ("--tp-mode", getattr(args, "tp_mode", "1d"), "1d")):
-        if args.auto and value != default:
-            # Not in the search space yet: the searched layout would silently drop them.
-            raise SystemExit(f"error: --auto does not search {flag} {value} yet; drop one")
     world = args.world or int(os.environ.get("WORLD_SIZE", "1"))
     if args.world is not None and not args.what_if:
         raise SystemExit("error: --world is for --what-if (a real run's world is torchrun's)")
@@ -68,6 +64,14 @@ def resolve_auto(args: argparse.Namespace, cfg: Any) -> Any:
         cons["precision"] = ("bf16", "fp32") if args.dtype == "float32" else "fp32"
         if args.save is not None or args.compile:
             cons["pp"] = 1
+        if args.compile or getattr(args, "sample_every", 0):
+            cons["cp"] = 1  # train_lm refuses --cp with those (no compiled ring, no decoding)
+        if getattr(args, "sample_every", 0) or getattr(args, "eval_every", 0):
+            cons["tp_mode"] = "1d"  # train_lm refuses --tp-mode 2d with those
+    if getattr(args, "cp", 1) > 1:  # --cp N given: pinned, with its mode
+        cons.update(cp=args.cp, cp_mode=args.cp_mode)
+    if getattr(args, "tp_mode", "1d") != "1d":  # --tp-mode 2d given: pinned, with --tp
+        cons.update(tp_mode=args.tp_mode, tp=args.tp)
     try:
         result = auto_parallel(cfg, world_size=world, global_batch=args.batch_size,
                                seq_len=args.seq_len, memory_per_rank=args.memory_per_rank,
@@ -86,6 +90,7 @@ def resolve_auto(args: argparse.Namespace, cfg: Any) -> Any:
     args.precision, args.sequence_parallel = c.precision, c.sequence_parallel
     args.microbatches, args.schedule, args.virtual_stages = (c.microbatches, c.schedule,
                                                              c.virtual_stages)
+    args.cp, args.cp_mode, args.tp_mode = c.cp, c.cp_mode, c.tp_mode
     args.remat = 1 if c.remat else 0
     args.preset = "auto"
     # Plain data: the arguments go into checkpoints' metadata (JSON) and are compared between

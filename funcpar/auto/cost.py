@@ -10,12 +10,15 @@ Step time on the slowest pipeline rank (docs/AUTO_PARALLEL.md has the derivation
       + c_step + t_opt + t_offload                 update gathers, norms, optimizer, offload
 
 * ``t_f`` per micro-batch: every GEMM of the rank's blocks and head at its shape's
-  throughput (``DeviceProfile.matmul_rate``), causal attention at ``attention_rate``,
+  throughput (``DeviceProfile.matmul_rate``; under 2D tensor parallelism SUMMA's ``q`` panel
+  products of ``m/q x k/q x n/q``), causal attention at ``attention_rate``,
   elementwise traffic (4x the saved activation bytes) over ``mem_bw``, and ``op_latency`` per
   dispatched op (``OPS_FWD`` a block); ``t_b = 2 t_f`` (``+ t_f`` of the blocks under remat);
 * ``c_mb``: the critical-path collectives of a micro-batch (tensor parallelism's all-reduces or
   sequence-parallel gathers and scatters, expert parallelism's all_to_all, the pipeline's
-  point-to-point transfers), each ``DeviceProfile.collective_time`` on its axis;
+  point-to-point transfers), each ``DeviceProfile.collective_time`` on its axis; on a pipeline
+  rank also its fixed cost per micro-batch (:func:`_pipeline_overhead`: ``2 v`` stage calls
+  and the gradient accumulation's adds);
 * hidden collectives (``CommItem.phase`` ``*_hidden``) cost ``max(T_c - overlap T_compute,
   T_c / count)``: what the compute beside them cannot hide, at least their last bucket;
 * ``t_opt``: the optimizer's bytes per local parameter (AdamW reads p, g, m, v and writes p,
@@ -30,6 +33,7 @@ copy, ZeRO-3 gathered leaves, activations (micro-batches in flight) and transien
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import lru_cache
 
 from funcpar.auto.analytic import (
@@ -42,7 +46,7 @@ from funcpar.auto.analytic import (
 from funcpar.auto.model import OPS_FWD, ModelSpec
 from funcpar.auto.profile import DeviceProfile
 
-__all__ = ["Estimate", "axis_span", "estimate"]
+__all__ = ["Estimate", "axis_span", "estimate", "pipeline_time", "schedule_makespan"]
 
 OPS_HEAD = 12
 OPT_BYTES_MOVED = 28.0  # AdamW: p, g, m, v read; p, m, v written (float32)
@@ -87,15 +91,19 @@ def axis_span(choice: Choice, axis: str) -> int:
     return axes[axis] * inner
 
 
-def _gemms(spec: ModelSpec, layer: int, tokens: float, tp: int, ep: int
+def _gemms(spec: ModelSpec, layer: int, tokens: float, tp: int, ep: int, grid: int = 0
            ) -> list[tuple[float, float, float]]:
-    """(m, k, n) of each forward GEMM of block ``layer`` on one rank."""
+    """(m, k, n) of each forward GEMM of block ``layer`` on one rank; under 2D tensor
+    parallelism (``grid`` = q) SUMMA's ``q`` panel products of ``m/q x k/q x n/q`` each."""
+    if grid:
+        return [(m / grid, k / grid, n / grid) for m, k, n in _gemms(spec, layer, tokens, 1, ep)
+                for _ in range(grid)]
     d, f, hd = spec.dim, spec.ffn, spec.head_dim
     out = [(tokens, d, (d + 2 * spec.kv_heads * hd) / tp), (tokens, d / tp, d)]
     if spec.is_moe(layer):
         rows = tokens * spec.top_k * ep / spec.n_experts  # per local expert, balanced
         out += [(tokens, d, spec.n_experts)]
-        out += [(rows, d, 2 * f), (rows, f, d)] * (spec.n_experts // ep)
+        out += [(rows, d, 2 * f / tp), (rows, f / tp, d)] * (spec.n_experts // ep)
     else:
         out += [(tokens, d, 2 * f / tp), (tokens, f / tp, d)]
     return out
@@ -104,28 +112,37 @@ def _gemms(spec: ModelSpec, layer: int, tokens: float, tp: int, ep: int
 @lru_cache(maxsize=65536)
 def _forward_time(spec: ModelSpec, blocks: tuple[int, ...], last: bool, tokens: float,
                   seq: int, tp: int, ep: int, precision: str, sp: bool,
-                  profile: DeviceProfile) -> tuple[float, float]:
-    """(whole forward, forward of the blocks alone) of one micro-batch on one rank."""
+                  profile: DeviceProfile, grid: int = 0) -> tuple[float, float, float]:
+    """(whole forward, forward of the blocks alone, their attention alone) of one
+    micro-batch on one rank; ``tokens`` the rank's, ``seq`` the whole sequence each token
+    attends over (under context parallelism more than the rank holds)."""
     s = PRECISION_BYTES[precision]
-    t_blocks = 0.0
-    kinds: dict[bool, float] = {}
+    t_blocks = t_attn = 0.0
+    kinds: dict[bool, tuple[float, float]] = {}
     for i in blocks:
         moe = spec.is_moe(i)
         if moe not in kinds:
             mm = sum(2 * m * k * n / profile.matmul_rate(precision, m, k, n)
-                     for m, k, n in _gemms(spec, i, tokens, tp, ep))
+                     for m, k, n in _gemms(spec, i, tokens, tp, ep, grid))
             attn = tokens * spec.block_flops(i, seq)[1] / tp / profile.attention_rate(precision)
-            ew = ELEMENTWISE_PASSES * tokens * spec.block_activation_bytes(i, s, tp, sp) \
-                / profile.mem_bw.value
-            kinds[moe] = mm + attn + ew + OPS_FWD * profile.op_latency.value
-        t_blocks += kinds[moe]
+            act = spec.block_activation_bytes(i, s) / tp if grid else \
+                spec.block_activation_bytes(i, s, tp, sp)
+            ew = ELEMENTWISE_PASSES * tokens * act / profile.mem_bw.value
+            kinds[moe] = (mm + attn + ew + OPS_FWD * profile.op_latency.value, attn)
+        t_blocks += kinds[moe][0]
+        t_attn += kinds[moe][1]
     t = t_blocks
     if last:
         m, k, n = tokens, spec.dim, spec.vocab / tp
-        t += 2 * m * k * n / profile.matmul_rate(precision, m, k, n)
+        if grid:  # q panel products of (tokens / q) x (dim / q) x (vocab / q)
+            m, k = tokens / grid, spec.dim / grid
+            n = spec.vocab / grid
+            t += grid * 2 * m * k * n / profile.matmul_rate(precision, m, k, n)
+        else:
+            t += 2 * m * k * n / profile.matmul_rate(precision, m, k, n)
         t += ELEMENTWISE_PASSES * tokens * spec.head_activation_bytes(s, tp) / \
             profile.mem_bw.value + OPS_HEAD * profile.op_latency.value
-    return t, t_blocks
+    return t, t_blocks, t_attn
 
 
 def _comm_time(plan: AnalyticPlan, profile: DeviceProfile, phases: tuple[str, ...]
@@ -136,9 +153,11 @@ def _comm_time(plan: AnalyticPlan, profile: DeviceProfile, phases: tuple[str, ..
     for item in plan.comm:
         if item.phase not in phases:
             continue
+        if item.op == "recv":  # the other end of a send: one transfer, priced once
+            continue
         n = sizes[item.axis]
         span = axis_span(c, item.axis)
-        op = "p2p" if item.op == "p2p" else item.op
+        op = "p2p" if item.op in ("p2p", "send") else item.op
         total += item.count * profile.collective_time(op, item.nbytes / item.count, n, span)
         count += item.count
     return total, count
@@ -150,21 +169,96 @@ def _hidden(t: float, count: int, under: float, overlap: float) -> float:
     return max(t - overlap * under, t / max(count, 1) if overlap > 0 else t)
 
 
+def pipeline_time(m: int, p: int, v: int, per_microbatch: float) -> float:
+    """A pipeline's makespan, ``(m + (p - 1) / v)`` micro-batch times: the makespan of
+    :func:`funcpar.pipeline.schedules.simulate` for GPipe and 1F1B, and for the interleaved
+    schedule where ``p`` divides ``m`` (tests/test_auto.py), with every stage equal."""
+    return (m + (p - 1) / v) * per_microbatch
+
+
+def schedule_makespan(schedule: str, p: int, m: int, v: int,
+                      cost: Callable[[str, int, int], float], transfer: float = 0.0) -> float:
+    """The makespan of ``schedule``'s compute order (:func:`funcpar.pipeline.schedules.
+    compute_order`) with ``cost(kind, stage, mb)`` seconds per forward / backward and
+    ``transfer`` seconds per point-to-point transfer between ranks, spent by the sender after
+    the compute that produced it (gloo sends from the calling thread; on NCCL the launch) and
+    ending when the receiver may use it: each action starts when its rank's previous one ends
+    and its input is there (the previous stage's forward of the micro-batch, the next stage's
+    backward, the last stage's own forward), as the runtime runs it. Unequal stages (the
+    embedding on the first, the head on the last) priced as they are, where
+    :func:`pipeline_time` assumes them equal."""
+    from funcpar.pipeline.schedules import compute_order
+
+    orders = [compute_order(schedule, p, v, m, r) for r in range(p)]
+    last = p * v - 1
+    end: dict[tuple[str, int, int], float] = {}
+    pos, clock = [0] * p, [0.0] * p
+    remaining = sum(map(len, orders))
+    while remaining:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
+                if a.kind == "F":
+                    dep = ("F", a.stage - 1, a.mb) if a.stage > 0 else None
+                else:
+                    dep = ("F", a.stage, a.mb) if a.stage == last else ("B", a.stage + 1,
+                                                                         a.mb)
+                if dep is not None and dep not in end:
+                    break
+                ready = 0.0 if dep is None else end[dep]
+                clock[r] = max(clock[r], ready) + cost(a.kind, a.stage, a.mb)
+                to = a.stage + 1 if a.kind == "F" else a.stage - 1
+                if 0 <= to <= last and to % p != r:  # the output goes to another rank
+                    clock[r] += transfer
+                end[(a.kind, a.stage, a.mb)] = clock[r]
+                pos[r] += 1
+                remaining -= 1
+                moved = True
+        if not moved:  # pragma: no cover - compute_order's lists are deadlock-free
+            raise RuntimeError(f"{schedule} p={p} m={m} v={v}: no action can start")
+    return max(clock)
+
+
+def _pipeline_overhead(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile) -> float:
+    """A pipeline rank's fixed cost per micro-batch beyond its compute and transfers: one
+    forward and one backward call per local stage (``stage_call``), and the accumulation of
+    the micro-batch's gradients (one add per leaf: ``op_latency`` each, reading the sum and
+    the new gradient and writing the sum over ``mem_bw``; the first micro-batch's gradients
+    are the sum, so ``(m - 1) / m`` of it a micro-batch)."""
+    c = plan.choice
+    m, v = c.microbatches, c.virtual_stages
+    leaves = sum(spec.block(i).leaves for i in plan.blocks) + (1 if plan.first else 0) + (
+        2 if plan.last else 0)
+    grad_bytes = plan.memory.grads * (c.dp if c.zero >= 2 else 1)
+    acc = leaves * profile.op_latency.value + 3 * grad_bytes / profile.mem_bw.value
+    return 2 * v * profile.stage_call_time() + acc * (m - 1) / m
+
+
 def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, global_batch: int,
                seq: int, opt_bytes: float) -> tuple[float, dict[str, float]]:
     c = plan.choice
     m, p, v = c.microbatches, c.pp, c.virtual_stages
-    tokens = global_batch // (c.dp * c.ep) // m * seq
-    t_f, t_blocks = _forward_time(spec, plan.blocks, plan.last, float(tokens), seq, c.tp, c.ep,
-                                  c.precision, c.sequence_parallel, profile)
+    tokens = global_batch // (c.dp * c.ep) // m * (seq // c.cp)
+    t_f, t_blocks, t_attn = _forward_time(spec, plan.blocks, plan.last, float(tokens), seq,
+                                          c.tp, c.ep, c.precision, c.sequence_parallel,
+                                          profile, c.grid)
     t_b = 2 * t_f + (t_blocks if c.remat else 0.0)
     crit, _ = _comm_time(plan, profile, ("fwd", "bwd"))
-    per_mb = t_f + t_b + crit / m
-    pipe = (m + (p - 1) / v) * per_mb
+    t_pipe = _pipeline_overhead(spec, plan, profile) if p > 1 else 0.0
+    per_mb = t_f + t_b + crit / m + t_pipe
+    pipe = pipeline_time(m, p, v, per_mb)
     fh, fn = _comm_time(plan, profile, ("fwd_hidden",))
     bh, bn = _comm_time(plan, profile, ("bwd_hidden",))
     ov = profile.overlap.value
     hidden = _hidden(fh, fn, m * t_f, ov) + _hidden(bh, bn, m * t_b, ov)
+    # The ring's hops, each posted before the chunk pair it overlaps: hidden under the
+    # attention's compute (forward; backward twice that, the recompute's forward under remat)
+    # as far as ``overlap`` allows, nothing less than zero.
+    rf, _ = _comm_time(plan, profile, ("fwd_ring",))
+    rb, _ = _comm_time(plan, profile, ("bwd_ring",))
+    ring = max(0.0, rf - ov * m * t_attn) + max(
+        0.0, rb - ov * m * t_attn * (3 if c.remat else 2))
     step_comm, _ = _comm_time(plan, profile, ("step",))
     mem = plan.memory
     local_params = (mem.params / 4) * (c.dp if c.zero == 3 else 1)
@@ -178,9 +272,11 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
         t_opt = (moved + amp) / profile.mem_bw.value
         t_off = 0.0
     parts = {"compute": m * (t_f + t_b), "bubble": (p - 1) / v * (t_f + t_b),
-             "critical comm": (m + (p - 1) / v) * crit / m, "hidden comm exposed": hidden,
+             "critical comm": (m + (p - 1) / v) * crit / m,
+             "pipeline overhead": (m + (p - 1) / v) * t_pipe, "hidden comm exposed": hidden,
+             "cp ring exposed": ring,
              "step comm": step_comm, "optimizer": t_opt, "offload": t_off}
-    return pipe + hidden + step_comm + t_opt + t_off, parts
+    return pipe + hidden + ring + step_comm + t_opt + t_off, parts
 
 
 def estimate(spec: ModelSpec, c: Choice, profile: DeviceProfile, global_batch: int, seq: int, *,

@@ -148,7 +148,8 @@ class ModelSpec:
         split = 4 * s * d + 4 * h
         if self.is_moe(layer):
             split /= tp
-            ffn = self.top_k * (4 * s * f + 2 * s * d) + 8 * self.n_experts
+            # The experts' F-wide tensors split over tp with their ffn (docs/MOE.md).
+            ffn = self.top_k * (4 * s * f / tp + 2 * s * d) + 8 * self.n_experts
             return norms / (tp if sequence_parallel else 1) + inputs + split + ffn
         split = (split + 4 * s * f) / tp
         return norms / (tp if sequence_parallel else 1) + inputs + split

@@ -10,16 +10,21 @@ A :class:`DeviceProfile` holds, each figure with its source (:class:`Figure`):
 * ``mem_bw``: device memory bandwidth (bytes read + written per second, a copy),
   ``host_bw``: device <-> host, ``host_mem_bw``: host memory (a CPU optimizer step),
   ``memory``: bytes per device, ``op_latency``: seconds to dispatch one small op (what a tiny
-  model's step is made of on a CPU), ``overlap``: the fraction of asynchronous communication
+  model's step is made of on a CPU), ``stage_call``: seconds of one pipeline stage call's
+  fixed work (the runtime's Python, the autograd engine's start for a backward; optional:
+  absent, :meth:`DeviceProfile.stage_call_time` assumes 4 ``op_latency``, the ratio measured
+  here), ``overlap``: the fraction of asynchronous communication
   (gradient buckets, ZeRO prefetches) that hides under compute (1 with NCCL's own streams; 0
   for gloo on shared CPU cores, whose collectives take the cores the compute needs);
 * collectives: either measured ``collectives[op][n] = (alpha, beta)`` (seconds, seconds per
   byte in :mod:`funcpar.shard.comm`'s byte convention, fitted on ``n`` ranks) or link figures
   ``links["intra"|"inter"] = {bw, alpha}`` priced as rings: ``hops alpha + f bytes / bw`` with
   ``f = 2(n-1)/n`` for all_reduce, ``(n-1)/n`` for all_gather, reduce_scatter and
-  all_to_all, 1 for p2p; ``hops = 2 log2 n`` for all_reduce (NCCL's trees), ``n - 1`` for the
-  others, 1 for p2p. A group whose ranks lie within ``gpus_per_node`` consecutive ranks uses
-  ``intra`` (NVLink), any other ``inter`` (InfiniBand per GPU).
+  all_to_all, 1 for p2p and broadcast (pipelined); ``hops = 2 log2 n`` for all_reduce (NCCL's
+  trees), ``log2 n`` for broadcast, ``n - 1`` for the others, 1 for p2p. A broadcast without a
+  fit of its own is priced as the all_gather that moves as many bytes into each rank. A group
+  whose ranks lie within ``gpus_per_node`` consecutive ranks uses ``intra``
+  (NVLink), any other ``inter`` (InfiniBand per GPU).
 
 :func:`measure` fills one on the current devices (``python -m funcpar.profile``);
 :func:`load_profile` reads JSON or a shipped reference (``funcpar/auto/profiles/*.json``:
@@ -47,6 +52,7 @@ __all__ = ["DeviceProfile", "Figure", "load_profile", "measure", "shipped_profil
 PROFILE_DIR = Path(__file__).parent / "profiles"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STAGE_CALL_OPS = 4  # a stage call in dispatched ops, when not measured (21 us / 5.9 us on gloo CPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +91,15 @@ class DeviceProfile:
     collectives_source: str = ""
     description: str = ""
     nominal: dict[str, Figure] = dataclasses.field(default_factory=dict)
+    stage_call: Figure | None = None
 
     # --------------------------------------------------------------------------- lookups
+    def stage_call_time(self) -> float:
+        """Seconds of a pipeline stage call's fixed work (``stage_call``; without the figure,
+        4 dispatched ops' worth)."""
+        return self.stage_call.value if self.stage_call is not None else \
+            STAGE_CALL_OPS * self.op_latency.value
+
     def peak_flops(self, dtype: str) -> float:
         """MFU's denominator: the datasheet peak (``nominal``) where the profile has one,
         else the table's highest matmul throughput for ``dtype``."""
@@ -123,6 +136,10 @@ class DeviceProfile:
         ``span`` consecutive ranks (module docstring)."""
         if n <= 1:
             return 0.0
+        if op == "broadcast" and op not in self.collectives and self.collectives:
+            # Not measured: a pipelined broadcast moves its bytes once into each rank, as an
+            # all_gather of n / (n - 1) times them does (2D tensor parallelism's panels).
+            return self.collective_time("all_gather", nbytes * n / (n - 1), n, span)
         fitted = self.collectives.get(op)
         if fitted:
             sizes = sorted(fitted)
@@ -150,6 +167,7 @@ class DeviceProfile:
                             for op, v in self.collectives.items()},
             "collectives_source": self.collectives_source,
             "nominal": {d: f.to_json() for d, f in self.nominal.items()},
+            **({"stage_call": self.stage_call.to_json()} if self.stage_call else {}),
         }
 
     @classmethod
@@ -167,6 +185,7 @@ class DeviceProfile:
                          for op, v in d.get("collectives", {}).items()},
             collectives_source=d.get("collectives_source", ""),
             nominal={k: _fig(v) for k, v in d.get("nominal", {}).items()},
+            stage_call=_fig(d["stage_call"]) if "stage_call" in d else None,
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -189,6 +208,9 @@ class DeviceProfile:
         lines.append(f"  op_latency: {self.op_latency.value * 1e6:.1f} us "
                      f"({self.op_latency.source})")
         lines.append(f"  overlap: {self.overlap.value:.2f} ({self.overlap.source})")
+        if self.stage_call is not None:
+            lines.append(f"  stage_call: {self.stage_call.value * 1e6:.1f} us "
+                         f"({self.stage_call.source})")
         for k, v in self.links.items():
             lines.append(f"  link {k}: {v['bw'].value / 1e9:,.1f} GB/s ({v['bw'].source}), "
                          f"alpha {v['alpha'].value * 1e6:.1f} us ({v['alpha'].source})")
@@ -202,12 +224,14 @@ class DeviceProfile:
 def _ring(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    return 1.0 if op == "p2p" else (n - 1) / n
+    return 1.0 if op in ("p2p", "broadcast") else (n - 1) / n
 
 
 def _hops(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2 * math.ceil(math.log2(n))
+    if op == "broadcast":
+        return float(math.ceil(math.log2(n)))
     return 1.0 if op == "p2p" else float(n - 1)
 
 
@@ -298,6 +322,7 @@ def measure(device: str | torch.device = "cpu", *, dtypes: tuple[str, ...] = ("f
     else:
         host_bw = Figure(mem_bw.value, src + " (host memory: the device is the host)")
     lat = _op_latency(device, reps, sync, best)
+    call = _stage_call_latency(device, reps, sync, best)
     prof = DeviceProfile(
         name=name or f"measured-{device.type}", matmul=matmul, attention=attention,
         mem_bw=mem_bw, host_bw=host_bw, host_mem_bw=host_mem_bw,
@@ -309,6 +334,8 @@ def measure(device: str | torch.device = "cpu", *, dtypes: tuple[str, ...] = ("f
                        else "assumed: gloo collectives take the CPU cores the compute uses"),
         gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         description=f"measured with python -m funcpar.profile on {device}",
+        stage_call=Figure(call, src + ", a one-op stage's forward and autograd.grad backward "
+                          "with the pipeline runtime's per-call bookkeeping"),
     )
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         prof.collectives = _measure_collectives(device, mesh_axes, comm_sizes, reps, sync)
@@ -332,6 +359,23 @@ def _op_latency(device: torch.device, reps: int, sync: Any, best: bool) -> float
         block(x, cos, sin).sum().backward()
 
     return _timed(step, max(reps, 10), sync, best=best) / (3 * OPS_FWD)
+
+
+def _stage_call_latency(device: torch.device, reps: int, sync: Any, best: bool) -> float:
+    """Seconds of a pipeline stage call's fixed work, half a forward and backward pair of
+    ``funcpar.pipeline.runtime``'s kind on a stage of one tiny op: the input detached and
+    marked, the call, ``torch.autograd.grad`` for the leaf and the input, the accumulation."""
+    w = torch.randn(4, device=device, requires_grad=True)
+    acc = torch.zeros(4, device=device)
+
+    def pair() -> None:
+        x = torch.randn(4, device=device).detach().requires_grad_()
+        held = {(0, 0): (x, (x * w).sum())}
+        x, out = held.pop((0, 0))
+        got = torch.autograd.grad([out], [w, x], allow_unused=True)
+        acc.add_(got[0])
+
+    return _timed(pair, max(reps, 20), sync, best=best) / 2
 
 
 def _host_memory() -> int:

@@ -2,11 +2,14 @@
 
 The space (each dimension can be pinned or narrowed by ``constraints``):
 
-* meshes ``pp x ep x dp x tp = world_size``: ``tp`` dividing the heads and key/value heads,
-  at most ``max_tp`` (default: the profile's GPUs per node, so tensor parallelism stays on
-  NVLink); ``pp`` at most the layer count; ``ep`` dividing the experts (MoE models, whose
-  experts' tensor parallelism the plan does not model: ``tp = 1`` there); ``dp`` the rest,
-  with the global batch divisible by ``dp x ep``;
+* meshes ``pp x ep x dp x cp x tp = world_size``: ``tp`` dividing the heads and key/value
+  heads, at most ``max_tp`` (default: the profile's GPUs per node, and then dividing it, so
+  tensor parallelism stays on NVLink); ``pp`` at most the layer count; ``ep`` dividing the
+  experts (MoE models; with ``tp`` each expert's ffn split over it, docs/MOE.md, and no
+  sequence parallelism); ``cp`` (context parallelism, ring or Ulysses) without a pipeline
+  and for dense models, where the sequence cuts into ``2 cp`` chunks of at least
+  ``MIN_CP_CHUNK`` positions (:func:`_cp_options`); ``dp`` the rest, with the global batch
+  divisible by ``dp x ep``;
 * ZeRO 0-3 over ``dp`` (0-2 under a pipeline); sequence parallelism with ``tp > 1``;
 * pipelines: micro-batches ``m`` in ``{p, 2p, 4p, 8p, b}`` dividing the rank's batch ``b``;
   1F1B and interleaved (``v = 2`` where ``2 p`` stages fit the layers, ``m`` a multiple of
@@ -32,6 +35,7 @@ removal admits the fastest layout (or the memory limit, with the least memory an
 from __future__ import annotations
 
 import dataclasses
+import math
 import time as _time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -46,7 +50,11 @@ __all__ = ["AutoResult", "NoFeasibleLayout", "auto_parallel", "parse_bytes", "pr
 
 CONSTRAINT_KEYS = ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule",
                    "virtual_stages", "remat", "offload", "precision", "sequence_parallel",
-                   "max_tp")
+                   "max_tp", "cp", "cp_mode", "tp_mode")
+#: Context parallelism is offered where each of the ``2 cp`` zigzag chunks of a sequence holds
+#: at least this many positions (below, a chunk pair's attention is too small to hide a ring
+#: hop or to be worth an all_to_all); a ``cp`` constraint lifts it.
+MIN_CP_CHUNK = 64
 
 
 class NoFeasibleLayout(ValueError):
@@ -163,47 +171,101 @@ def _allowed(constraints: Mapping[str, Any], key: str, value: Any) -> bool:
     return value == want
 
 
-def _candidates(spec: ModelSpec, world: int, batch: int, cons: Mapping[str, Any],
-                max_tp: int, untested: bool = False) -> Iterable[Choice]:
+def _cp_options(spec: ModelSpec, world: int, tp: int, pp: int, seq: int,
+                cons: Mapping[str, Any]) -> list[tuple[int, str]]:
+    """``(cp, mode)`` pairs: cp 1, and where context parallelism composes (no pipeline, a
+    dense model) and the zigzag cut divides the sequence into chunks long enough
+    (``MIN_CP_CHUNK``, unless ``cp`` is constrained), ring always and Ulysses where the
+    heads and key/value heads per tensor-parallel rank split over cp
+    (:func:`funcpar.transforms.context_parallel.ulysses_kv_heads`)."""
+    out = [(1, "ring")]
+    if pp > 1 or spec.moe:
+        return out
+    h, k = spec.heads // tp, spec.kv_heads // tp
+    for cp in _divisors(world // tp // pp)[1:]:
+        if seq % (2 * cp) or ("cp" not in cons and seq // (2 * cp) < MIN_CP_CHUNK):
+            continue
+        out.append((cp, "ring"))
+        if h % cp == 0 and (k % cp == 0 or cp % k == 0):
+            out.append((cp, "ulysses"))
+    return out
+
+
+def _candidates(spec: ModelSpec, world: int, batch: int, seq: int, cons: Mapping[str, Any],
+                max_tp: int, untested: bool = False, node: int = 0) -> Iterable[Choice]:
     precisions = cons.get("precision", "bf16")
     precisions = [precisions] if isinstance(precisions, str) else list(precisions)
     for tp in _divisors(world):
-        if tp > max_tp or spec.heads % tp or spec.kv_heads % tp or (spec.moe and tp > 1):
+        if tp > max_tp or (node and node % tp):
             continue
-        for pp in _divisors(world // tp):
-            if pp > spec.layers:
+        for tp_mode in _tp_modes(spec, tp, batch, world):
+            for pp in _divisors(world // tp):
+                if pp > spec.layers or (pp > 1 and tp_mode == "2d"):
+                    continue
+                cps = [(1, "ring")] if tp_mode == "2d" else _cp_options(spec, world, tp, pp,
+                                                                        seq, cons)
+                for cp, cp_mode in cps:
+                    yield from _meshes(spec, world, batch, cons, untested, precisions, tp, pp,
+                                       cp, cp_mode, tp_mode)
+
+
+def _tp_modes(spec: ModelSpec, tp: int, batch: int, world: int) -> list[str]:
+    """``"1d"`` where ``tp`` divides the heads and key/value heads; ``"2d"`` (SUMMA on a
+    ``q x q`` grid, :mod:`funcpar.transforms.tp_modes`) where ``tp = q^2 >= 4``, ``q``
+    divides the heads and key/value heads (whole heads over ``tp_col``), ``tp`` the hidden
+    size (the embedding's and norms' two-level cut) and ``q`` the MLP's width and the
+    vocabulary (even panels), and the batch has rows for every grid row."""
+    out = ["1d"] if spec.heads % tp == 0 and spec.kv_heads % tp == 0 else []
+    q = math.isqrt(tp)
+    if (tp >= 4 and q * q == tp and not spec.moe and spec.heads % q == 0
+            and spec.kv_heads % q == 0 and spec.dim % tp == 0 and spec.ffn % q == 0
+            and spec.vocab % q == 0 and batch >= q * (world // tp)):
+        out.append("2d")
+    return out
+
+
+def _meshes(spec: ModelSpec, world: int, batch: int, cons: Mapping[str, Any], untested: bool,
+            precisions: list[str], tp: int, pp: int, cp: int, cp_mode: str, tp_mode: str
+            ) -> Iterable[Choice]:
+    """The layouts of one ``tp x pp x cp``: ep, dp, ZeRO, pipeline schedules, sequence
+    parallelism and precision."""
+    for ep in _divisors(world // tp // pp // cp):
+        if ep > 1 and (not spec.moe or spec.n_experts % ep):
+            continue
+        dp = world // tp // pp // ep // cp
+        if batch % (dp * ep):
+            continue
+        local = batch // (dp * ep)
+        if pp == 1:
+            pipes = [(1, "1f1b", 1)]
+        else:
+            ms = sorted({m for m in (pp, 2 * pp, 4 * pp, 8 * pp, local)
+                         if m <= local and local % m == 0})
+            scheds = [("1f1b", 1)]
+            if 2 * pp <= spec.layers:
+                scheds.append(("interleaved", 2))
+            if "gpipe" in _as_set(cons.get("schedule")):
+                scheds.append(("gpipe", 1))
+            # Interleaved only with m a multiple of p (Megatron-LM's condition; the
+            # bubble's closed form holds there, tests/test_auto.py).
+            pipes = [(m, s, v) for m in ms for s, v in scheds
+                     if s != "interleaved" or m % pp == 0]
+        zeros = range(4) if dp > 1 else (0,)
+        for zero in zeros:
+            if pp > 1 and zero == 3 and not untested:
                 continue
-            for ep in _divisors(world // tp // pp):
-                if ep > 1 and (not spec.moe or spec.n_experts % ep):
-                    continue
-                dp = world // tp // pp // ep
-                if batch % (dp * ep):
-                    continue
-                local = batch // (dp * ep)
-                if pp == 1:
-                    pipes = [(1, "1f1b", 1)]
-                else:
-                    ms = sorted({m for m in (pp, 2 * pp, 4 * pp, 8 * pp, local)
-                                 if m <= local and local % m == 0})
-                    scheds = [("1f1b", 1)]
-                    if 2 * pp <= spec.layers:
-                        scheds.append(("interleaved", 2))
-                    if "gpipe" in _as_set(cons.get("schedule")):
-                        scheds.append(("gpipe", 1))
-                    # Interleaved only with m a multiple of p (Megatron-LM's condition; the
-                    # bubble's closed form holds there, tests/test_auto.py).
-                    pipes = [(m, s, v) for m in ms for s, v in scheds
-                             if s != "interleaved" or m % pp == 0]
-                zeros = range(4) if dp > 1 else (0,)
-                for zero in zeros:
-                    if pp > 1 and zero == 3 and not untested:
-                        continue
-                    for m, sched, v in pipes:
-                        sps = (False, True) if tp > 1 and (pp == 1 or untested) else (False,)
-                        for sp in sps:
-                            for prec in precisions:
-                                yield Choice(tp, pp, dp, ep, zero, m, sched, v, False, None,
-                                             prec, sp)
+            # MoE with tp: tested with ep and dp up to ZeRO-2 (tests/test_moe_tp.py), not
+            # under a pipeline or ZeRO-3.
+            if spec.moe and tp > 1 and (pp > 1 or zero == 3) and not untested:
+                continue
+            for m, sched, v in pipes:
+                # Sequence parallelism: not with MoE blocks (they route whole sequences).
+                sps = (False, True) if tp > 1 and tp_mode == "1d" and not spec.moe and (
+                    pp == 1 or untested) else (False,)
+                for sp in sps:
+                    for prec in precisions:
+                        yield Choice(tp, pp, dp, ep, zero, m, sched, v, False, None,
+                                     prec, sp, cp, cp_mode, tp_mode)
 
 
 def _as_set(x: Any) -> set:
@@ -219,7 +281,7 @@ def _fallbacks(c: Choice, untested: bool = False) -> list[Choice]:
         out.append(dataclasses.replace(c, remat=True))
     if c.pp == 1:
         out.append(dataclasses.replace(c, remat=True))
-        if c.ep == 1:
+        if c.ep == 1 and c.cp == 1:  # offload beside cp: composes, but neither run nor planned
             out.append(dataclasses.replace(c, offload="cpu"))
             out.append(dataclasses.replace(c, remat=True, offload="cpu"))
     return out
@@ -227,7 +289,7 @@ def _fallbacks(c: Choice, untested: bool = False) -> list[Choice]:
 
 def _fits_constraints(c: Choice, cons: Mapping[str, Any]) -> bool:
     for key in ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
-                "remat", "offload", "sequence_parallel"):
+                "remat", "offload", "sequence_parallel", "cp", "cp_mode", "tp_mode"):
         if not _allowed(cons, key, getattr(c, key)):
             return False
     return True
@@ -246,7 +308,9 @@ def _search(spec: ModelSpec, world: int, mem: float, prof: DeviceProfile, batch:
         n += 1
         return estimate(spec, c, prof, batch, seq, opt_bytes=opt_bytes, margin=margin)
 
-    for c in _candidates(spec, world, batch, cons, max_tp, untested):
+    # On a profile with nodes, tp divides the node so that no tp group straddles two.
+    node = prof.gpus_per_node if prof.links and "max_tp" not in cons else 0
+    for c in _candidates(spec, world, batch, seq, cons, max_tp, untested, node):
         tries = [c] + _fallbacks(c, untested)
         tries = [t for t in tries if _fits_constraints(t, cons)]
         for t in tries:

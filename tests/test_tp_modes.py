@@ -72,8 +72,11 @@ def test_mesh_must_fit_the_mode():
         shard_params(rules, _grid(tp=4), mode="2d")(*_step(Llama(CFG)))
     with pytest.raises(ValueError, match="square: tp_row=2 but tp_col=4"):
         shard_params(rules, _grid(tp_row=2, tp_col=4), mode="2d")(*_step(Llama(CFG)))
-    with pytest.raises(ValueError, match="'2.5d' is not implemented"):
-        shard_params(rules, _grid(), mode="2.5d")
+    with pytest.raises(ValueError, match=r"a 2.5D grid needs mesh axes \('tp_dep', 'tp_row'"):
+        shard_params(rules, _grid(), mode="2.5d")(*_step(Llama(CFG)))
+    with pytest.raises(ValueError, match="square: tp_row=2 but tp_col=1"):
+        shard_params(rules, _grid(tp_dep=2, tp_row=2, tp_col=1), mode="2.5d")(
+            *_step(Llama(CFG)))
     with pytest.raises(ValueError, match="one of"):
         shard_params(rules, _grid(), mode="4d")
     with pytest.raises(ValueError, match="sequence_parallel is a 1D mode option"):

@@ -25,6 +25,7 @@ from funcpar.state import functionalize, init_state
 from funcpar.testing.reference import CFG, OPTIMIZERS, STEPS, batches, run
 from funcpar.train import make_train_step
 from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
+from funcpar.transforms.tp_modes import mode_axes
 
 __all__ = ["MLP_RULES", "PlainMLP", "build", "class_loss", "mlp_batches", "train"]
 
@@ -59,28 +60,32 @@ class_loss.token_cross_entropy = True
 MLP_RULES = [Rule("out", "vocab_parallel")]
 
 
-def mlp_batches(seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+def mlp_batches(seed: int = 0, rows: int = 9) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2, 9, 13, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 11, (2, 9), generator=g)
+    x = torch.randn(2, rows, 13, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 11, (2, rows), generator=g)
     return [(x[i % 2], y[i % 2]) for i in range(STEPS)]
 
 
 def build(model: str, optim: str, mode: str | None, *, dp: int = 1, zero: int = 0,
-          q: int = 2):
-    """``(step, state, batches)`` of ``model`` under ``mode`` (None: one process) x dp."""
+          q: int = 2, depth: int = 1, rows: int = 9):
+    """``(step, state, batches)`` of ``model`` under ``mode`` (None: one process) x dp: a
+    ``q x q`` grid (2D), ``depth`` of them (2.5D) or a ``q x q x q`` cube (3D). ``rows``: the
+    MLP's batch rows."""
     torch.manual_seed(0)
     if model == "llama":
         net, loss, rules, data = Llama(CFG).double(), lm_loss, llama_rules(CFG.head_dim), \
             batches()
     else:
-        net, loss, rules, data = PlainMLP().double(), class_loss, MLP_RULES, mlp_batches()
+        net, loss, rules, data = PlainMLP().double(), class_loss, MLP_RULES, \
+            mlp_batches(rows=rows)
     apply_fn, params, buffers = functionalize(net)
     opt = OPTIMIZERS[optim](params)
     step, state = make_train_step(apply_fn, loss, opt), init_state(params, buffers, opt)
     if mode is None:
         return step, state, data
-    mesh = DeviceMesh.from_env(dp=dp, tp_row=q, tp_col=q)
+    per = {"2d": 2, "2.5d": 2, "3d": 3}[mode]
+    mesh = DeviceMesh.from_env(dp=dp, **mode_axes(mode, q**per * depth, depth))
     transforms = [shard_params(rules, mesh, mode=mode)]
     if dp > 1:
         transforms.append(data_parallel(mesh))

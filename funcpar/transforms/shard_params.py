@@ -125,8 +125,8 @@ def shard_params(
 
     ``mode``: ``"1d"`` (Megatron, this module), ``"2d"`` (SUMMA on the mesh axes ``tp_row``
     x ``tp_col``, :mod:`funcpar.transforms.tp_modes`; ``axis`` is then unused) or ``"2.5d"``
-    (Tesseract: 2D on each of the ``tp_dep`` depth slices, :mod:`funcpar.shard.tesseract`);
-    ``"3d"`` is refused (not implemented).
+    (Tesseract: 2D on each of the ``tp_dep`` depth slices, :mod:`funcpar.shard.tesseract`)
+    or ``"3d"`` (the ``tp_in x tp_w x tp_out`` cube, :mod:`funcpar.transforms.tp_cube`).
 
     The state must be fresh from ``init_state`` (step 0) and hold whole parameters; its
     optimizer state is re-initialized on the shards (moving a trained state between layouts is
@@ -142,6 +142,10 @@ def shard_params(
         if sequence_parallel:
             raise ValueError(f"sequence_parallel is a 1D mode option; mode={mode!r} already "
                              "splits the activations between layers")
+        if mode == "3d":
+            from funcpar.transforms.tp_cube import shard_params_3d
+
+            return shard_params_3d(rules, mesh)
         return shard_params_2d(rules, mesh, mode)
 
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:

@@ -72,9 +72,9 @@ from funcpar.shard.tp_ops import exit_region, gather_seq, vocab_parallel_cross_e
 from funcpar.state.train_state import TrainState
 from funcpar.train.step import TrainStep
 
-__all__ = ["MODES", "Plan2D", "Planned", "batch_rows", "comm_plan_report", "grid_loss",
-           "memory_per_rank", "mode_axes", "place_parts", "plan_2d", "planned_collectives",
-           "shard_params_2d"]
+__all__ = ["MODES", "Plan2D", "Planned", "batch_rows", "comm_plan_report", "grid_apply",
+           "grid_loss", "memory_per_rank", "mode_axes", "norm_forward", "place_parts", "plan_2d",
+           "planned_collectives", "shard_params_2d"]
 
 MODES = ("1d", "2d", "2.5d", "3d")
 #: Models known to keep to the 2D contract (module docstring), by qualified name.
@@ -302,10 +302,19 @@ def _enter(x: Any, grid: Grid) -> Any:
 
 
 def _apply_2d(apply_fn: Callable, plan: Plan2D) -> Callable:
+    return grid_apply(apply_fn, lambda x: _enter(x, plan.grid),
+                      lambda: [(p.module, _FORWARDS[p.kind](p, plan.grid)) for p in plan.parts])
+
+
+def grid_apply(apply_fn: Callable, enter: Callable[[Any], Any],
+               forwards: Callable[[], list[tuple[nn.Module, Callable]]]) -> Callable:
+    """``apply_fn`` on this rank's piece of each input (``enter``), with the modules' forwards
+    replaced by ``forwards()``'s for the call."""
+
     def sharded(params, buffers, *args, **kwargs):
-        args = tuple(_enter(a, plan.grid) for a in args)
-        kwargs = {k: _enter(v, plan.grid) for k, v in kwargs.items()}
-        with _installed(plan):
+        args = tuple(enter(a) for a in args)
+        kwargs = {k: enter(v) for k, v in kwargs.items()}
+        with _installed(forwards()):
             return apply_fn(params, buffers, *args, **kwargs)
 
     sharded.module = apply_fn.module
@@ -313,10 +322,10 @@ def _apply_2d(apply_fn: Callable, plan: Plan2D) -> Callable:
 
 
 @contextlib.contextmanager
-def _installed(plan: Plan2D) -> Iterator[None]:
-    saved = [(p.module, p.module.__dict__.get("forward")) for p in plan.parts]
-    for p in plan.parts:
-        p.module.forward = _FORWARDS[p.kind](p, plan.grid)
+def _installed(forwards: list[tuple[nn.Module, Callable]]) -> Iterator[None]:
+    saved = [(m, m.__dict__.get("forward")) for m, _ in forwards]
+    for m, fwd in forwards:
+        m.forward = fwd
     try:
         yield
     finally:
@@ -362,35 +371,42 @@ def _hidden_sum(x: Tensor, grid: Grid, purpose: str) -> Tensor:
     return all_reduce_both(x.sum(-1, keepdim=True), grid.mesh, grid.col, purpose)
 
 
-def _rmsnorm(part: Part, grid: Grid) -> Callable:
-    m, who, size, eps = part.module, part.name, part.size, _eps(part.module)
+def norm_forward(part: Part, gather: Callable[[Tensor, str], Tensor],
+                 hidden_sum: Callable[[Tensor, str], Tensor]) -> Callable:
+    """RMSNorm or LayerNorm ``part`` on activations whose hidden dim is split over ranks:
+    ``gather(w, what)`` is this rank's hidden chunk of the weight (bias) ``w``,
+    ``hidden_sum(x, what)`` the sum over the whole hidden dim (forward and backward, as
+    :func:`~funcpar.shard.summa.all_reduce_both`). ``y = w x / sqrt(mean(x²) + eps)``, or
+    ``y = w (x - mean) / sqrt(var + eps) + b``, with the means over ``part.size``."""
+    m, size = part.module, part.size
+    if part.kind == "rmsnorm":
+        eps = _eps(m)
 
-    def fwd(x: Tensor) -> Tensor:
-        w = _gather_row(m.weight, grid, size, 0, f"{who}: weight")
-        h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = h * torch.rsqrt(_hidden_sum(h * h, grid, f"{who}: sum of squares") / size + eps)
-        return w * h.to(x.dtype)
+        def rms(x: Tensor) -> Tensor:
+            w = gather(m.weight, "weight")
+            h = x.to(torch.promote_types(x.dtype, torch.float32))
+            h = h * torch.rsqrt(hidden_sum(h * h, "sum of squares") / size + eps)
+            return w * h.to(x.dtype)
 
-    return fwd
+        return rms
 
+    def layernorm(x: Tensor) -> Tensor:
+        c = x - hidden_sum(x, "sum") / size
+        var = hidden_sum(c * c, "sum of squares") / size
+        y = c * torch.rsqrt(var + m.eps) * gather(m.weight, "weight")
+        return y if m.bias is None else y + gather(m.bias, "bias")
 
-def _layernorm(part: Part, grid: Grid) -> Callable:
-    m, who, size = part.module, part.name, part.size
-
-    def fwd(x: Tensor) -> Tensor:
-        mean = _hidden_sum(x, grid, f"{who}: sum") / size
-        c = x - mean
-        var = _hidden_sum(c * c, grid, f"{who}: sum of squares") / size
-        y = c * torch.rsqrt(var + m.eps) * _gather_row(m.weight, grid, size, 0, f"{who}: weight")
-        if m.bias is not None:
-            y = y + _gather_row(m.bias, grid, size, 0, f"{who}: bias")
-        return y
-
-    return fwd
+    return layernorm
 
 
-_FORWARDS = {"linear": _linear, "embedding": _embedding, "rmsnorm": _rmsnorm,
-             "layernorm": _layernorm}
+def _norm(part: Part, grid: Grid) -> Callable:
+    who = part.name
+    return norm_forward(
+        part, lambda w, what: _gather_row(w, grid, part.size, 0, f"{who}: {what}"),
+        lambda x, what: _hidden_sum(x, grid, f"{who}: {what}"))
+
+
+_FORWARDS = {"linear": _linear, "embedding": _embedding, "rmsnorm": _norm, "layernorm": _norm}
 
 
 def _loss_2d(loss_fn: Callable, plan: Plan2D) -> Callable:
@@ -472,9 +488,7 @@ def mode_axes(mode: str, tp_size: int, depth: int = 1) -> dict[str, int]:
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"tensor-parallel mode must be one of {MODES}, got {mode!r}")
-    if mode == "3d":
-        raise ValueError(f"tensor-parallel mode {mode!r} is not implemented (3D, "
-                         "arXiv 2105.14450): use '1d', '2d' or '2.5d'")
+
 
 
 
@@ -497,6 +511,10 @@ def planned_collectives(plan: Plan2D, rows: int, dtype: torch.dtype, *,
     is the model's input (no input gradient, so no ``dX`` product). The optimizer's
     collectives (gradient norm, Adafactor's statistics, ...) are not included; 2.5D's
     gradient all-reduce over depth is (module ``"grads"``)."""
+    if not isinstance(plan, Plan2D):  # a 3D plan
+        from funcpar.transforms.tp_cube import planned_collectives_3d
+
+        return planned_collectives_3d(plan, rows, dtype, data_fed=data_fed)
     g = plan.grid
     q, j, s = g.q, g.j, torch.empty((), dtype=dtype).element_size()
     out: list[Planned] = []

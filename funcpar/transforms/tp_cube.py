@@ -70,8 +70,8 @@ from funcpar.shard.summa import all_reduce_both
 from funcpar.state.train_state import TrainState
 from funcpar.train.step import TrainStep
 from funcpar.transforms.tp_modes import (
+    GridPlan,
     Part,
-    Plan2D,
     Planned,
     _pieces,
     batch_rows,
@@ -87,7 +87,7 @@ MODE = "3d"
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan3D:
+class Plan3D(GridPlan):
     """The cube, the parts, the layout each part reads (``parity``), the leaves' layouts and
     the LM head."""
 
@@ -96,8 +96,6 @@ class Plan3D:
     parity: dict[str, int]
     layouts: dict[str, Layout]
     head: Part
-
-    report = Plan2D.report
 
     @property
     def logits_parity(self) -> int:

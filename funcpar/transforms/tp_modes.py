@@ -72,7 +72,7 @@ from funcpar.shard.tp_ops import exit_region, gather_seq, vocab_parallel_cross_e
 from funcpar.state.train_state import TrainState
 from funcpar.train.step import TrainStep
 
-__all__ = ["MODES", "Plan2D", "Planned", "batch_rows", "comm_plan_report", "grid_apply",
+__all__ = ["MODES", "GridPlan", "Plan2D", "Planned", "batch_rows", "comm_plan_report", "grid_apply",
            "grid_loss", "memory_per_rank", "mode_axes", "norm_forward", "place_parts", "plan_2d",
            "planned_collectives", "shard_params_2d"]
 
@@ -94,9 +94,11 @@ class Part:
     size: int  # norms: the whole normalized dim (the module's own weight is local in the step)
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan2D:
-    grid: Grid
+class GridPlan:
+    """What every multi-dimensional mode's plan has: ``parts``, ``layouts`` (leaf name ->
+    Layout) and the LM ``head`` (:class:`Plan2D` for 2D and 2.5D,
+    :class:`~funcpar.transforms.tp_cube.Plan3D` for 3D)."""
+
     parts: tuple[Part, ...]
     layouts: dict[str, Layout]
     head: Part
@@ -106,6 +108,14 @@ class Plan2D:
         width = max(len(n) for n in self.layouts)
         return "\n".join(f"{n.ljust(width)}  {lay!r} local {lay.local_shape()}"
                          for n, lay in self.layouts.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan2D(GridPlan):
+    grid: Grid
+    parts: tuple[Part, ...]
+    layouts: dict[str, Layout]
+    head: Part
 
 
 def _norm_kind(m: nn.Module) -> str | None:
@@ -503,7 +513,7 @@ class Planned(NamedTuple):
     purpose: str
 
 
-def planned_collectives(plan: Plan2D, rows: int, dtype: torch.dtype, *,
+def planned_collectives(plan: GridPlan, rows: int, dtype: torch.dtype, *,
                         data_fed: Sequence[str] = ()) -> list[Planned]:
     """The collectives of one forward and backward on this rank, module by module (each
     called once on ``rows`` local rows, as in the Llama and the MLP), with ``comm_log``'s byte
@@ -568,7 +578,7 @@ def planned_collectives(plan: Plan2D, rows: int, dtype: torch.dtype, *,
     return out
 
 
-def memory_per_rank(plan: Plan2D, dtype: torch.dtype) -> dict[str, int]:
+def memory_per_rank(plan: GridPlan, dtype: torch.dtype) -> dict[str, int]:
     """Bytes of this rank's parameters under the plan, next to one process's."""
     s = torch.empty((), dtype=dtype).element_size()
     lays = plan.layouts.values()

@@ -1,0 +1,181 @@
+"""shard_params(mode="2.5d" | "3d"): 2.5D (Tesseract) and 3D tensor parallelism equal one process.
+
+float64, 10 steps, 8 gloo ranks: 2.5D on a 2 x 2 grid x depth 2 (``tp_dep x tp_row x
+tp_col``), 3D on a 2 x 2 x 2 cube (``tp_in x tp_w x tp_out``), the example Llama and the plain
+MLP (biases, a LayerNorm between two linears, so on the cube's second layout; odd dims, uneven
+blocks; 9 batch rows under 2.5D, 12 under 3D, which cuts the rows into q² equal chunks), losses
+and whole parameters against one process (relative <= 1e-10). Every optimizer reduces through
+the leaves' three-axis layouts with no per-mode code. One step's collectives equal the plan's
+exactly. The errors are checked on virtual meshes.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import funcpar.optim as fo
+from funcpar.models import Llama, LlamaConfig, lm_loss
+from funcpar.shard.mesh import DeviceMesh
+from funcpar.shard.rules import Rule, llama_rules
+from funcpar.state import functionalize, init_state
+from funcpar.testing import run_ranks
+from funcpar.testing.reference import CFG, loss_rel, max_rel
+from funcpar.testing.tp_modes import MLP_RULES, PlainMLP, class_loss, train
+from funcpar.train import make_train_step
+from funcpar.transforms import shard_params
+from funcpar.transforms.tp_modes import mode_axes
+
+TOL = 1e-10
+MATRIX = ["sgd", "adamw", "adafactor", "came", "lamb", "galore_adamw"]
+#: Per mode, what build() needs: 2.5D at depth 2; 3D on 12 MLP rows (9 do not cut into 4).
+KW = {"2.5d": {"depth": 2}, "3d": {"rows": 12}}
+
+
+def _runs(cases):
+    return {c: train(c[1], c[2], c[0], **KW[c[0]]) for c in cases}
+
+
+def _check(cases):
+    ref = {c: train(c[1], c[2], None, rows=KW[c[0]].get("rows", 9)) for c in cases}
+    for rank, res in enumerate(run_ranks(_runs, 8, cases, timeout=1800)):
+        for case, (losses, params) in res.items():
+            assert loss_rel(losses, ref[case][0]) <= TOL, (rank, case)
+            assert max_rel(params, ref[case][1]) <= TOL, (rank, case)
+    for case in cases:  # the comparison is of training, not of a constant
+        assert ref[case][0][-1] < ref[case][0][0], case
+
+
+def test_2p5d_and_3d_mlp_adamw():
+    _check([("2.5d", "mlp", "adamw"), ("3d", "mlp", "adamw")])
+
+
+@pytest.mark.slow
+def test_2p5d_every_optimizer():
+    _check([("2.5d", m, o) for m in ("llama", "mlp") for o in MATRIX])
+
+
+@pytest.mark.slow
+def test_3d_every_optimizer():
+    _check([("3d", m, o) for m in ("llama", "mlp") for o in MATRIX])
+
+
+# ------------------------------------------------------------------------------ plan report
+def _records_vs_plan(mode, model):
+    from funcpar.shard.comm import comm_log
+    from funcpar.testing.tp_modes import build
+    from funcpar.transforms.tp_modes import batch_rows, plan_2d, planned_collectives
+
+    step, state, data = build(model, "sgd", mode, **KW[mode])
+    net = step.apply_fn.module
+    rules = llama_rules(CFG.head_dim) if model == "llama" else MLP_RULES
+    mesh = DeviceMesh.from_env(**mode_axes(mode, 8, KW[mode].get("depth", 1)))
+    if mode == "3d":
+        from funcpar.transforms.tp_cube import plan_3d
+
+        plan, axes = plan_3d(net, rules, mesh), ("tp_w", "tp_in")
+    else:
+        plan, axes = plan_2d(net, rules, mesh, mode), ("tp_dep", "tp_row")
+    inputs, _ = data[0]
+    rows = batch_rows(inputs, mesh, axes, "x", mode).shape[0]
+    rows *= inputs.shape[1] if model == "llama" else 1
+    planned = planned_collectives(plan, rows, torch.float64,
+                                  data_fed=("fc1",) if model == "mlp" else ())
+    with comm_log.capture() as recs:
+        step(state, data[0])
+    got = sorted((r.op, r.axis, r.nbytes, r.purpose) for r in recs
+                 if "global_norm" not in r.purpose)
+    return got, sorted((p.op, p.axis, p.nbytes, p.purpose) for p in planned)
+
+
+def _all_plans():
+    return [_records_vs_plan(mode, m) for mode in ("2.5d", "3d") for m in ("llama", "mlp")]
+
+
+def test_2p5d_and_3d_measured_collectives_equal_the_plan():
+    """Every collective of one step (all but the gradient norm's: op, axis, bytes, purpose),
+    2.5D's gradient all-reduce over depth included, is the plan's, on every rank."""
+    for per_case in run_ranks(_all_plans, 8, timeout=300):
+        for got, want in per_case:
+            assert got == want
+
+
+# ----------------------------------------------------------------------------------- errors
+def _step(model, loss=lm_loss):
+    apply_fn, params, buffers = functionalize(model)
+    opt = fo.sgd(lr=0.1)
+    return make_train_step(apply_fn, loss, opt), init_state(params, buffers, opt)
+
+
+def _cube(**axes):
+    return DeviceMesh.virtual(rank=0, **(axes or {"tp_in": 2, "tp_w": 2, "tp_out": 2}))
+
+
+def test_mesh_must_fit_the_mode():
+    rules = llama_rules(CFG.head_dim)
+    with pytest.raises(ValueError, match=r"a 3D cube needs mesh axes \('tp_in', 'tp_w', 'tp_out'"):
+        shard_params(rules, _cube(tp_row=2, tp_col=2), mode="3d")(*_step(Llama(CFG)))
+    with pytest.raises(ValueError, match="a 3D cube has equal sides"):
+        shard_params(rules, _cube(tp_in=2, tp_w=2, tp_out=4), mode="3d")(*_step(Llama(CFG)))
+    with pytest.raises(ValueError, match=r"a 2.5D grid needs mesh axes \('tp_dep'"):
+        shard_params(rules, _cube(), mode="2.5d")(*_step(Llama(CFG)))
+    assert mode_axes("2.5d", 8, 2) == {"tp_dep": 2, "tp_row": 2, "tp_col": 2}
+    assert mode_axes("3d", 27) == {"tp_in": 3, "tp_w": 3, "tp_out": 3}
+    for args, msg in ((("3d", 4), "a cube q \\* q \\* q >= 8, got 4"),
+                      (("2.5d", 8, 3), "8 ranks do not split into depth 3"),
+                      (("2.5d", 4, 2), "depth \\(2\\) \\* q \\* q with q >= 2, got 4"),
+                      (("2d", 8, 2), "a depth \\(2\\) is for tp_mode='2.5d'")):
+        with pytest.raises(ValueError, match=msg):
+            mode_axes(*args)
+
+
+class _Mixed(nn.Module):
+    """Adds its input to a linear's output: the two are on different faces of the cube."""
+
+    supports_tp_2d = True
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(x + self.fc(x))
+
+
+def test_3d_refuses_what_it_cannot_place():
+    with pytest.raises(ValueError, match="combines activations of both layouts"):
+        shard_params([Rule("out", "vocab_parallel")], _cube(), mode="3d")(
+            *_step(_Mixed(), class_loss))
+    moe = Llama(LlamaConfig(vocab_size=16, dim=16, n_layers=1, n_heads=4, n_experts=2))
+    with pytest.raises(ValueError, match=r"mode='3d' cannot place 'layers.0.mlp.experts'"):
+        shard_params(llama_rules(4, dense_mlp=False), _cube(), mode="3d")(*_step(moe))
+    with pytest.raises(ValueError, match="leaves a rank no entry"):
+        shard_params(MLP_RULES, _cube(), mode="3d")(*_step(PlainMLP(hidden=6), class_loss))
+    step, state = shard_params(llama_rules(CFG.head_dim), _cube(), mode="3d")(
+        *_step(Llama(CFG).double()))
+    with pytest.raises(ValueError, match="6 batch rows; 3D cuts them into q² = 4 equal"):
+        step(state, (torch.zeros(6, 4, dtype=torch.long),) * 2)
+    with pytest.raises(ValueError, match="3 batch rows, fewer than tp_dep=2 x tp_row=2"):
+        step, state = shard_params(
+            llama_rules(CFG.head_dim), _cube(tp_dep=2, tp_row=2, tp_col=2), mode="2.5d")(
+            *_step(Llama(CFG).double()))
+        step(state, (torch.zeros(3, 4, dtype=torch.long),) * 2)
+
+
+def test_3d_layouts_follow_the_trace():
+    """Llama: q/k/v, gate/up and the head read layout 0, o/down layout 1, norms layout 0; the
+    MLP's LayerNorm sits between fc1 and fc2, on layout 1. Every parameter is 1/8 per rank."""
+    from funcpar.transforms.tp_cube import plan_3d
+
+    plan = plan_3d(Llama(CFG), llama_rules(CFG.head_dim), _cube())
+    par = plan.parity
+    assert [par[f"layers.0.{n}"] for n in ("self_attn.q_proj", "self_attn.o_proj",
+                                           "mlp.up_proj", "mlp.down_proj",
+                                           "post_attention_layernorm")] == [0, 1, 0, 1, 0]
+    assert (par["norm"], par["lm_head"], plan.logits_parity) == (0, 0, 1)
+    lay = plan.layouts
+    assert lay["layers.0.self_attn.o_proj.weight"].dim_axes == (("tp_out", "tp_w"), ("tp_in",))
+    assert lay["embed_tokens.weight"].local_shape() == (50, 4)
+    assert lay["lm_head.weight"].local_shape() == (13, 16)
+    mlp = plan_3d(PlainMLP(), MLP_RULES, _cube())
+    assert mlp.parity == {"fc1": 0, "norm": 1, "fc2": 1, "out": 0}
+    assert mlp.layouts["norm.weight"].dim_axes == (("tp_in", "tp_w", "tp_out"),)

@@ -178,7 +178,10 @@ def test_train_lm_tp_mode_errors(capsys):
 
     train_lm = load_example("train_lm.py", "train_lm")
     for argv, msg in ((["--tp", "2", "--tp-mode", "2d"], "square q * q"),
-                      (["--tp", "4", "--tp-mode", "3d"], "not implemented"),
+                      (["--tp", "4", "--tp-mode", "3d"], "a cube q * q * q >= 8, got 4"),
+                      (["--tp", "8", "--tp-mode", "2.5d", "--tp-depth", "3"],
+                       "8 ranks do not split into depth 3"),
+                      (["--tp", "4", "--tp-depth", "2"], "--tp-depth is for --tp-mode 2.5d"),
                       (["--tp", "4", "--tp-mode", "2d", "--sequence-parallel"],
                        "--sequence-parallel does not work with --tp-mode 2d")):
         with pytest.raises(SystemExit):
@@ -215,8 +218,10 @@ def test_hybrid_parallel_tp_mode_errors():
         hybrid_parallel(tp_size=2, tp_mode="2d")
     with pytest.raises(ValueError, match="does not compose with sequence_parallel"):
         hybrid_parallel(tp_size=4, tp_mode="2d", sequence_parallel=True)
-    with pytest.raises(ValueError, match="'3d' is not implemented"):
-        hybrid_parallel(tp_size=8, tp_mode="3d")
+    with pytest.raises(ValueError, match="a cube q \\* q \\* q >= 8, got 4"):
+        hybrid_parallel(tp_size=4, tp_mode="3d")
+    with pytest.raises(ValueError, match="tp_depth=2 is for tp_mode='2.5d'"):
+        hybrid_parallel(tp_size=4, tp_depth=2)
     with pytest.raises(ValueError, match="tp_mode=.2d. \\(axes .* axis has 4 ranks"):
         hybrid_parallel(tp_size=4, tp_mode="2d", mesh=DeviceMesh.virtual(dp=1, tp=4))
 

@@ -179,3 +179,51 @@ def test_3d_layouts_follow_the_trace():
     mlp = plan_3d(PlainMLP(), MLP_RULES, _cube())
     assert mlp.parity == {"fc1": 0, "norm": 1, "fc2": 1, "out": 0}
     assert mlp.layouts["norm.weight"].dim_axes == (("tp_in", "tp_w", "tp_out"),)
+
+
+# ---------------------------------------------------------------------- the CLI and preset
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [["--tp-mode", "2.5d", "--tp-depth", "2"],
+                                  ["--tp-mode", "3d"]], ids=["2.5d", "3d"])
+def test_train_lm_tp_modes_match_one_process(tmp_path, mode):
+    """``train_lm --tp 8`` under 2.5D (depth 2) and 3D on 8 ranks: the one-process losses and
+    whole parameters (float64, 1e-10)."""
+    from _examples import load_example
+    from test_example import _rank_run, _small
+
+    train_lm = load_example("train_lm.py", "train_lm")
+    cache = tmp_path / "cache"
+    steps = ["--dtype", "float64", "--print-every", "2", "--seq-len", "16", "--dim", "32",
+             "--corpus-bytes", "100000", "--warmup", "1"]
+    one = train_lm.main(_small(tmp_path / "one", cache, 4, *steps))
+    argv = _small(tmp_path / "nd", cache, 4, *steps, "--tp", "8", *mode)
+    for rank, res in enumerate(run_ranks(_rank_run, 8, argv, backend=None, timeout=600)):
+        assert loss_rel(res["losses"], [r["loss"] for r in one["history"]]) <= TOL, rank
+        assert max_rel(res["params"], one["params"]) <= TOL, rank
+
+
+def _preset_runs():
+    from funcpar.presets import hybrid_parallel
+    from funcpar.testing.reference import OPTIMIZERS, batches, run
+
+    out = {}
+    for mode, depth in (("2.5d", 2), ("3d", 1)):
+        torch.manual_seed(0)
+        model = Llama(CFG).double()
+        _, params, _ = functionalize(model)
+        opt = OPTIMIZERS["adamw"](params)
+        composed = hybrid_parallel(model, lm_loss, opt, tp_size=8, tp_mode=mode,
+                                   tp_depth=depth, donate=False)
+        axes = composed.step.layouts["lm_head.weight"].dim_axes
+        out[mode] = (axes, *run(composed.step, composed.state, batches()))
+    return out
+
+
+@pytest.mark.slow
+def test_hybrid_parallel_tp_modes_2p5d_and_3d_match_one_process():
+    ref = train("llama", "adamw", None)
+    for res in run_ranks(_preset_runs, 8, timeout=600):
+        assert res["2.5d"][0] == (("tp_col",), ("tp_row",))
+        assert res["3d"][0] == (("tp_in", "tp_w"), ("tp_out",))
+        for _, losses, params in res.values():
+            assert loss_rel(losses, ref[0]) <= TOL and max_rel(params, ref[1]) <= TOL

@@ -220,8 +220,10 @@ class Preset:
     accumulation over that many micro-batches of each step's batch, reduced once per step
     (:func:`~funcpar.transforms.accumulate_grads`; HF Trainer's
     ``gradient_accumulation_steps``); with a pipeline, ``grad_accum`` times ``microbatches``
-    pipeline micro-batches (the same sum of gradients). ``tp_mode``: "1d" (Megatron) or "2d"
-    (SUMMA on a ``q x q`` grid, ``tp_size = q * q``: :mod:`funcpar.transforms.tp_modes`).
+    pipeline micro-batches (the same sum of gradients). ``tp_mode``: "1d" (Megatron), "2d"
+    (SUMMA on a ``q x q`` grid, ``tp_size = q * q``: :mod:`funcpar.transforms.tp_modes`),
+    "2.5d" (``tp_depth`` such grids, ``tp_size = tp_depth * q * q``) or "3d" (a ``q x q x q``
+    cube, ``tp_size = q ** 3``: :mod:`funcpar.transforms.tp_cube`).
     """
 
     name: str = "preset"
@@ -250,6 +252,7 @@ class Preset:
     ep_size: int = 1
     grad_accum: int = 1
     tp_mode: str = "1d"
+    tp_depth: int = 1
     sp_size: int = 1
     sequence_parallelism_mode: str | None = None
 
@@ -321,32 +324,34 @@ class Preset:
                              "plan=True and measure a step with funcpar.shard.comm.comm_report")
         if self.tp_mode != "1d":
             self._check_tp_mode()
+        elif self.tp_depth != 1:
+            raise ValueError(f"{who}: tp_depth={self.tp_depth} is for tp_mode='2.5d'")
         if self.mesh is not None:
             self._check_mesh(self.mesh)
 
     def _check_tp_mode(self) -> None:
-        """``tp_mode="2d"``: ``tp_size = q * q`` on mesh axes ``tp_row`` x ``tp_col``
-        (:mod:`funcpar.transforms.tp_modes`); what it does not compose with yet is refused."""
-        from funcpar.transforms.tp_modes import check_mode
-
-        check_mode(self.tp_mode)
-        q = math.isqrt(self.tp_size)
-        if self.tp_size < 4 or q * q != self.tp_size:
-            raise ValueError(f"{self.name}: tp_mode='2d' needs tp_size a square q * q >= 4, "
-                             f"got {self.tp_size}")
+        """``tp_mode="2d" | "2.5d" | "3d"``: ``tp_size`` fits the mode's grid
+        (:func:`funcpar.transforms.tp_modes.mode_axes`); what it does not compose with yet is
+        refused."""
+        try:
+            self._tp_axes()
+        except ValueError as err:
+            raise ValueError(f"{self.name}: {err}") from None
         for what, on in (("sequence_parallel", self.sequence_parallel),
                          ("pp_size > 1", self.pp_size > 1), ("ep_size > 1", self.ep_size > 1),
                          ("plan=True", self.plan),
                          ("a context-parallel sequence_parallelism_mode", self.cp_size > 1)):
             if on:
-                raise ValueError(f"{self.name}: tp_mode='2d' does not compose with {what} yet")
+                raise ValueError(f"{self.name}: tp_mode={self.tp_mode!r} does not compose with "
+                                 f"{what} yet")
 
     def _tp_axes(self) -> dict[str, int]:
         """The tensor-parallel mesh axes: ``tp`` (1D), or ``tp`` of size 1 and the grid."""
+        from funcpar.transforms.tp_modes import mode_axes
+
         if self.tp_mode == "1d":
             return {"tp": self.tp_size}
-        q = math.isqrt(self.tp_size)
-        return {"tp": 1, "tp_row": q, "tp_col": q}
+        return {"tp": 1, **mode_axes(self.tp_mode, self.tp_size, self.tp_depth)}
 
     def _check_sp(self, who: str) -> None:
         mode = self.sequence_parallelism_mode
@@ -377,8 +382,7 @@ class Preset:
     # ------------------------------------------------------------------------------- mesh
     def _check_mesh(self, mesh: DeviceMesh) -> None:
         sizes = mesh.shape
-        known = ("pp", "dp", "tp", "ep", "cp") + (("tp_row", "tp_col") if self.tp_mode != "1d"
-                                                else ())
+        known = ("pp", "dp", "tp", "ep", "cp", *self._tp_axes())
         extra = {a: s for a, s in sizes.items() if a not in known and s > 1}
         if extra:
             raise ValueError(f"{self.name}: the mesh has axes {extra} that the preset does not "
@@ -625,6 +629,7 @@ def hybrid_parallel(
     plan: bool = False,
     grad_accum: int = 1,
     tp_mode: str = "1d",
+    tp_depth: int = 1,
     params: Any = None,
     buffers: Any = None,
     seed: int = 0,
@@ -633,8 +638,10 @@ def hybrid_parallel(
 ) -> Preset | Composed:
     """Colossal-AI's ``HybridParallelPlugin``: ``pp x dp x cp x tp`` with ZeRO 0-3 over dp.
 
-    ``tp_mode``: ``"1d"`` (Megatron) or ``"2d"`` (SUMMA; ``tp_size = q * q``, mesh axes
-    ``tp_row`` x ``tp_col``, ``tp`` kept at size 1; docs/TENSOR_PARALLEL.md).
+    ``tp_mode``: ``"1d"`` (Megatron), ``"2d"`` (SUMMA; ``tp_size = q * q``, mesh axes
+    ``tp_row`` x ``tp_col``), ``"2.5d"`` (``tp_size = tp_depth * q * q``, axes ``tp_dep`` x
+    ``tp_row`` x ``tp_col``) or ``"3d"`` (``tp_size = q ** 3``, axes ``tp_in`` x ``tp_w`` x
+    ``tp_out``); ``tp`` is kept at size 1 (docs/TENSOR_PARALLEL.md).
 
     ``compose([pipeline_split(mesh, microbatches=...)], shard_params(rules, mesh),
     [context_parallel(mesh, mode)], data_parallel(mesh), zero_partition(zero_stage, mesh),
@@ -654,7 +661,7 @@ def hybrid_parallel(
         initial_scale=initial_scale, growth_factor=growth_factor,
         backoff_factor=backoff_factor, growth_interval=growth_interval,
         batch_shape=batch_shape, plan=plan, pp_style=pp_style, num_model_chunks=num_model_chunks,
-        grad_accum=grad_accum, tp_mode=tp_mode,
+        grad_accum=grad_accum, tp_mode=tp_mode, tp_depth=tp_depth,
     )
 
 

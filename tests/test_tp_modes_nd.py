@@ -176,6 +176,9 @@ def test_3d_layouts_follow_the_trace():
     assert lay["layers.0.self_attn.o_proj.weight"].dim_axes == (("tp_out", "tp_w"), ("tp_in",))
     assert lay["embed_tokens.weight"].local_shape() == (50, 4)
     assert lay["lm_head.weight"].local_shape() == (13, 16)
+    released = Llama(CFG)
+    functionalize(released, release=True)  # its own tensors on meta: the trace runs on fakes
+    assert plan_3d(released, llama_rules(CFG.head_dim), _cube()).parity == par
     mlp = plan_3d(PlainMLP(), MLP_RULES, _cube())
     assert mlp.parity == {"fc1": 0, "norm": 1, "fc2": 1, "out": 0}
     assert mlp.layouts["norm.weight"].dim_axes == (("tp_in", "tp_w", "tp_out"),)

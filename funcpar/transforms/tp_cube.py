@@ -15,8 +15,9 @@ so a Llama's q/k/v, gate and up projections read layout 0 and its o and down pro
 layout 1, as Colossal-AI swaps its input and output groups from one layer to the next.
 
 Which layout each module reads is found once, when the transform is applied, by running the
-model on a meta input (token ids ``[q², 1]`` for a model whose first parameterized module is an
-embedding, zeros ``[q², in_features]`` for a linear one) and following every tensor from the
+model on a fake input (``FakeTensorMode``: shapes, no data; token ids ``[q², 1]`` for a model
+whose first parameterized module is an embedding, zeros ``[q², in_features]`` for a linear
+one) and following every tensor from the
 input through the torch functions (a ``TorchFunctionMode``): an op combining activations of the
 two layouts (their rows are different batch chunks) is refused, naming the op; so is a module
 called on both. The model's dataflow must not depend on its input's values.
@@ -58,6 +59,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -139,15 +141,15 @@ def _example(module: nn.Module, parts: Sequence[Part], q: int) -> Tensor:
     first = parts[0]
     m = first.module
     if first.kind == "embedding":
-        return torch.zeros(q * q, 1, dtype=torch.long, device="meta")
+        return torch.zeros(q * q, 1, dtype=torch.long)
     if first.kind == "linear":
-        return torch.zeros(q * q, m.in_features, dtype=m.weight.dtype, device="meta")
+        return torch.zeros(q * q, m.in_features, dtype=m.weight.dtype)
     raise ValueError(f"mode='3d' traces the model on an input made for its first module, an "
                      f"embedding or a linear layer; {first.name!r} is a {first.kind}")
 
 
 def _trace(module: nn.Module, parts: Sequence[Part], head: Part, q: int) -> dict[str, int]:
-    """Each part's input layout (module docstring), by a run on meta tensors."""
+    """Each part's input layout (module docstring), by a run on fake tensors."""
     follow = _Follow()
     parity: dict[str, int] = {}
     hooks = []
@@ -177,19 +179,23 @@ def _trace(module: nn.Module, parts: Sequence[Part], head: Part, q: int) -> dict
     for part in parts:
         hooks.append(part.module.register_forward_pre_hook(pre(part)))
         hooks.append(part.module.register_forward_hook(post(part)))
-    x = _example(module, parts, q)
-    meta = {n: torch.empty_like(t, device="meta") for n, t in
-            [*module.named_parameters(), *module.named_buffers()]}
+    # Fake tensors (shapes and dtypes, no data, no compute), not meta ones: a module
+    # functionalized with release=True refuses to run on meta parameters.
+    fake = FakeTensorMode()
+    with fake:
+        x = _example(module, parts, q)
+        tensors = {n: torch.empty(t.shape, dtype=t.dtype) for n, t in
+                   [*module.named_parameters(), *module.named_buffers()]}
     try:
-        with follow:
+        with fake, follow:
             follow.set(x, 0)
-            out = torch.func.functional_call(module, meta, (x,))
+            out = torch.func.functional_call(module, tensors, (x,))
     except ValueError:
         raise
     except Exception as e:
         cls = type(module)
         raise ValueError(
-            f"mode='3d' traces {cls.__module__}.{cls.__qualname__} once on a meta input "
+            f"mode='3d' traces {cls.__module__}.{cls.__qualname__} once on a fake input "
             f"(shape {tuple(x.shape)}, {x.dtype}) to find the layout each module reads; the "
             f"trace failed: {type(e).__name__}: {e}") from e
     finally:

@@ -1,4 +1,4 @@
-"""Multi-dimensional tensor parallelism: ``shard_params(rules, mesh, mode="2d")``.
+"""Multi-dimensional tensor parallelism: ``shard_params(rules, mesh, mode="2d" | "2.5d")``.
 
 2D tensor parallelism (Xu et al., "An Efficient 2D Method for Training Super-Large Deep
 Learning Models", arXiv 2104.05343; Colossal-AI's ``2d`` mode) on a ``q x q`` grid of the mesh
@@ -47,7 +47,12 @@ token cross-entropy; rules without a ``vocab_parallel`` (or ``colwise_gather_out
 modules must be per-row and per-feature (elementwise, per head): :class:`funcpar.models.Llama`
 is known to be; another model declares it with ``supports_tp_2d = True``.
 
-``mode="2.5d"`` and ``mode="3d"`` are refused (not implemented).
+**2.5D** (``mode="2.5d"``, :mod:`funcpar.shard.tesseract`): the same placement on each of
+``d`` depth slices of the mesh axis ``tp_dep``, weights replicated over it; the batch rows are
+cut over ``tp_dep`` then ``tp_row``, the loss's token sums run over both, and after the
+backward every gradient is summed over ``tp_dep`` (``sync_grads``).
+``DeviceMesh.from_env(dp=..., tp_dep=d, tp_row=q, tp_col=q)``; :func:`mode_axes` gives the axes
+of each mode. **3D** is :mod:`funcpar.transforms.tp_cube`.
 """
 
 from __future__ import annotations

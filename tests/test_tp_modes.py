@@ -121,29 +121,10 @@ def test_2d_layouts_and_batch_rows():
 
 
 # ------------------------------------------------------------------------------ plan report
-def _records_vs_plan(model):
-    from funcpar.shard.comm import comm_log
-    from funcpar.testing.tp_modes import build
-    from funcpar.transforms.tp_modes import plan_2d, planned_collectives
-
-    step, state, data = build(model, "sgd", "2d")
-    net = step.apply_fn.module
-    rules = llama_rules(CFG.head_dim) if model == "llama" else MLP_RULES
-    plan = plan_2d(net, rules, DeviceMesh.from_env(tp_row=2, tp_col=2))
-    inputs, _ = data[0]
-    rows = (inputs.shape[0] + 1) // 2 if plan.grid.i == 0 else inputs.shape[0] // 2
-    rows *= inputs.shape[1] if model == "llama" else 1
-    planned = planned_collectives(plan, rows, torch.float64,
-                                  data_fed=("fc1",) if model == "mlp" else ())
-    with comm_log.capture() as recs:
-        step(state, data[0])
-    got = sorted((r.op, r.axis, r.nbytes, r.purpose) for r in recs
-                 if "global_norm" not in r.purpose)
-    return got, sorted((p.op, p.axis, p.nbytes, p.purpose) for p in planned)
-
-
 def _both_models():
-    return [_records_vs_plan(m) for m in ("llama", "mlp")]
+    from funcpar.testing.tp_modes import records_vs_plan
+
+    return [records_vs_plan("2d", m) for m in ("llama", "mlp")]
 
 
 def test_2d_measured_collectives_equal_the_plan():

@@ -20,7 +20,7 @@ from funcpar.shard.rules import Rule, llama_rules
 from funcpar.state import functionalize, init_state
 from funcpar.testing import run_ranks
 from funcpar.testing.reference import CFG, loss_rel, max_rel
-from funcpar.testing.tp_modes import MLP_RULES, PlainMLP, class_loss, train
+from funcpar.testing.tp_modes import MLP_RULES, PlainMLP, class_loss, records_vs_plan, train
 from funcpar.train import make_train_step
 from funcpar.transforms import shard_params
 from funcpar.transforms.tp_modes import mode_axes
@@ -60,35 +60,9 @@ def test_3d_every_optimizer():
 
 
 # ------------------------------------------------------------------------------ plan report
-def _records_vs_plan(mode, model):
-    from funcpar.shard.comm import comm_log
-    from funcpar.testing.tp_modes import build
-    from funcpar.transforms.tp_modes import batch_rows, plan_2d, planned_collectives
-
-    step, state, data = build(model, "sgd", mode, **KW[mode])
-    net = step.apply_fn.module
-    rules = llama_rules(CFG.head_dim) if model == "llama" else MLP_RULES
-    mesh = DeviceMesh.from_env(**mode_axes(mode, 8, KW[mode].get("depth", 1)))
-    if mode == "3d":
-        from funcpar.transforms.tp_cube import plan_3d
-
-        plan, axes = plan_3d(net, rules, mesh), ("tp_w", "tp_in")
-    else:
-        plan, axes = plan_2d(net, rules, mesh, mode), ("tp_dep", "tp_row")
-    inputs, _ = data[0]
-    rows = batch_rows(inputs, mesh, axes, "x", mode).shape[0]
-    rows *= inputs.shape[1] if model == "llama" else 1
-    planned = planned_collectives(plan, rows, torch.float64,
-                                  data_fed=("fc1",) if model == "mlp" else ())
-    with comm_log.capture() as recs:
-        step(state, data[0])
-    got = sorted((r.op, r.axis, r.nbytes, r.purpose) for r in recs
-                 if "global_norm" not in r.purpose)
-    return got, sorted((p.op, p.axis, p.nbytes, p.purpose) for p in planned)
-
-
 def _all_plans():
-    return [_records_vs_plan(mode, m) for mode in ("2.5d", "3d") for m in ("llama", "mlp")]
+    return [records_vs_plan(mode, m, **KW[mode]) for mode in ("2.5d", "3d")
+            for m in ("llama", "mlp")]
 
 
 def test_2p5d_and_3d_measured_collectives_equal_the_plan():

@@ -27,7 +27,8 @@ from funcpar.train import make_train_step
 from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
 from funcpar.transforms.tp_modes import mode_axes
 
-__all__ = ["MLP_RULES", "PlainMLP", "build", "class_loss", "mlp_batches", "train"]
+__all__ = ["MLP_RULES", "PlainMLP", "build", "class_loss", "mlp_batches", "records_vs_plan",
+           "train"]
 
 
 class PlainMLP(nn.Module):
@@ -99,3 +100,36 @@ def train(model: str, optim: str, mode: str | None = "2d", **kw):
     """10 steps: (losses, whole params) on this rank."""
     step, state, data = build(model, optim, mode, **kw)
     return run(step, state, data)
+
+
+def records_vs_plan(mode: str, model: str, **kw) -> tuple[list, list]:
+    """One SGD step of ``model`` under ``mode`` (``build``'s keywords): this rank's collectives
+    from ``comm_log`` (all but the gradient norm's) and the plan's
+    (:func:`~funcpar.transforms.tp_modes.planned_collectives`), each as sorted ``(op, axis,
+    bytes, purpose)``."""
+    from funcpar.shard.comm import comm_log
+    from funcpar.transforms.tp_cube import plan_3d
+    from funcpar.transforms.tp_modes import batch_rows, plan_2d, planned_collectives
+
+    step, state, data = build(model, "sgd", mode, **kw)
+    net = step.apply_fn.module
+    rules = llama_rules(CFG.head_dim) if model == "llama" else MLP_RULES
+    per = 3 if mode == "3d" else 2
+    depth = kw.get("depth", 1)
+    mesh = DeviceMesh.from_env(**mode_axes(mode, kw.get("q", 2) ** per * depth, depth))
+    if mode == "3d":
+        plan = plan_3d(net, rules, mesh)
+        axes = plan.cube.row_axes(0)
+    else:
+        plan = plan_2d(net, rules, mesh, mode)
+        axes = plan.grid.batch_axes
+    inputs, _ = data[0]
+    rows = batch_rows(inputs, mesh, axes, "the inputs", mode).shape[0]
+    rows *= inputs.shape[1] if model == "llama" else 1
+    planned = planned_collectives(plan, rows, torch.float64,
+                                  data_fed=("fc1",) if model == "mlp" else ())
+    with comm_log.capture() as recs:
+        step(state, data[0])
+    got = sorted((r.op, r.axis, r.nbytes, r.purpose) for r in recs
+                 if "global_norm" not in r.purpose)
+    return got, sorted((p.op, p.axis, p.nbytes, p.purpose) for p in planned)

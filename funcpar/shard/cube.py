@@ -22,10 +22,11 @@ Backward: ``dC`` is all-gathered over ``O``; ``dA = dC Bᵀ`` (an ``ABᵀ``) is 
 ``N`` chunk ``i``, reduce-scattered over ``I``; ``dB = Aᵀ dC`` (an ``AᵀB``) a partial over the
 rows chunk ``w``, reduce-scattered over :data:`WGT`. Only the rank's own blocks of ``A`` and
 ``B`` are saved (they are gathered again in the backward), so an activation costs ``1 / q³``
-of itself, at two all-gathers more than the six collectives of Colossal-AI's ``linear_3d``,
-which saves the gathered ``A`` (``1 / q²``).
+of itself, at two all-gathers more than the six the seed's ``6 (q - 1) / q³`` counts (a
+backward keeping the gathered blocks, as Colossal-AI's ``linear_3d`` keeps its gathered input,
+holds ``1 / q²`` of the activation instead).
 
-Rows are whole on this level: every rank's ``A`` has the same row count (the transform cuts
+Rows are not cut unevenly here: every rank's ``A`` has the same row count (the transform cuts
 the batch into ``q²`` equal chunks and refuses a batch that does not), as the input and output
 faces hold different row chunks and a model's code between layers may read a row count from
 either; ``K`` and ``N`` may be cut unevenly (``torch.chunk``'s pieces).

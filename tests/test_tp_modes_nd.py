@@ -59,6 +59,20 @@ def test_3d_every_optimizer():
     _check([("3d", m, o) for m in ("llama", "mlp") for o in MATRIX])
 
 
+def _x_dp2_zero2():
+    return {m: train("llama", "adamw", m, dp=2, zero=2, **KW[m]) for m in ("2.5d", "3d")}
+
+
+@pytest.mark.slow
+def test_2p5d_and_3d_x_dp2_zero2_16_ranks():
+    """dp2 x (2.5D depth 2 | 3D), ZeRO-2 over dp, on 16 ranks: one process's Llama."""
+    ref = train("llama", "adamw", None)
+    for rank, res in enumerate(run_ranks(_x_dp2_zero2, 16, timeout=1800)):
+        for mode, (losses, params) in res.items():
+            assert loss_rel(losses, ref[0]) <= TOL, (rank, mode)
+            assert max_rel(params, ref[1]) <= TOL, (rank, mode)
+
+
 # ------------------------------------------------------------------------------ plan report
 def _all_plans():
     return [records_vs_plan(mode, m, **KW[mode]) for mode in ("2.5d", "3d")

@@ -259,3 +259,28 @@ def test_checkpoints_saved_under_2p5d_and_3d_load_in_one_process(tmp_path):
                 assert max_rel({n: x}, {n: y}) < 1e-10, (mode, n)
             elif torch.is_tensor(x):
                 assert torch.equal(x, y), (mode, n)
+
+
+def _evals():
+    from funcpar.testing.tp_modes import build
+    from funcpar.train import make_eval_step
+
+    out = {}
+    for mode in (None, "2.5d", "3d"):
+        step, state, data = build("llama", "adamw", mode, **KW.get(mode, {}))
+        x, y = data[0]
+        y = y.clone()
+        y[:, :3] = -100
+        m = make_eval_step(step)(state, (x, y))
+        out[mode] = (float(m["loss"]), int(m["tokens"]))
+    return out
+
+
+@pytest.mark.slow
+def test_evaluation_under_2p5d_and_3d_equals_one_process():
+    """make_eval_step of a 2.5D and a 3D step on ignored targets: one process's loss and
+    token count on every rank."""
+    for res in run_ranks(_evals, 8, backend=None, timeout=300):
+        loss, tokens = res.pop(None)
+        for mode, (got, n) in res.items():
+            assert n == tokens and abs(got - loss) <= 1e-13 * loss, mode

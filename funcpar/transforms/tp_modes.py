@@ -235,7 +235,12 @@ def shard_params_2d(
         loss_fn = _loss_2d(step.loss_fn, plan)
         layouts = {n: plan.layouts[n] for n in state.params}
         params = shard_tree(state.params, layouts)
-        new_step = dataclasses.replace(step, apply_fn=_apply_2d(step.apply_fn, plan),
+        # Under pipeline_split the apply_fn is a stage's, ``(params, buffers, stage, x,
+        # *inputs)`` (funcpar.pipeline.stages.stage_apply): ``x``, the previous stage's output,
+        # is already this rank's grid block (the pipeline pairs rank (i, j) of one stage with
+        # (i, j) of the next), so only the model inputs after it are cut.
+        lead = 2 if step.pipeline is not None else 0
+        new_step = dataclasses.replace(step, apply_fn=_apply_2d(step.apply_fn, plan, lead),
                                        loss_fn=loss_fn, layouts=layouts)
         return new_step, state._replace(params=params, opt_state=step.optimizer.init(params))
 
@@ -270,9 +275,12 @@ def _enter(x: Any, grid: Grid) -> Any:
     return _cols(x, grid) if x.is_floating_point() else x
 
 
-def _apply_2d(apply_fn: Callable, plan: Plan2D) -> Callable:
+def _apply_2d(apply_fn: Callable, plan: Plan2D, lead: int = 0) -> Callable:
+    """``apply_fn`` with its inputs cut on entry (all but the first ``lead`` positional
+    arguments, which are passed as they are) and the grid forwards installed."""
+
     def sharded(params, buffers, *args, **kwargs):
-        args = tuple(_enter(a, plan.grid) for a in args)
+        args = args[:lead] + tuple(_enter(a, plan.grid) for a in args[lead:])
         kwargs = {k: _enter(v, plan.grid) for k, v in kwargs.items()}
         with _installed(plan):
             return apply_fn(params, buffers, *args, **kwargs)

@@ -50,11 +50,11 @@ TOL = 1e-10
 
 def build(mode="2d", *, model="llama", optim="adamw", dtype=torch.float64, dp=1, zero=0,
           pp=1, microbatches=1, schedule="1f1b", rematted=False, amp=None, donate=False,
-          compile=False):
+          compile=False, seed=0):
     """``(step, state, batches)``: ``model`` under ``mode`` (None: one process) composed in the
     documented order: pipeline_split, shard_params, data_parallel, zero_partition, remat,
-    amp_cast."""
-    torch.manual_seed(0)
+    amp_cast. ``seed``: the init's."""
+    torch.manual_seed(seed)
     if model == "llama":
         net, loss, rules, data = Llama(CFG).to(dtype), lm_loss, llama_rules(CFG.head_dim), \
             batches()
@@ -63,7 +63,7 @@ def build(mode="2d", *, model="llama", optim="adamw", dtype=torch.float64, dp=1,
     apply_fn, params, buffers = functionalize(net)
     opt = OPTIMIZERS[optim](params)
     step = make_train_step(apply_fn, loss, opt, donate=donate, compile=compile)
-    state = init_state(params, buffers, opt)
+    state = init_state(params, buffers, opt, seed=seed)
     ts = []
     if mode is not None:
         axes = {"pp": pp} if pp > 1 else {}
@@ -182,3 +182,99 @@ def test_2d_whole_step_compile_equals_one_process():
     for got, breaks, graphs, whole in run_ranks(_compiled, 4, timeout=900):
         assert whole and breaks == {} and graphs == 1, (whole, breaks, graphs)
         _close(got, ref)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+# Adafactor with momentum: moments of the parameters' shape and factored row/column statistics
+# (a dim dropped: replicated over the grid axis that split it), saved under the 2D layouts.
+CKPT_OPT = "adafactor_momentum"
+HALF = 3
+
+
+def _steps(step, state, data):
+    losses = []
+    for batch in data:
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    return state, losses
+
+
+def _whole(step, state):
+    from funcpar.shard.layout import unshard_tree
+
+    return state.params if step.layouts is None else unshard_tree(state.params, step.layouts)
+
+
+def _save_2d(root):
+    """2D: 6 steps straight; 3 steps, save, load into a fresh 2D state of another init, 3."""
+    from funcpar.state import load, save
+
+    step, state, data = build(optim=CKPT_OPT)
+    straight, losses = _steps(step, state, data[:2 * HALF])
+    step, state, _ = build(optim=CKPT_OPT)
+    state, _ = _steps(step, state, data[:HALF])
+    at_save = _whole(step, state)
+    save(state, f"{root}/2d", step=step)
+    step2, like, _ = build(optim=CKPT_OPT, seed=1)
+    resumed, more = _steps(step2, load(f"{root}/2d", like, step=step2), data[HALF:2 * HALF])
+    return losses, _whole(step, straight), at_save, more, _whole(step2, resumed)
+
+
+def test_checkpoint_saved_under_2d_loads_in_one_process(tmp_path):
+    """Saved under 2D (4 ranks): resumed under 2D bit for bit; loaded in one process, the
+    parameters are the 2D run's bit for bit, every optimizer leaf (moments, factored
+    statistics) the one process's at that step (1e-10: another summation order), and 3 more
+    steps give the 2D run's losses and parameters (1e-10)."""
+    from funcpar.state import load
+    from funcpar.state.tree import named_leaves
+
+    ranks = run_ranks(_save_2d, 4, str(tmp_path), backend=None, timeout=600)
+    losses, straight, at_save, more, resumed = ranks[0]
+    for r in ranks:
+        assert r[3] == losses[HALF:]
+        assert all(torch.equal(r[4][k], straight[k]) for k in straight)
+    step, like, data = build(None, optim=CKPT_OPT, seed=1)
+    one = load(tmp_path / "2d", like)
+    assert all(torch.equal(one.params[k], at_save[k]) for k in at_save)
+    ref_step, ref, _ = build(None, optim=CKPT_OPT)
+    ref, _ = _steps(ref_step, ref, data[:HALF])
+    assert int(one.step) == HALF and torch.equal(one.rng, ref.rng)
+    for (n, x), (_, y) in zip(named_leaves(one.opt_state), named_leaves(ref.opt_state)):
+        if torch.is_tensor(x) and x.is_floating_point():
+            assert max_rel({n: x}, {n: y}) <= TOL, n
+        else:
+            assert torch.equal(x, y) if torch.is_tensor(x) else x == y, n
+    one, more = _steps(step, one, data[HALF:2 * HALF])
+    _close((more, one.params), (losses[HALF:], straight))
+
+
+def _load_elsewhere(root):
+    """The 2D checkpoint under 1D tp2 x dp2 + ZeRO-2, and a one-process one under 2D: 3 more
+    steps each."""
+    from funcpar.state import load
+    from funcpar.testing.reference import build as build_1d
+
+    step, like = build_1d(2, 2, CKPT_OPT, zero=2)
+    state, losses_1d = _steps(step, load(f"{root}/2d", like, step=step), batches()[HALF:2 * HALF])
+    out = {"1d": (losses_1d, _whole(step, state))}
+    step, like, data = build(optim=CKPT_OPT, seed=1)
+    state, losses = _steps(step, load(f"{root}/one", like, step=step), data[HALF:2 * HALF])
+    out["2d"] = (losses, _whole(step, state))
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_2d_to_tp2_dp2_zero2_and_one_process_to_2d(tmp_path):
+    """The 2D checkpoint loaded under 1D tp2 x dp2 + ZeRO-2, and one process's loaded under
+    2D: 3 more steps each give the uninterrupted one-process run (1e-10)."""
+    from funcpar.state import save
+
+    run_ranks(_save_2d, 4, str(tmp_path), backend=None, timeout=600)
+    step, state, data = build(None, optim=CKPT_OPT)
+    state, losses = _steps(step, state, data[:HALF])
+    save(state, tmp_path / "one")
+    state, more = _steps(step, state, data[HALF:2 * HALF])
+    for res in run_ranks(_load_elsewhere, 4, str(tmp_path), backend=None, timeout=600):
+        for case, got in res.items():
+            assert loss_rel(got[0], more) <= TOL, case
+            assert max_rel(got[1], state.params) <= TOL, case

@@ -278,3 +278,37 @@ def test_checkpoint_2d_to_tp2_dp2_zero2_and_one_process_to_2d(tmp_path):
         for case, got in res.items():
             assert loss_rel(got[0], more) <= TOL, case
             assert max_rel(got[1], state.params) <= TOL, case
+
+
+# ---------------------------------------------------------------------------- preset plan
+BATCH = (8, 12)  # reference.batches(): 8 sequences of 12 tokens
+
+
+def _preset_plans():
+    import funcpar.optim as fo
+    from funcpar.presets import hybrid_parallel
+    from funcpar.shard.comm import comm_log, summarize
+
+    out = {}
+    for name, dtype, precision in (("fp64", torch.float64, "fp32"),
+                                   ("bf16", torch.float32, "bf16")):
+        torch.manual_seed(0)
+        composed = hybrid_parallel(Llama(CFG).to(dtype), lm_loss, fo.adamw(lr=1e-2),
+                                   tp_size=4, tp_mode="2d", max_norm=0.5, precision=precision,
+                                   batch_shape=BATCH, donate=False)
+        with comm_log.capture() as recs:
+            composed.step(composed.state, batches()[0])
+        measured = {(s.op, s.axis): (s.count, s.nbytes) for s in summarize(recs)}
+        out[name] = (measured, composed.plan.comm_totals(), str(composed.plan))
+    return out
+
+
+def test_hybrid_parallel_2d_plan_equals_comm_log():
+    """hybrid_parallel(tp_size=4, tp_mode="2d")'s plan: per (op, axis) the count and bytes of
+    one step's collectives as measured (the SUMMA panels and partials, the gathers, the norm
+    statistics and the loss's, the gradient norm's), in float64 and under bf16 (whose RMSNorm
+    statistics and loss sums travel in float32)."""
+    for res in run_ranks(_preset_plans, 4, backend=None, timeout=600):
+        for name, (measured, planned, text) in res.items():
+            assert measured == planned, (name, measured, planned)
+            assert ("broadcast", "tp_col") in planned and "2d: SUMMA weight panels" in text

@@ -78,6 +78,7 @@ from funcpar.transforms.expert_parallel import expert_parallel
 from funcpar.transforms.offload import offload as offload_transform
 from funcpar.transforms.pipeline_split import pipeline_split
 from funcpar.transforms.shard_params import shard_params
+from funcpar.transforms.tp_modes import plan_2d
 from funcpar.transforms.zero_partition import zero_partition
 
 __all__ = [
@@ -335,11 +336,15 @@ class Preset:
             raise ValueError(f"{self.name}: tp_mode='2d' needs tp_size a square q * q >= 4, "
                              f"got {self.tp_size}")
         for what, on in (("sequence_parallel", self.sequence_parallel),
-                         ("pp_size > 1", self.pp_size > 1), ("ep_size > 1", self.ep_size > 1),
-                         ("plan=True", self.plan),
+                         ("ep_size > 1", self.ep_size > 1),
                          ("a context-parallel sequence_parallelism_mode", self.cp_size > 1)):
             if on:
                 raise ValueError(f"{self.name}: tp_mode='2d' does not compose with {what} yet")
+        if self.plan and self.grad_accum > 1:
+            raise ValueError(f"{self.name}: the plan of tp_mode='2d' with grad_accum="
+                             f"{self.grad_accum} is not modeled (each micro-batch repeats the "
+                             "SUMMA panels): drop plan=True and measure a step with "
+                             "funcpar.shard.comm.comm_report")
 
     def _tp_axes(self) -> dict[str, int]:
         """The tensor-parallel mesh axes: ``tp`` (1D), or ``tp`` of size 1 and the grid."""
@@ -517,10 +522,12 @@ class Preset:
             state = state._replace(opt_state=opt.init(state.params))
         steps = self.transforms(step, mesh)
         module = getattr(step.apply_fn, "module", None)
-        sharding = None
+        sharding = grid = None
         if self.tp_size > 1 and self.tp_mode == "1d":
             # The same resolution shard_params makes (deterministic): for the plan's numbers.
             sharding = plan_sharding(module, self._rules(module, step), mesh, "tp")
+        elif self.tp_size > 1:
+            grid = plan_2d(module, self._rules(module, step), mesh)
         store = None
         for _, t in steps:
             step, state = t(step, state)
@@ -529,10 +536,14 @@ class Preset:
         clip = 0 if self.max_norm is None else 1
 
         def make_plan() -> Plan:
+            if grid is not None and self.grad_accum > 1:
+                raise ValueError(f"{self.name}: the plan of tp_mode='2d' with grad_accum="
+                                 f"{self.grad_accum} is not modeled (each micro-batch repeats "
+                                 "the SUMMA panels); measure a step with comm_report")
             return describe(step, state, mesh, name=self.name, transforms=texts,
                             sharding=sharding, sequence_parallel=self.sequence_parallel,
                             bucket_mb=self.bucket_mb, clip_norms=clip,
-                            batch_shape=self.batch_shape, max_norm=self.max_norm)
+                            batch_shape=self.batch_shape, max_norm=self.max_norm, grid=grid)
 
         out = Composed(step, state, make_plan, store)
         if self.plan and mesh.rank() == 0:

@@ -425,13 +425,18 @@ def planned_collectives(plan: Plan2D, rows: int, dtype: torch.dtype, *,
     called once on ``rows`` local rows, as in the Llama and the MLP), with ``comm_log``'s byte
     convention (:mod:`funcpar.shard.comm`), then the loss's. ``data_fed``: linears whose input
     is the model's input (no input gradient, so no ``dX`` product). The optimizer's
-    collectives (gradient norm, Adafactor's statistics, ...) are not included."""
+    collectives (gradient norm, Adafactor's statistics, ...) are not included.
+
+    ``dtype`` is the compute dtype (amp_cast's under mixed precision): the panels, gathers and
+    LayerNorm statistics travel in it; RMSNorm's statistics and the loss's in float32 at least
+    (both upcast half-precision values first)."""
     g = plan.grid
     q, j, s = g.q, g.j, torch.empty((), dtype=dtype).element_size()
+    wide = max(s, 4)
     out: list[Planned] = []
 
-    def add(who: str, op: str, axis: str, n: int, purpose: str) -> None:
-        out.append(Planned(who, op, axis, n * s, purpose))
+    def add(who: str, op: str, axis: str, n: int, purpose: str, size: int = s) -> None:
+        out.append(Planned(who, op, axis, n * size, purpose))
 
     def gather(who: str, n_whole: int, other: int, what: str) -> None:
         # A dim cut over (tp_col, tp_row), gathered over tp_row forward, reduce-scattered back.
@@ -459,17 +464,18 @@ def planned_collectives(plan: Plan2D, rows: int, dtype: torch.dtype, *,
         elif part.kind == "embedding":
             gather(who, m.embedding_dim, m.num_embeddings, "table")
         else:
-            stats = ["sum of squares"] if part.kind == "rmsnorm" else ["sum", "sum of squares"]
+            rms = part.kind == "rmsnorm"
+            stats = ["sum of squares"] if rms else ["sum", "sum of squares"]
             for st in stats:
-                add(who, "all_reduce", g.col, rows, f"{who}: {st}")
-                add(who, "all_reduce", g.col, rows, f"{who}: {st} (grad)")
+                add(who, "all_reduce", g.col, rows, f"{who}: {st}", wide if rms else s)
+                add(who, "all_reduce", g.col, rows, f"{who}: {st} (grad)", wide if rms else s)
             gather(who, part.size, 1, "weight")
             if part.kind == "layernorm" and m.bias is not None:
                 gather(who, part.size, 1, "bias")
     for what in ("max", "sum_exp", "target"):
-        add("loss", "all_reduce", g.col, rows, f"cross_entropy {what}")  # tp_ops' purposes
-    add("loss", "all_reduce", g.row, 1, "2d loss: token sum")
-    add("loss", "all_reduce", g.row, 1, "2d loss: token count")
+        add("loss", "all_reduce", g.col, rows, f"cross_entropy {what}", wide)  # tp_ops' purposes
+    add("loss", "all_reduce", g.row, 1, "2d loss: token sum", wide)
+    add("loss", "all_reduce", g.row, 1, "2d loss: token count", wide)
     return out
 
 

@@ -22,8 +22,6 @@ losses 3.7e-5 from one-process bf16 against its own gap of 5.7e-5 to float32.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -155,14 +153,15 @@ def _zero():
 def test_2d_x_dp2_zero1_and_zero3_equal_one_process():
     ref = train(None)
     for res in run_ranks(_zero, 8, timeout=900):
-        for z, got in res.items():
+        for got in res.values():
             _close(got, ref)
 
 
 # ------------------------------------------------------------------------------- compile
 def _compiled():
-    import funcpar.train.whole_step as whole_step
     from torch._dynamo.utils import counters
+
+    import funcpar.train.whole_step as whole_step
 
     whole_step.BACKEND = "eager"  # dynamo's capture without code generation
     torch._dynamo.reset()
@@ -229,7 +228,7 @@ def test_checkpoint_saved_under_2d_loads_in_one_process(tmp_path):
     from funcpar.state.tree import named_leaves
 
     ranks = run_ranks(_save_2d, 4, str(tmp_path), backend=None, timeout=600)
-    losses, straight, at_save, more, resumed = ranks[0]
+    losses, straight, at_save, _, _ = ranks[0]
     for r in ranks:
         assert r[3] == losses[HALF:]
         assert all(torch.equal(r[4][k], straight[k]) for k in straight)

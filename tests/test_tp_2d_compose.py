@@ -270,7 +270,7 @@ def test_checkpoint_2d_to_tp2_dp2_zero2_and_one_process_to_2d(tmp_path):
 
     run_ranks(_save_2d, 4, str(tmp_path), backend=None, timeout=600)
     step, state, data = build(None, optim=CKPT_OPT)
-    state, losses = _steps(step, state, data[:HALF])
+    state, _ = _steps(step, state, data[:HALF])
     save(state, tmp_path / "one")
     state, more = _steps(step, state, data[HALF:2 * HALF])
     for res in run_ranks(_load_elsewhere, 4, str(tmp_path), backend=None, timeout=600):

@@ -483,19 +483,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          ("--compile", args.compile), ("--save", args.save is not None)):
             if on:
                 p.error(f"{flag} does not work with --pp > 1 yet")
+        rows = local // (args.microbatches * args.grad_accum)
+        if args.tp_mode == "2d" and rows < math.isqrt(args.tp):
+            p.error(f"--tp-mode 2d cuts each pipeline micro-batch's rows over the grid's "
+                    f"{math.isqrt(args.tp)} rows, but a micro-batch has {rows} ({split} / "
+                    f"(--microbatches x --grad-accum)): raise --batch-size")
     return args
 
 
 def _check_tp_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``--tp-mode 2d``: ``--tp`` is a square ``q * q``; what it does not compose with yet is
-    refused. Returns ``q`` (heads are split over one grid axis)."""
+    refused (it composes with --pp, --dp, --zero 1-3, --remat, --precision, --compile,
+    --save-every/--resume and --preset hybrid, tests/test_tp_2d_compose.py). Returns ``q``
+    (heads are split over one grid axis)."""
     if args.tp_mode in ("2.5d", "3d"):
         p.error(f"--tp-mode {args.tp_mode} is not implemented: use 1d or 2d")
     q = math.isqrt(args.tp)
     if args.tp < 4 or q * q != args.tp:
         p.error(f"--tp-mode 2d needs --tp a square q * q >= 4 (a q x q grid), got --tp {args.tp}")
-    for flag, on in (("--sequence-parallel", args.sequence_parallel), ("--pp", args.pp > 1),
-                     ("--experts", args.experts > 0), ("--preset", args.preset is not None),
+    for flag, on in (("--sequence-parallel", args.sequence_parallel),
+                     ("--experts", args.experts > 0), ("--cp", args.cp > 1),
+                     ("--auto", args.auto or args.what_if),
+                     (f"--preset {args.preset}", args.preset not in (None, "hybrid")),
                      ("--sample-every", args.sample_every > 0),
                      ("--eval-every", getattr(args, "eval_every", 0) > 0)):
         if on:
@@ -594,7 +603,8 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
         return preset_for(args.auto_choice, mesh=mesh, plan=args.plan,
                           batch_shape=common["batch_shape"], grad_accum=args.grad_accum)
     if args.preset == "hybrid":
-        return hybrid_parallel(tp_size=mesh.size("tp"), pp_size=args.pp, zero_stage=args.zero,
+        return hybrid_parallel(tp_size=args.tp if args.tp_mode == "2d" else mesh.size("tp"),
+                               tp_mode=args.tp_mode, pp_size=args.pp, zero_stage=args.zero,
                                microbatches=args.microbatches if args.pp > 1 else None,
                                pp_style=args.schedule, num_model_chunks=args.virtual_stages,
                                sequence_parallel=args.sequence_parallel,

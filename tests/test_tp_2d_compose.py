@@ -311,3 +311,45 @@ def test_hybrid_parallel_2d_plan_equals_comm_log():
         for name, (measured, planned, text) in res.items():
             assert measured == planned, (name, measured, planned)
             assert ("broadcast", "tp_col") in planned and "2d: SUMMA weight panels" in text
+
+
+# ----------------------------------------------------------------------------------- the CLI
+def test_train_lm_2d_composes_or_refuses(capsys):
+    """--pp, --zero, --remat, --precision, --compile and --preset hybrid pass the checks with
+    --tp-mode 2d; what 2D does not compose with is refused naming the flag."""
+    from _examples import load_example
+
+    train_lm = load_example("train_lm.py", "train_lm")
+    base = ["--tp", "4", "--tp-mode", "2d"]
+    for ok in (["--pp", "2"], ["--zero", "3", "--remat", "1", "--precision", "bf16"],
+               ["--compile"], ["--preset", "hybrid", "--plan"]):
+        train_lm.parse_args(base + ok)
+    for argv, msg in ((["--cp", "2"], "--cp does not work with --tp-mode 2d"),
+                      (["--preset", "zero"], "--preset zero does not work with --tp-mode 2d"),
+                      (["--auto"], "--auto does not work with --tp-mode 2d"),
+                      (["--experts", "2"], "--experts does not work with --tp-mode 2d"),
+                      (["--pp", "2", "--batch-size", "4", "--microbatches", "4"],
+                       "a micro-batch has 1")):
+        with pytest.raises(SystemExit):
+            train_lm.parse_args(base + argv)
+        assert msg in capsys.readouterr().err, argv
+
+
+@pytest.mark.slow
+def test_train_lm_preset_hybrid_2d_plan_and_losses(tmp_path):
+    """``train_lm --preset hybrid --tp 4 --tp-mode 2d --plan`` on 4 ranks: the printed plan
+    lists the SUMMA collectives, and the run gives the one-process losses (float64, 1e-10)."""
+    from _examples import load_example
+    from test_example import _rank_run, _small
+
+    train_lm = load_example("train_lm.py", "train_lm")
+    cache = tmp_path / "cache"
+    steps = ["--dtype", "float64", "--print-every", "2", "--seq-len", "16", "--dim", "32",
+             "--corpus-bytes", "100000", "--warmup", "1"]
+    one = train_lm.main(_small(tmp_path / "one", cache, 4, *steps))
+    argv = _small(tmp_path / "2d", cache, 4, *steps, "--tp", "4", "--tp-mode", "2d",
+                  "--preset", "hybrid", "--plan")
+    res = run_ranks(_rank_run, 4, argv, backend=None, timeout=600)
+    assert "2d: SUMMA weight panels" in res[0]["stdout"]
+    for r in res:
+        assert loss_rel(r["losses"], [h["loss"] for h in one["history"]]) <= TOL

@@ -283,23 +283,30 @@ def test_checkpoint_2d_to_tp2_dp2_zero2_and_one_process_to_2d(tmp_path):
 BATCH = (8, 12)  # reference.batches(): 8 sequences of 12 tokens
 
 
-def _preset_plans():
+def _hybrid_2d(dtype=torch.float64, **kw):
     import funcpar.optim as fo
     from funcpar.presets import hybrid_parallel
+
+    torch.manual_seed(0)
+    # reference.OPTIMIZERS["adamw"] is chain(clip_by_global_norm(0.5), this): max_norm=0.5.
+    return hybrid_parallel(Llama(CFG).to(dtype), lm_loss, fo.adamw(lr=1e-2, weight_decay=0.1),
+                           tp_size=4, tp_mode="2d", max_norm=0.5, batch_shape=BATCH,
+                           donate=False, **kw)
+
+
+def _plan_check(composed):
+    """(measured, planned, printed plan): per (op, axis) the count and bytes of one step."""
     from funcpar.shard.comm import comm_log, summarize
 
-    out = {}
-    for name, dtype, precision in (("fp64", torch.float64, "fp32"),
-                                   ("bf16", torch.float32, "bf16")):
-        torch.manual_seed(0)
-        composed = hybrid_parallel(Llama(CFG).to(dtype), lm_loss, fo.adamw(lr=1e-2),
-                                   tp_size=4, tp_mode="2d", max_norm=0.5, precision=precision,
-                                   batch_shape=BATCH, donate=False)
-        with comm_log.capture() as recs:
-            composed.step(composed.state, batches()[0])
-        measured = {(s.op, s.axis): (s.count, s.nbytes) for s in summarize(recs)}
-        out[name] = (measured, composed.plan.comm_totals(), str(composed.plan))
-    return out
+    with comm_log.capture() as recs:
+        composed.step(composed.state, batches()[0])
+    measured = {(s.op, s.axis): (s.count, s.nbytes) for s in summarize(recs)}
+    return measured, composed.plan.comm_totals(), str(composed.plan)
+
+
+def _preset_plans():
+    return {"fp64": _plan_check(_hybrid_2d()),
+            "bf16": _plan_check(_hybrid_2d(torch.float32, precision="bf16"))}
 
 
 def test_hybrid_parallel_2d_plan_equals_comm_log():
@@ -353,3 +360,23 @@ def test_train_lm_preset_hybrid_2d_plan_and_losses(tmp_path):
     assert "2d: SUMMA weight panels" in res[0]["stdout"]
     for r in res:
         assert loss_rel(r["losses"], [h["loss"] for h in one["history"]]) <= TOL
+
+
+def _eight_presets():
+    return {"dp2+zero2": _plan_check(_hybrid_2d(zero_stage=2)),
+            "dp2+zero3+bf16": _plan_check(_hybrid_2d(torch.float32, zero_stage=3,
+                                                     precision="bf16")),
+            "pp2": (train(pp=2, microbatches=2),
+                    run(*_hybrid_2d(pp_size=2, microbatches=2), batches()))}
+
+
+@pytest.mark.slow
+def test_hybrid_parallel_2d_on_8_ranks():
+    """hybrid_parallel(tp_size=4, tp_mode="2d") with dp2 + ZeRO-2 and dp2 + ZeRO-3 + bf16: the
+    plan's collectives as measured; with pp_size=2: bit for bit the manual pp2 x 2D
+    composition."""
+    for res in run_ranks(_eight_presets, 8, backend=None, timeout=900):
+        for name in ("dp2+zero2", "dp2+zero3+bf16"):
+            measured, planned, _ = res[name]
+            assert measured == planned, (name, measured, planned)
+        _same(*res["pp2"])

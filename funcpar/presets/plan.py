@@ -21,6 +21,12 @@ data-parallel axis and precision - and derives, without running it:
     embedding scatters its output (and gathers its gradient), each region gathers its input
     and scatters its output (and the reverse backward), the head gathers its input, and the
     gradients of the leaves not split over tp are summed in one all-reduce per dtype;
+  - 2D tensor parallelism (``grid``, a :class:`~funcpar.transforms.tp_modes.Plan2D`): the
+    collectives of :func:`~funcpar.transforms.tp_modes.planned_collectives` on this rank's
+    rows (its grid row's chunk of the local batch, times the sequence) in the compute dtype -
+    SUMMA's panel broadcasts and partial-product reduce-scatters, the weight gathers and their
+    gradients' reduce-scatters, the norm statistics, the loss's - grouped by op and axis. The
+    weight panels do not scale with the tokens, so a batch shape is required;
   - data parallelism: the gradient buckets (the bucketing of
     :class:`~funcpar.transforms.data_parallel.BucketedMean` replayed on the local leaves) and
     the loss's all-reduce;

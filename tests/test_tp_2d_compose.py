@@ -380,3 +380,17 @@ def test_hybrid_parallel_2d_on_8_ranks():
             measured, planned, _ = res[name]
             assert measured == planned, (name, measured, planned)
         _same(*res["pp2"])
+
+
+def test_context_parallel_after_2d_is_refused():
+    from funcpar.transforms import context_parallel
+
+    torch.manual_seed(0)
+    apply_fn, params, buffers = functionalize(Llama(CFG).double())
+    opt = OPTIMIZERS["sgd"](params)
+    mesh = DeviceMesh.virtual(rank=0, cp=2, tp_row=2, tp_col=2)
+    step, state = shard_params(llama_rules(CFG.head_dim), mesh, mode="2d")(
+        make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt))
+    with pytest.raises(ValueError, match=r"context_parallel and shard_params\(mode='2d'\) do "
+                                         "not compose"):
+        context_parallel(mesh)(step, state)

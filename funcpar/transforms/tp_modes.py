@@ -395,7 +395,8 @@ def _loss_2d(loss_fn: Callable, plan: Plan2D) -> Callable:
         count = comm.all_reduce(n, grid.mesh, grid.row, purpose="2d loss: token count")
         return total / count.clamp_min(1)
 
-    loss.ignore_index = ignore_index
+    # What it declares: evaluation reads the ignored index; context_parallel refuses the mode.
+    loss.ignore_index, loss.tp_mode = ignore_index, "2d"
     return loss
 
 

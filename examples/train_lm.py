@@ -494,7 +494,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def _check_tp_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``--tp-mode 2d``: ``--tp`` is a square ``q * q``; what it does not compose with yet is
     refused (it composes with --pp, --dp, --zero 1-3, --remat, --precision, --compile,
-    --save-every/--resume and --preset hybrid, tests/test_tp_2d_compose.py). Returns ``q``
+    --save-every/--resume, --eval-every and --preset hybrid, tests/test_tp_2d_compose.py;
+    --sample-every decodes one row at a time, fewer than the grid's rows). Returns ``q``
     (heads are split over one grid axis)."""
     if args.tp_mode in ("2.5d", "3d"):
         p.error(f"--tp-mode {args.tp_mode} is not implemented: use 1d or 2d")
@@ -505,8 +506,7 @@ def _check_tp_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                      ("--experts", args.experts > 0), ("--cp", args.cp > 1),
                      ("--auto", args.auto or args.what_if),
                      (f"--preset {args.preset}", args.preset not in (None, "hybrid")),
-                     ("--sample-every", args.sample_every > 0),
-                     ("--eval-every", getattr(args, "eval_every", 0) > 0)):
+                     ("--sample-every", args.sample_every > 0)):
         if on:
             p.error(f"{flag} does not work with --tp-mode 2d yet")
     return q

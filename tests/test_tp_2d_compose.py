@@ -342,24 +342,40 @@ def test_train_lm_2d_composes_or_refuses(capsys):
         assert msg in capsys.readouterr().err, argv
 
 
-@pytest.mark.slow
-def test_train_lm_preset_hybrid_2d_plan_and_losses(tmp_path):
-    """``train_lm --preset hybrid --tp 4 --tp-mode 2d --plan`` on 4 ranks: the printed plan
-    lists the SUMMA collectives, and the run gives the one-process losses (float64, 1e-10)."""
+def _cli_rank(argv):
+    import contextlib
+    import io
+
     from _examples import load_example
-    from test_example import _rank_run, _small
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        res = load_example("train_lm.py", "train_lm").main(argv)
+    return [h["loss"] for h in res["history"]], [e["loss"] for e in res["evals"]], \
+        out.getvalue()
+
+
+@pytest.mark.slow
+def test_train_lm_preset_hybrid_2d_plan_eval_and_losses(tmp_path):
+    """``train_lm --preset hybrid --tp 4 --tp-mode 2d --plan --eval-every 2`` on 4 ranks: the
+    printed plan lists the SUMMA collectives, and the run gives the one-process training and
+    evaluation losses (float64, 1e-10)."""
+    from _examples import load_example
+    from test_example import _small
 
     train_lm = load_example("train_lm.py", "train_lm")
     cache = tmp_path / "cache"
     steps = ["--dtype", "float64", "--print-every", "2", "--seq-len", "16", "--dim", "32",
-             "--corpus-bytes", "100000", "--warmup", "1"]
+             "--corpus-bytes", "100000", "--warmup", "1", "--eval-every", "2",
+             "--eval-batches", "1"]
     one = train_lm.main(_small(tmp_path / "one", cache, 4, *steps))
     argv = _small(tmp_path / "2d", cache, 4, *steps, "--tp", "4", "--tp-mode", "2d",
                   "--preset", "hybrid", "--plan")
-    res = run_ranks(_rank_run, 4, argv, backend=None, timeout=600)
-    assert "2d: SUMMA weight panels" in res[0]["stdout"]
-    for r in res:
-        assert loss_rel(r["losses"], [h["loss"] for h in one["history"]]) <= TOL
+    res = run_ranks(_cli_rank, 4, argv, backend=None, timeout=600)
+    assert "2d: SUMMA weight panels" in res[0][2]
+    for losses, evals, _ in res:
+        assert loss_rel(losses, [h["loss"] for h in one["history"]]) <= TOL
+        assert len(evals) == 2 and loss_rel(evals, [e["loss"] for e in one["evals"]]) <= TOL
 
 
 def _eight_presets():

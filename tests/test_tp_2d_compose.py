@@ -295,12 +295,15 @@ def _hybrid_2d(dtype=torch.float64, **kw):
 
 
 def _plan_check(composed):
-    """(measured, planned, printed plan): per (op, axis) the count and bytes of one step."""
+    """(measured, planned, printed plan): per (op, axis) the count and bytes of one step; the
+    plan's parameter bytes are checked against the state's here."""
     from funcpar.shard.comm import comm_log, summarize
 
     with comm_log.capture() as recs:
         composed.step(composed.state, batches()[0])
     measured = {(s.op, s.axis): (s.count, s.nbytes) for s in summarize(recs)}
+    held = sum(x.numel() * x.element_size() for x in composed.state.params.values())
+    assert composed.plan.memory.params == held  # the 2D shards' bytes
     return measured, composed.plan.comm_totals(), str(composed.plan)
 
 

@@ -14,7 +14,14 @@ GQA), AdamW after a global clip, unless stated:
 * data_parallel dp2 + ZeRO-1 and ZeRO-3 x 2D, 8 ranks (`slow`);
 * compile=True: the whole step one compiled region (no graph break, one graph) under 2D, on the
   plain MLP of funcpar.testing.tp_modes (uneven blocks) with dynamo's ``eager`` backend
-  (`slow`: the trace is most of the ~20 s).
+  (`slow`: the trace is most of the ~20 s);
+* checkpoints (Adafactor with momentum: moments and factored statistics): saved under 2D,
+  resumed under 2D bit for bit and loaded in one process; (`slow`) loaded under 1D tp2 x dp2 +
+  ZeRO-2, and one process's loaded under 2D, each trained on to the one process's results;
+* hybrid_parallel(tp_mode="2d"): its plan's collectives = one step's comm_log (4 ranks; dp2 +
+  ZeRO-2 and ZeRO-3 + bf16 on 8, `slow`), pp_size=2 bit for bit the manual composition
+  (`slow`); train_lm's checks, and (`slow`) ``--preset hybrid --plan --eval-every`` on 4 ranks;
+* context_parallel after 2D is refused naming both.
 
 Measured (this CPU): every exact case <= 6e-14 relative to one process; bf16 losses 3.7e-5
 from one-process bf16 against its own gap of 5.7e-5 to float32, parameters 3.5e-2 against

@@ -154,16 +154,36 @@ def test_pp2_x_2d_equals_one_process():
             _close(got, refs[case])
 
 
-def _zero():
-    return {z: train(dp=2, zero=z) for z in (1, 3)}
+def _zero(root):
+    from funcpar.state import save
+
+    out = {}
+    for z in (1, 3):
+        step, state, data = build(dp=2, zero=z)
+        state, losses = _steps(step, state, data)
+        save(state, f"{root}/zero{z}", step=step)
+        out[z] = losses, _whole(step, state)
+    return out
 
 
 @pytest.mark.slow
-def test_2d_x_dp2_zero1_and_zero3_equal_one_process():
+def test_2d_x_dp2_zero1_and_zero3_equal_one_process(tmp_path):
+    """10 steps, then a checkpoint of each (the 2D shards cut again over dp: three axes on a
+    leaf) loaded in one process: every leaf the one process's (1e-10)."""
+    from funcpar.state import load
+    from funcpar.state.tree import named_leaves
+
     ref = train(None)
-    for res in run_ranks(_zero, 8, timeout=900):
+    for res in run_ranks(_zero, 8, str(tmp_path), backend=None, timeout=900):
         for got in res.values():
             _close(got, ref)
+    step, state, data = build(None)
+    state, _ = _steps(step, state, data)
+    for z in (1, 3):
+        one = load(tmp_path / f"zero{z}", build(None, seed=1)[1])
+        for (n, x), (_, y) in zip(named_leaves(one), named_leaves(state)):
+            if torch.is_tensor(x) and x.is_floating_point() and y.abs().max() > 0:
+                assert max_rel({n: x}, {n: y}) <= TOL, (z, n)
 
 
 # ------------------------------------------------------------------------------- compile

@@ -337,6 +337,8 @@ class Preset:
                              f"got {self.tp_size}")
         for what, on in (("sequence_parallel", self.sequence_parallel),
                          ("ep_size > 1", self.ep_size > 1),
+                         # The plan models 2D's collectives only (Plan._tp2d_rows).
+                         ("plan=True", self.plan and self.tp_mode != "2d"),
                          ("a context-parallel sequence_parallelism_mode", self.cp_size > 1)):
             if on:
                 raise ValueError(f"{self.name}: tp_mode='2d' does not compose with {what} yet")
@@ -526,7 +528,7 @@ class Preset:
         if self.tp_size > 1 and self.tp_mode == "1d":
             # The same resolution shard_params makes (deterministic): for the plan's numbers.
             sharding = plan_sharding(module, self._rules(module, step), mesh, "tp")
-        elif self.tp_size > 1:
+        elif self.tp_size > 1 and self.tp_mode == "2d":
             grid = plan_2d(module, self._rules(module, step), mesh)
         store = None
         for _, t in steps:

@@ -502,13 +502,17 @@ def _check_tp_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     q = math.isqrt(args.tp)
     if args.tp < 4 or q * q != args.tp:
         p.error(f"--tp-mode 2d needs --tp a square q * q >= 4 (a q x q grid), got --tp {args.tp}")
+    tested = args.tp_mode == "2d"  # the compositions tests/test_tp_2d_compose.py covers
     for flag, on in (("--sequence-parallel", args.sequence_parallel),
                      ("--experts", args.experts > 0), ("--cp", args.cp > 1),
                      ("--auto", args.auto or args.what_if),
                      (f"--preset {args.preset}", args.preset not in (None, "hybrid")),
+                     ("--preset hybrid", args.preset == "hybrid" and not tested),
+                     ("--pp", args.pp > 1 and not tested),
+                     ("--eval-every", args.eval_every > 0 and not tested),
                      ("--sample-every", args.sample_every > 0)):
         if on:
-            p.error(f"{flag} does not work with --tp-mode 2d yet")
+            p.error(f"{flag} does not work with --tp-mode {args.tp_mode} yet")
     return q
 
 

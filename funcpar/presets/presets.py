@@ -335,13 +335,16 @@ class Preset:
         if self.tp_size < 4 or q * q != self.tp_size:
             raise ValueError(f"{self.name}: tp_mode='2d' needs tp_size a square q * q >= 4, "
                              f"got {self.tp_size}")
+        tested = self.tp_mode == "2d"  # tests/test_tp_2d_compose.py
         for what, on in (("sequence_parallel", self.sequence_parallel),
                          ("ep_size > 1", self.ep_size > 1),
+                         ("pp_size > 1", self.pp_size > 1 and not tested),
                          # The plan models 2D's collectives only (Plan._tp2d_rows).
-                         ("plan=True", self.plan and self.tp_mode != "2d"),
+                         ("plan=True", self.plan and not tested),
                          ("a context-parallel sequence_parallelism_mode", self.cp_size > 1)):
             if on:
-                raise ValueError(f"{self.name}: tp_mode='2d' does not compose with {what} yet")
+                raise ValueError(f"{self.name}: tp_mode={self.tp_mode!r} does not compose with "
+                                 f"{what} yet")
         if self.plan and self.grad_accum > 1:
             raise ValueError(f"{self.name}: the plan of tp_mode='2d' with grad_accum="
                              f"{self.grad_accum} is not modeled (each micro-batch repeats the "

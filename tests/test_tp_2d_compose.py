@@ -22,7 +22,8 @@ GQA), AdamW after a global clip, unless stated:
   ZeRO-2, and one process's loaded under 2D, each trained on to the one process's results;
 * hybrid_parallel(tp_mode="2d"): its plan's collectives = one step's comm_log (4 ranks; dp2 +
   ZeRO-2 and ZeRO-3 + bf16 on 8, `slow`), pp_size=2 bit for bit the manual composition
-  (`slow`); train_lm's checks, and (`slow`) ``--preset hybrid --plan --eval-every`` on 4 ranks;
+  (`slow`); train_lm's checks, and (`slow`) ``--preset hybrid --plan --eval-every`` on 4 ranks
+  and ``--pp 2 --tp 4 --tp-mode 2d`` on 8;
 * context_parallel after 2D is refused naming both.
 
 Measured (this CPU): every exact case <= 6e-14 relative to one process; bf16 losses 3.7e-5
@@ -463,3 +464,21 @@ def test_context_parallel_after_2d_is_refused():
     with pytest.raises(ValueError, match=r"context_parallel and shard_params\(mode='2d'\) do "
                                          "not compose"):
         context_parallel(mesh)(step, state)
+
+
+@pytest.mark.slow
+def test_train_lm_pp2_x_2d_matches_one_process(tmp_path):
+    """``train_lm --pp 2 --tp 4 --tp-mode 2d`` on 8 ranks (mesh pp x dp x tp x tp_row x
+    tp_col, 4 micro-batches of 2 rows): the one-process losses (float64, 1e-10)."""
+    from _examples import load_example
+    from test_example import _small
+
+    train_lm = load_example("train_lm.py", "train_lm")
+    cache = tmp_path / "cache"
+    steps = ["--dtype", "float64", "--print-every", "2", "--seq-len", "16", "--dim", "32",
+             "--corpus-bytes", "100000", "--warmup", "1"]
+    one = train_lm.main(_small(tmp_path / "one", cache, 4, *steps))
+    argv = _small(tmp_path / "pp2d", cache, 4, *steps, "--pp", "2", "--tp", "4", "--tp-mode",
+                  "2d")
+    for losses, _, _ in run_ranks(_cli_rank, 8, argv, backend=None, timeout=900):
+        assert loss_rel(losses, [h["loss"] for h in one["history"]]) <= TOL

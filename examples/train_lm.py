@@ -490,21 +490,39 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          ("--compile", args.compile), ("--save", args.save is not None)):
             if on:
                 p.error(f"{flag} does not work with --pp > 1 yet")
+        rows = local // (args.microbatches * args.grad_accum)
+        if args.tp_mode == "2d" and rows < head_split:  # (--pp is refused for 2.5d and 3d)
+            p.error(f"--tp-mode 2d cuts each pipeline micro-batch's rows over the grid's "
+                    f"{head_split} rows, but a micro-batch has {rows} ({split} / "
+                    f"(--microbatches x --grad-accum)): raise --batch-size")
     return args
 
 
 def _check_tp_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``--tp-mode 2d | 2.5d | 3d``: ``--tp`` fits the mode's grid (``q * q``, ``depth * q *
-    q``, ``q ** 3``); what it does not compose with yet is refused. Returns ``q`` (heads are
-    split over one grid axis)."""
+    q``, ``q ** 3``); what it does not compose with yet is refused. 2D composes with --pp, --dp,
+    --zero 1-3, --remat, --precision, --compile, --save-every/--resume, --eval-every and
+    --preset hybrid (tests/test_tp_2d_compose.py); 2.5D and 3D with --dp, --zero 1-2 and
+    --save-every/--resume (tests/test_tp_modes_nd.py), the rest refused until tested.
+    --sample-every decodes one row at a time, fewer than the grid's rows. Returns ``q`` (heads
+    are split over one grid axis)."""
     try:
         q = list(mode_axes(args.tp_mode, args.tp, args.tp_depth).values())[-1]  # a grid side
     except ValueError as err:
         p.error(f"--tp {args.tp} --tp-mode {args.tp_mode} --tp-depth {args.tp_depth}: {err}")
-    for flag, on in (("--sequence-parallel", args.sequence_parallel), ("--pp", args.pp > 1),
-                     ("--experts", args.experts > 0), ("--preset", args.preset is not None),
-                     ("--sample-every", args.sample_every > 0),
-                     ("--eval-every", getattr(args, "eval_every", 0) > 0)):
+    tested = args.tp_mode == "2d"  # the compositions tests/test_tp_2d_compose.py covers
+    for flag, on in (("--sequence-parallel", args.sequence_parallel),
+                     ("--experts", args.experts > 0), ("--cp", args.cp > 1),
+                     ("--auto", args.auto or args.what_if),
+                     (f"--preset {args.preset}", args.preset not in (None, "hybrid")),
+                     ("--preset hybrid", args.preset == "hybrid" and not tested),
+                     ("--pp", args.pp > 1 and not tested),
+                     ("--eval-every", args.eval_every > 0 and not tested),
+                     (f"--precision {args.precision}", args.precision != "fp32" and not tested),
+                     ("--remat", args.remat > 0 and not tested),
+                     ("--compile", args.compile and not tested),
+                     ("--zero 3", args.zero == 3 and not tested),
+                     ("--sample-every", args.sample_every > 0)):
         if on:
             p.error(f"{flag} does not work with --tp-mode {args.tp_mode} yet")
     return q
@@ -600,7 +618,9 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
         return preset_for(args.auto_choice, mesh=mesh, plan=args.plan,
                           batch_shape=common["batch_shape"], grad_accum=args.grad_accum)
     if args.preset == "hybrid":
-        return hybrid_parallel(tp_size=mesh.size("tp"), pp_size=args.pp, zero_stage=args.zero,
+        return hybrid_parallel(tp_size=mesh.size("tp") if args.tp_mode == "1d" else args.tp,
+                               tp_mode=args.tp_mode, tp_depth=args.tp_depth, pp_size=args.pp,
+                               zero_stage=args.zero,
                                microbatches=args.microbatches if args.pp > 1 else None,
                                pp_style=args.schedule, num_model_chunks=args.virtual_stages,
                                sequence_parallel=args.sequence_parallel,

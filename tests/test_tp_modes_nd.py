@@ -9,6 +9,8 @@ the leaves' three-axis layouts with no per-mode code. One step's collectives equ
 exactly. The errors are checked on virtual meshes.
 """
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -284,3 +286,45 @@ def test_evaluation_under_2p5d_and_3d_equals_one_process():
         loss, tokens = res.pop(None)
         for mode, (got, n) in res.items():
             assert n == tokens and abs(got - loss) <= 1e-13 * loss, mode
+
+
+def test_2p5d_and_3d_refuse_what_is_untested(capsys):
+    """What only 2D is tested with (tests/test_tp_2d_compose.py) is refused under 2.5D and 3D,
+    naming the mode: pipeline_split before shard_params (context_parallel after it, as under
+    2D); train_lm's --pp, --precision, --remat,
+    --compile, --zero 3, --preset; hybrid_parallel's pp_size, precision, zero_stage=3, plan."""
+    from _examples import load_example
+
+    from funcpar.presets import hybrid_parallel
+    from funcpar.transforms import compose, context_parallel, pipeline_split
+
+    rules = llama_rules(CFG.head_dim)
+    for mode, axes in (("2.5d", {"tp_dep": 2, "tp_row": 2, "tp_col": 2}), ("3d", None)):
+        mesh = DeviceMesh.virtual(rank=0, pp=2, **(axes or {"tp_in": 2, "tp_w": 2, "tp_out": 2}))
+        with pytest.raises(ValueError, match=rf"shard_params\(mode='{mode}'\) under "
+                                             "pipeline_split is not tested yet"):
+            compose(pipeline_split(mesh, microbatches=2),
+                    shard_params(rules, mesh, mode=mode))(*_step(Llama(CFG)))
+    mesh = DeviceMesh.virtual(rank=0, cp=2, tp_in=2, tp_w=2, tp_out=2)
+    step, state = shard_params(rules, mesh, mode="3d")(*_step(Llama(CFG)))
+    with pytest.raises(ValueError, match=r"context_parallel and shard_params\(mode='3d'\) do "
+                                         "not compose"):
+        context_parallel(mesh)(step, state)
+    train_lm = load_example("train_lm.py", "train_lm")
+    for mode in (["--tp-mode", "2.5d", "--tp-depth", "2"], ["--tp-mode", "3d"]):
+        name = mode[1]
+        for argv, flag in ((["--pp", "2"], "--pp"), (["--precision", "bf16"], "--precision bf16"),
+                           (["--remat", "1"], "--remat"), (["--compile"], "--compile"),
+                           (["--zero", "3"], "--zero 3"), (["--preset", "hybrid"],
+                                                           "--preset hybrid")):
+            with pytest.raises(SystemExit):
+                train_lm.parse_args(["--tp", "8", *mode, *argv])
+            assert f"{flag} does not work with --tp-mode {name} yet" in capsys.readouterr().err
+        train_lm.parse_args(["--tp", "8", *mode, "--zero", "2", "--dp", "2"])
+    for kw, what in (({"pp_size": 2, "microbatches": 2}, "pp_size > 1"),
+                     ({"precision": "bf16"}, "precision='bf16'"),
+                     ({"zero_stage": 3}, "zero_stage=3"), ({"plan": True}, "plan=True")):
+        for mode, depth in (("2.5d", 2), ("3d", 1)):
+            with pytest.raises(ValueError, match=rf"tp_mode='{mode}' does not compose with "
+                                                 rf"{re.escape(what)} yet"):
+                hybrid_parallel(tp_size=8, tp_mode=mode, tp_depth=depth, **kw)

@@ -78,6 +78,7 @@ from funcpar.transforms.expert_parallel import expert_parallel
 from funcpar.transforms.offload import offload as offload_transform
 from funcpar.transforms.pipeline_split import pipeline_split
 from funcpar.transforms.shard_params import shard_params
+from funcpar.transforms.tp_modes import plan_2d
 from funcpar.transforms.zero_partition import zero_partition
 
 __all__ = [
@@ -332,18 +333,37 @@ class Preset:
     def _check_tp_mode(self) -> None:
         """``tp_mode="2d" | "2.5d" | "3d"``: ``tp_size`` fits the mode's grid
         (:func:`funcpar.transforms.tp_modes.mode_axes`); what it does not compose with yet is
-        refused."""
+        refused (2D's compositions: tests/test_tp_2d_compose.py; 2.5D's and 3D's:
+        tests/test_tp_modes_nd.py)."""
         try:
             self._tp_axes()
         except ValueError as err:
             raise ValueError(f"{self.name}: {err}") from None
+        tested = self.tp_mode == "2d"
         for what, on in (("sequence_parallel", self.sequence_parallel),
-                         ("pp_size > 1", self.pp_size > 1), ("ep_size > 1", self.ep_size > 1),
-                         ("plan=True", self.plan),
+                         ("ep_size > 1", self.ep_size > 1),
+                         ("pp_size > 1", self.pp_size > 1 and not tested),
+                         (f"precision={self.precision!r}", self.precision != "fp32"
+                          and not tested),
+                         ("zero_stage=3", self.zero_stage == 3 and not tested),
                          ("a context-parallel sequence_parallelism_mode", self.cp_size > 1)):
             if on:
                 raise ValueError(f"{self.name}: tp_mode={self.tp_mode!r} does not compose with "
                                  f"{what} yet")
+        if self.plan and (why := self._grid_unplanned()):
+            raise ValueError(why)
+
+    def _grid_unplanned(self) -> str | None:
+        """Why the plan cannot model this multi-dimensional mode (None when it can): it models
+        2D's collectives only (``Plan._tp2d_rows``), and not under ``grad_accum > 1``."""
+        if self.tp_mode == "1d" or (self.tp_mode == "2d" and self.grad_accum == 1):
+            return None
+        why = (f"tp_mode={self.tp_mode!r} does not compose with plan=True yet (the plan models "
+               "2D's collectives only)" if self.tp_mode != "2d" else
+               f"the plan of tp_mode='2d' with grad_accum={self.grad_accum} is not modeled "
+               "(each micro-batch repeats the SUMMA panels)")
+        return (f"{self.name}: {why}: drop plan=True and measure a step with "
+                "funcpar.shard.comm.comm_report")
 
     def _tp_axes(self) -> dict[str, int]:
         """The tensor-parallel mesh axes: ``tp`` (1D), or ``tp`` of size 1 and the grid."""
@@ -521,10 +541,12 @@ class Preset:
             state = state._replace(opt_state=opt.init(state.params))
         steps = self.transforms(step, mesh)
         module = getattr(step.apply_fn, "module", None)
-        sharding = None
+        sharding = grid = None
         if self.tp_size > 1 and self.tp_mode == "1d":
             # The same resolution shard_params makes (deterministic): for the plan's numbers.
             sharding = plan_sharding(module, self._rules(module, step), mesh, "tp")
+        elif self.tp_size > 1 and self.tp_mode == "2d":
+            grid = plan_2d(module, self._rules(module, step), mesh)
         store = None
         for _, t in steps:
             step, state = t(step, state)
@@ -533,10 +555,12 @@ class Preset:
         clip = 0 if self.max_norm is None else 1
 
         def make_plan() -> Plan:
+            if self.tp_size > 1 and (why := self._grid_unplanned()):
+                raise ValueError(why)
             return describe(step, state, mesh, name=self.name, transforms=texts,
                             sharding=sharding, sequence_parallel=self.sequence_parallel,
                             bucket_mb=self.bucket_mb, clip_norms=clip,
-                            batch_shape=self.batch_shape, max_norm=self.max_norm)
+                            batch_shape=self.batch_shape, max_norm=self.max_norm, grid=grid)
 
         out = Composed(step, state, make_plan, store)
         if self.plan and mesh.rank() == 0:

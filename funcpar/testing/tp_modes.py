@@ -24,7 +24,16 @@ from funcpar.shard.rules import Rule, llama_rules
 from funcpar.state import functionalize, init_state
 from funcpar.testing.reference import CFG, OPTIMIZERS, STEPS, batches, run
 from funcpar.train import make_train_step
-from funcpar.transforms import compose, data_parallel, shard_params, zero_partition
+from funcpar.transforms import (
+    accumulate_grads,
+    amp_cast,
+    compose,
+    data_parallel,
+    pipeline_split,
+    remat,
+    shard_params,
+    zero_partition,
+)
 from funcpar.transforms.tp_modes import mode_axes
 
 __all__ = ["MLP_RULES", "PlainMLP", "build", "class_loss", "mlp_batches", "records_vs_plan",
@@ -69,29 +78,45 @@ def mlp_batches(seed: int = 0, rows: int = 9) -> list[tuple[Tensor, Tensor]]:
 
 
 def build(model: str, optim: str, mode: str | None, *, dp: int = 1, zero: int = 0,
-          q: int = 2, depth: int = 1, rows: int = 9):
+          q: int = 2, depth: int = 1, rows: int = 9, pp: int = 1, microbatches: int = 1,
+          schedule: str = "1f1b", rematted: bool = False, amp: str | None = None,
+          donate: bool = False, compile: bool = False, accumulate: int = 1,
+          dtype: torch.dtype = torch.float64, seed: int = 0):
     """``(step, state, batches)`` of ``model`` under ``mode`` (None: one process) x dp: a
-    ``q x q`` grid (2D), ``depth`` of them (2.5D) or a ``q x q x q`` cube (3D). ``rows``: the
-    MLP's batch rows."""
-    torch.manual_seed(0)
+    ``q x q`` grid (2D), ``depth`` of them (2.5D) or a ``q x q x q`` cube (3D), composed in the
+    documented order: pipeline_split (``pp > 1``) or accumulate_grads (``accumulate > 1``),
+    shard_params, data_parallel, zero_partition, remat (``rematted``), amp_cast (``amp``).
+    ``rows``: the MLP's batch rows; ``seed``: the init's; ``donate``, ``compile``:
+    make_train_step's."""
+    torch.manual_seed(seed)
     if model == "llama":
-        net, loss, rules, data = Llama(CFG).double(), lm_loss, llama_rules(CFG.head_dim), \
+        net, loss, rules, data = Llama(CFG).to(dtype), lm_loss, llama_rules(CFG.head_dim), \
             batches()
     else:
-        net, loss, rules, data = PlainMLP().double(), class_loss, MLP_RULES, \
+        net, loss, rules, data = PlainMLP().to(dtype), class_loss, MLP_RULES, \
             mlp_batches(rows=rows)
     apply_fn, params, buffers = functionalize(net)
     opt = OPTIMIZERS[optim](params)
-    step, state = make_train_step(apply_fn, loss, opt), init_state(params, buffers, opt)
-    if mode is None:
-        return step, state, data
-    per = {"2d": 2, "2.5d": 2, "3d": 3}[mode]
-    mesh = DeviceMesh.from_env(dp=dp, **mode_axes(mode, q**per * depth, depth))
-    transforms = [shard_params(rules, mesh, mode=mode)]
-    if dp > 1:
-        transforms.append(data_parallel(mesh))
-    if zero:
-        transforms.append(zero_partition(zero, mesh))
+    step = make_train_step(apply_fn, loss, opt, donate=donate, compile=compile)
+    state = init_state(params, buffers, opt, seed=seed)
+    transforms = [accumulate_grads(accumulate)] if accumulate > 1 else []
+    mesh = None
+    if mode is not None:
+        per = {"2d": 2, "2.5d": 2, "3d": 3}[mode]
+        mesh = DeviceMesh.from_env(**({"pp": pp} if pp > 1 else {}), dp=dp,
+                                   **mode_axes(mode, q**per * depth, depth))
+        if pp > 1:
+            transforms.append(pipeline_split(mesh, microbatches=microbatches,
+                                             schedule=schedule))
+        transforms.append(shard_params(rules, mesh, mode=mode))
+        if dp > 1:
+            transforms.append(data_parallel(mesh))
+        if zero:
+            transforms.append(zero_partition(zero, mesh))
+    if rematted:
+        transforms.append(remat())
+    if amp is not None:
+        transforms.append(amp_cast(amp, mesh=mesh))
     step, state = compose(*transforms)(step, state)
     return step, state, data
 

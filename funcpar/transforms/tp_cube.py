@@ -79,8 +79,11 @@ from funcpar.transforms.tp_modes import (
     batch_rows,
     grid_apply,
     grid_loss,
+    loss_collectives,
     norm_forward,
+    norm_stats,
     place_parts,
+    stage_lead,
 )
 
 __all__ = ["Plan3D", "plan_3d", "planned_collectives_3d", "shard_params_3d"]
@@ -256,6 +259,7 @@ def shard_params_3d(
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
         from funcpar.transforms.shard_params import sharded_module
 
+        lead = stage_lead(step, MODE)  # refuses a pipeline (untested under 3D)
         plan = plan_3d(sharded_module(step, state), rules, mesh)
         cube, s = plan.cube, plan.logits_parity
         vocab = comm.chunk_sizes(plan.head.module.out_features, cube.q)
@@ -265,7 +269,8 @@ def shard_params_3d(
         layouts = {n: plan.layouts[n] for n in state.params}
         params = shard_tree(state.params, layouts)
         apply_fn = grid_apply(step.apply_fn, lambda x: _enter(x, cube),
-                              lambda: [(p.module, _forward(p, plan)) for p in plan.parts])
+                              lambda: [(p.module, _forward(p, plan)) for p in plan.parts],
+                              lead)
         new_step = dataclasses.replace(step, apply_fn=apply_fn, loss_fn=loss_fn,
                                        layouts=layouts)
         return new_step, state._replace(params=params, opt_state=step.optimizer.init(params))
@@ -364,17 +369,9 @@ def planned_collectives_3d(plan: Plan3D, rows: int, dtype: torch.dtype, *,
         elif part.kind == "embedding":
             vector(who, m.embedding_dim, 0, m.num_embeddings, "table")
         else:
-            stats = ["sum of squares"] if part.kind == "rmsnorm" else ["sum", "sum of squares"]
-            for st in stats:
-                add(who, "all_reduce", cube.col_axis(p), rows, f"{who}: {st}")
-                add(who, "all_reduce", cube.col_axis(p), rows, f"{who}: {st} (grad)")
+            out += norm_stats(part, cube.col_axis(p), rows, s)
             vector(who, part.size, p, 1, "weight")
             if part.kind == "layernorm" and m.bias is not None:
                 vector(who, part.size, p, 1, "bias")
     s_out = plan.logits_parity
-    for what in ("max", "sum_exp", "target"):
-        add("loss", "all_reduce", cube.col_axis(s_out), rows, f"cross_entropy {what}")
-    for axis in cube.row_axes(s_out):
-        add("loss", "all_reduce", axis, 1, f"{MODE} loss: token sum")
-        add("loss", "all_reduce", axis, 1, f"{MODE} loss: token count")
-    return out
+    return out + loss_collectives(MODE, cube.col_axis(s_out), cube.row_axes(s_out), rows, s)

@@ -119,6 +119,7 @@ from funcpar.transforms import (
     skip_nonfinite,
     zero_partition,
 )
+from funcpar.transforms.tp_modes import mode_axes
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -257,8 +258,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      help="tensor-parallel size: heads, MLP width and vocabulary split")
     par.add_argument("--tp-mode", default="1d", choices=("1d", "2d", "2.5d", "3d"),
                      help="tensor-parallel mode: 1d Megatron over a 'tp' axis; 2d SUMMA on a "
-                          "q x q grid, --tp N = q * q ranks (axes tp_row x tp_col, "
-                          "docs/TENSOR_PARALLEL.md); 2.5d and 3d are not implemented")
+                          "q x q grid, --tp N = q * q ranks (axes tp_row x tp_col); 2.5d "
+                          "--tp-depth d copies of it, --tp N = d * q * q (axes tp_dep x "
+                          "tp_row x tp_col); 3d a q x q x q cube, --tp N = q ** 3 (axes "
+                          "tp_in x tp_w x tp_out); docs/TENSOR_PARALLEL.md")
+    par.add_argument("--tp-depth", type=int, default=1,
+                     help="--tp-mode 2.5d: the depth d (the batch is cut over it too)")
     par.add_argument("--dp", type=int, default=None,
                      help="data-parallel size: global batch split (default: processes / tp)")
     par.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
@@ -415,6 +420,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     head_split = args.tp
     if args.tp_mode != "1d":
         head_split = _check_tp_mode(p, args)
+    elif args.tp_depth != 1:
+        p.error("--tp-depth is for --tp-mode 2.5d")
     for flag, heads in (("--heads", args.heads), ("--kv-heads", kv)):
         if heads % head_split:
             p.error(f"--tp {args.tp} does not divide the number of heads {flag} {heads}: "
@@ -495,23 +502,41 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          ("--compile", args.compile), ("--save", args.save is not None)):
             if on:
                 p.error(f"{flag} does not work with --pp > 1 yet")
+        rows = local // (args.microbatches * args.grad_accum)
+        if args.tp_mode == "2d" and rows < head_split:  # (--pp is refused for 2.5d and 3d)
+            p.error(f"--tp-mode 2d cuts each pipeline micro-batch's rows over the grid's "
+                    f"{head_split} rows, but a micro-batch has {rows} ({split} / "
+                    f"(--microbatches x --grad-accum)): raise --batch-size")
     return args
 
 
 def _check_tp_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``--tp-mode 2d``: ``--tp`` is a square ``q * q``; what it does not compose with yet is
-    refused. Returns ``q`` (heads are split over one grid axis)."""
-    if args.tp_mode in ("2.5d", "3d"):
-        p.error(f"--tp-mode {args.tp_mode} is not implemented: use 1d or 2d")
-    q = math.isqrt(args.tp)
-    if args.tp < 4 or q * q != args.tp:
-        p.error(f"--tp-mode 2d needs --tp a square q * q >= 4 (a q x q grid), got --tp {args.tp}")
-    for flag, on in (("--sequence-parallel", args.sequence_parallel), ("--pp", args.pp > 1),
-                     ("--experts", args.experts > 0), ("--preset", args.preset is not None),
-                     ("--sample-every", args.sample_every > 0),
-                     ("--eval-every", getattr(args, "eval_every", 0) > 0)):
+    """``--tp-mode 2d | 2.5d | 3d``: ``--tp`` fits the mode's grid (``q * q``, ``depth * q *
+    q``, ``q ** 3``); what it does not compose with yet is refused. 2D composes with --pp, --dp,
+    --zero 1-3, --remat, --precision, --compile, --save-every/--resume, --eval-every and
+    --preset hybrid (tests/test_tp_2d_compose.py); 2.5D and 3D with --dp, --zero 1-2 and
+    --save-every/--resume (tests/test_tp_modes_nd.py), the rest refused until tested.
+    --sample-every decodes one row at a time, fewer than the grid's rows. Returns ``q`` (heads
+    are split over one grid axis)."""
+    try:
+        q = list(mode_axes(args.tp_mode, args.tp, args.tp_depth).values())[-1]  # a grid side
+    except ValueError as err:
+        p.error(f"--tp {args.tp} --tp-mode {args.tp_mode} --tp-depth {args.tp_depth}: {err}")
+    tested = args.tp_mode == "2d"  # the compositions tests/test_tp_2d_compose.py covers
+    for flag, on in (("--sequence-parallel", args.sequence_parallel),
+                     ("--experts", args.experts > 0), ("--cp", args.cp > 1),
+                     ("--auto", args.auto or args.what_if),
+                     (f"--preset {args.preset}", args.preset not in (None, "hybrid")),
+                     ("--preset hybrid", args.preset == "hybrid" and not tested),
+                     ("--pp", args.pp > 1 and not tested),
+                     ("--eval-every", args.eval_every > 0 and not tested),
+                     (f"--precision {args.precision}", args.precision != "fp32" and not tested),
+                     ("--remat", args.remat > 0 and not tested),
+                     ("--compile", args.compile and not tested),
+                     ("--zero 3", args.zero == 3 and not tested),
+                     ("--sample-every", args.sample_every > 0)):
         if on:
-            p.error(f"{flag} does not work with --tp-mode 2d yet")
+            p.error(f"{flag} does not work with --tp-mode {args.tp_mode} yet")
     return q
 
 
@@ -529,9 +554,8 @@ def build_mesh(args: argparse.Namespace) -> DeviceMesh:
     if args.cp > 1:
         axes["cp"] = args.cp
     try:
-        if args.tp_mode == "2d":  # a q x q grid; the 1D 'tp' axis is kept, of size 1
-            q = math.isqrt(args.tp)
-            axes.update(tp=1, tp_row=q, tp_col=q)
+        if args.tp_mode != "1d":  # the mode's grid; the 1D 'tp' axis is kept, of size 1
+            axes.update(tp=1, **mode_axes(args.tp_mode, args.tp, args.tp_depth))
         else:
             axes["tp"] = args.tp
         mesh = DeviceMesh.from_env(**axes, backend=backend)
@@ -563,8 +587,8 @@ def manual_transforms(args: argparse.Namespace, mesh: DeviceMesh, cfg: LlamaConf
                                          virtual_stages=args.virtual_stages))
     elif args.grad_accum > 1:
         transforms.append(accumulate_grads(args.grad_accum))
-    if args.tp_mode == "2d":
-        transforms.append(shard_params(llama_rules_for(cfg), mesh, mode="2d"))
+    if args.tp_mode != "1d":
+        transforms.append(shard_params(llama_rules_for(cfg), mesh, mode=args.tp_mode))
     if mesh.size("tp") > 1:
         # MoE blocks: every expert's ffn split over tp (style "experts"), router replicated.
         transforms.append(shard_params(llama_rules_for(cfg), mesh,
@@ -607,7 +631,9 @@ def build_preset(args: argparse.Namespace, mesh: DeviceMesh) -> Preset:
         return preset_for(args.auto_choice, mesh=mesh, plan=args.plan,
                           batch_shape=common["batch_shape"], grad_accum=args.grad_accum)
     if args.preset == "hybrid":
-        return hybrid_parallel(tp_size=mesh.size("tp"), pp_size=args.pp, zero_stage=args.zero,
+        return hybrid_parallel(tp_size=mesh.size("tp") if args.tp_mode == "1d" else args.tp,
+                               tp_mode=args.tp_mode, tp_depth=args.tp_depth, pp_size=args.pp,
+                               zero_stage=args.zero,
                                microbatches=args.microbatches if args.pp > 1 else None,
                                pp_style=args.schedule, num_model_chunks=args.virtual_stages,
                                sequence_parallel=args.sequence_parallel,

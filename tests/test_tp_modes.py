@@ -72,8 +72,11 @@ def test_mesh_must_fit_the_mode():
         shard_params(rules, _grid(tp=4), mode="2d")(*_step(Llama(CFG)))
     with pytest.raises(ValueError, match="square: tp_row=2 but tp_col=4"):
         shard_params(rules, _grid(tp_row=2, tp_col=4), mode="2d")(*_step(Llama(CFG)))
-    with pytest.raises(ValueError, match="'2.5d' is not implemented"):
-        shard_params(rules, _grid(), mode="2.5d")
+    with pytest.raises(ValueError, match=r"a 2.5D grid needs mesh axes \('tp_dep', 'tp_row'"):
+        shard_params(rules, _grid(), mode="2.5d")(*_step(Llama(CFG)))
+    with pytest.raises(ValueError, match="square: tp_row=2 but tp_col=1"):
+        shard_params(rules, _grid(tp_dep=2, tp_row=2, tp_col=1), mode="2.5d")(
+            *_step(Llama(CFG)))
     with pytest.raises(ValueError, match="one of"):
         shard_params(rules, _grid(), mode="4d")
     with pytest.raises(ValueError, match="sequence_parallel is a 1D mode option"):
@@ -118,29 +121,10 @@ def test_2d_layouts_and_batch_rows():
 
 
 # ------------------------------------------------------------------------------ plan report
-def _records_vs_plan(model):
-    from funcpar.shard.comm import comm_log
-    from funcpar.testing.tp_modes import build
-    from funcpar.transforms.tp_modes import plan_2d, planned_collectives
-
-    step, state, data = build(model, "sgd", "2d")
-    net = step.apply_fn.module
-    rules = llama_rules(CFG.head_dim) if model == "llama" else MLP_RULES
-    plan = plan_2d(net, rules, DeviceMesh.from_env(tp_row=2, tp_col=2))
-    inputs, _ = data[0]
-    rows = (inputs.shape[0] + 1) // 2 if plan.grid.i == 0 else inputs.shape[0] // 2
-    rows *= inputs.shape[1] if model == "llama" else 1
-    planned = planned_collectives(plan, rows, torch.float64,
-                                  data_fed=("fc1",) if model == "mlp" else ())
-    with comm_log.capture() as recs:
-        step(state, data[0])
-    got = sorted((r.op, r.axis, r.nbytes, r.purpose) for r in recs
-                 if "global_norm" not in r.purpose)
-    return got, sorted((p.op, p.axis, p.nbytes, p.purpose) for p in planned)
-
-
 def _both_models():
-    return [_records_vs_plan(m) for m in ("llama", "mlp")]
+    from funcpar.testing.tp_modes import records_vs_plan
+
+    return [records_vs_plan("2d", m) for m in ("llama", "mlp")]
 
 
 def test_2d_measured_collectives_equal_the_plan():
@@ -175,7 +159,10 @@ def test_train_lm_tp_mode_errors(capsys):
 
     train_lm = load_example("train_lm.py", "train_lm")
     for argv, msg in ((["--tp", "2", "--tp-mode", "2d"], "square q * q"),
-                      (["--tp", "4", "--tp-mode", "3d"], "not implemented"),
+                      (["--tp", "4", "--tp-mode", "3d"], "a cube q * q * q >= 8, got 4"),
+                      (["--tp", "8", "--tp-mode", "2.5d", "--tp-depth", "3"],
+                       "8 ranks do not split into depth 3"),
+                      (["--tp", "4", "--tp-depth", "2"], "--tp-depth is for --tp-mode 2.5d"),
                       (["--tp", "4", "--tp-mode", "2d", "--sequence-parallel"],
                        "--sequence-parallel does not work with --tp-mode 2d")):
         with pytest.raises(SystemExit):
@@ -212,8 +199,10 @@ def test_hybrid_parallel_tp_mode_errors():
         hybrid_parallel(tp_size=2, tp_mode="2d")
     with pytest.raises(ValueError, match="does not compose with sequence_parallel"):
         hybrid_parallel(tp_size=4, tp_mode="2d", sequence_parallel=True)
-    with pytest.raises(ValueError, match="'3d' is not implemented"):
-        hybrid_parallel(tp_size=8, tp_mode="3d")
+    with pytest.raises(ValueError, match="a cube q \\* q \\* q >= 8, got 4"):
+        hybrid_parallel(tp_size=4, tp_mode="3d")
+    with pytest.raises(ValueError, match="tp_depth=2 is for tp_mode='2.5d'"):
+        hybrid_parallel(tp_size=4, tp_depth=2)
     with pytest.raises(ValueError, match="tp_mode=.2d. \\(axes .* axis has 4 ranks"):
         hybrid_parallel(tp_size=4, tp_mode="2d", mesh=DeviceMesh.virtual(dp=1, tp=4))
 

@@ -21,6 +21,12 @@ data-parallel axis and precision - and derives, without running it:
     embedding scatters its output (and gathers its gradient), each region gathers its input
     and scatters its output (and the reverse backward), the head gathers its input, and the
     gradients of the leaves not split over tp are summed in one all-reduce per dtype;
+  - 2D tensor parallelism (``grid``, a :class:`~funcpar.transforms.tp_modes.Plan2D`): the
+    collectives of :func:`~funcpar.transforms.tp_modes.planned_collectives` on this rank's
+    rows (its grid row's chunk of the local batch, times the sequence) in the compute dtype -
+    SUMMA's panel broadcasts and partial-product reduce-scatters, the weight gathers and their
+    gradients' reduce-scatters, the norm statistics, the loss's - grouped by op and axis. The
+    weight panels do not scale with the tokens, so a batch shape is required;
   - data parallelism: the gradient buckets (the bucketing of
     :class:`~funcpar.transforms.data_parallel.BucketedMean` replayed on the local leaves) and
     the loss's all-reduce;
@@ -101,11 +107,22 @@ from funcpar.state.tree import named_leaves, tree_flatten
 from funcpar.train.step import TrainStep
 from funcpar.transforms.amp_cast import PRECISIONS
 from funcpar.transforms.expert_parallel import expert_leaves
+from funcpar.transforms.tp_modes import Plan2D, planned_collectives
 from funcpar.transforms.zero_partition import gather_groups
 
 __all__ = ["CommRow", "LayoutRow", "MemoryReport", "MoEBlock", "Plan", "describe"]
 
 _COLUMN = ("colwise", "vocab_parallel", "colwise_gather_output")
+# 2D tensor parallelism's collectives by (op, over the grid's row axis?): what they carry.
+_TP2D_WHAT = {
+    ("broadcast", False): "2d: SUMMA activation panels along grid rows (fwd + bwd)",
+    ("broadcast", True): "2d: SUMMA weight panels along grid columns (fwd + bwd)",
+    ("reduce_scatter", False): "2d: SUMMA input-grad partials (bwd)",
+    ("reduce_scatter", True): "2d: SUMMA weight-grad partials; gathered weights' grads (bwd)",
+    ("all_gather", True): "2d: embedding, norm and bias weights gathered (fwd)",
+    ("all_reduce", False): "2d: norm statistics (fwd + bwd), vocab-parallel cross-entropy",
+    ("all_reduce", True): "2d: loss token sum and count",
+}
 _HEADS = ("vocab_parallel", "colwise_gather_output")
 
 
@@ -262,11 +279,13 @@ class Plan:
     def __init__(self, step: TrainStep, state: TrainState, mesh: DeviceMesh, *, name: str,
                  transforms: Sequence[str], sharding: ShardingPlan | None,
                  sequence_parallel: bool, bucket_mb: float, clip_norms: int,
-                 batch_shape: tuple[int, int] | None, max_norm: float | None) -> None:
+                 batch_shape: tuple[int, int] | None, max_norm: float | None,
+                 grid: Plan2D | None = None) -> None:
         self.step, self.state, self.mesh = step, state, mesh
         self.name = name
         self.transforms = tuple(transforms)
         self.sharding = sharding
+        self.grid = grid
         self.sequence_parallel = sequence_parallel
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.clip_norms = clip_norms
@@ -395,6 +414,8 @@ class Plan:
         rows = _Rows(self.mesh)
         if self.sharding is not None:
             self._tp_rows(rows, batch_shape)
+        if self.grid is not None:
+            self._tp2d_rows(rows, batch_shape)
         if self.moe_blocks:
             self._ep_rows(rows, batch_shape, routing)
         self._cp_rows(rows, batch_shape)
@@ -511,6 +532,24 @@ class Plan:
                     "tp: head logits gathered")
         if self.sequence_parallel:
             self._sp_grad_rows(rows)
+
+    def _tp2d_rows(self, rows: _Rows, batch_shape: tuple[int, int] | None) -> None:
+        """2D tensor parallelism: the collectives of :func:`funcpar.transforms.tp_modes.
+        planned_collectives` on this rank's rows (its grid row's chunk of the local batch,
+        times the sequence), in the compute dtype, grouped by op and axis."""
+        if batch_shape is None:
+            raise ValueError("the expected communication of 2D tensor parallelism needs "
+                             "batch_shape=(batch, seq): its weight panels do not scale with "
+                             "the tokens, so it has no per-token form")
+        if getattr(self.step.apply_fn, "remat", False):
+            raise ValueError("the expected communication of 2D tensor parallelism under remat "
+                             "is not modeled (the recompute repeats the blocks' SUMMA panels); "
+                             "measure a step with funcpar.shard.comm.comm_report")
+        b, t, _ = self._local_batch(batch_shape)
+        g = self.grid.grid
+        local_rows = chunk_sizes(b, g.q)[g.i] * t
+        for p in planned_collectives(self.grid, local_rows, self.compute_dtype):
+            rows.add(p.op, p.axis, p.nbytes, _TP2D_WHAT[(p.op, p.axis == g.row)])
 
     def _sp_grad_rows(self, rows: _Rows) -> None:
         """One all-reduce per dtype of the gradients of the leaves not split over tp."""
@@ -715,10 +754,14 @@ class Plan:
         shape = self.batch_shape
         lines.append("expected communication per step"
                      + (f" (global batch {shape[0]} x {shape[1]}):" if shape else ":"))
-        comm = [] if self.pipelined else self.expected_comm()
+        no_shape = self.grid is not None and shape is None
+        comm = [] if self.pipelined or no_shape else self.expected_comm()
         if self.pipelined:
             lines.append("  not modeled under pipeline_split (point-to-point transfers by "
                          "schedule): measure a step with comm_report")
+        elif no_shape:
+            lines.append("  2D tensor parallelism's collectives need the batch shape: give "
+                         "batch_shape=(batch, seq)")
         elif not comm:
             lines.append("  none")
         else:
@@ -877,6 +920,7 @@ def describe(
     clip_norms: int = 0,
     batch_shape: tuple[int, int] | None = None,
     max_norm: float | None = None,
+    grid: Plan2D | None = None,
 ) -> Plan:
     """The :class:`Plan` of a composed ``(step, state)`` over ``mesh``.
 
@@ -884,12 +928,17 @@ def describe(
     mesh)``, for tensor parallelism's activation traffic), ``sequence_parallel``,
     ``bucket_mb`` (data_parallel's, and expert_parallel's for its mean over ``ep``),
     ``clip_norms`` (how many ``clip_by_global_norm`` the optimizer holds), ``transforms``
-    (text of the manual calls, for printing). Expert parallelism is read from the layouts.
+    (text of the manual calls, for printing), ``grid`` (``plan_2d(module, rules, mesh)``,
+    for 2D tensor parallelism's collectives; they need ``batch_shape``). Expert parallelism is
+    read from the layouts.
     """
+    if grid is not None and sharding is not None:
+        raise ValueError("describe: sharding= (1D) and grid= (2D) describe two tensor-parallel "
+                         "modes; a step has one")
     if sequence_parallel and sharding is None:
         raise ValueError("describe: sequence_parallel needs sharding= (the sharding plan)")
     if clip_norms < 0:
         raise ValueError(f"describe: clip_norms must be >= 0, got {clip_norms}")
     return Plan(step, state, mesh, name=name, transforms=transforms, sharding=sharding,
                 sequence_parallel=sequence_parallel, bucket_mb=bucket_mb,
-                clip_norms=clip_norms, batch_shape=batch_shape, max_norm=max_norm)
+                clip_norms=clip_norms, batch_shape=batch_shape, max_norm=max_norm, grid=grid)

@@ -78,6 +78,7 @@ from funcpar.transforms.expert_parallel import expert_parallel
 from funcpar.transforms.offload import offload as offload_transform
 from funcpar.transforms.pipeline_split import pipeline_split
 from funcpar.transforms.shard_params import shard_params
+from funcpar.transforms.tp_modes import plan_2d
 from funcpar.transforms.zero_partition import zero_partition
 
 __all__ = [
@@ -220,8 +221,10 @@ class Preset:
     accumulation over that many micro-batches of each step's batch, reduced once per step
     (:func:`~funcpar.transforms.accumulate_grads`; HF Trainer's
     ``gradient_accumulation_steps``); with a pipeline, ``grad_accum`` times ``microbatches``
-    pipeline micro-batches (the same sum of gradients). ``tp_mode``: "1d" (Megatron) or "2d"
-    (SUMMA on a ``q x q`` grid, ``tp_size = q * q``: :mod:`funcpar.transforms.tp_modes`).
+    pipeline micro-batches (the same sum of gradients). ``tp_mode``: "1d" (Megatron), "2d"
+    (SUMMA on a ``q x q`` grid, ``tp_size = q * q``: :mod:`funcpar.transforms.tp_modes`),
+    "2.5d" (``tp_depth`` such grids, ``tp_size = tp_depth * q * q``) or "3d" (a ``q x q x q``
+    cube, ``tp_size = q ** 3``: :mod:`funcpar.transforms.tp_cube`).
     """
 
     name: str = "preset"
@@ -250,6 +253,7 @@ class Preset:
     ep_size: int = 1
     grad_accum: int = 1
     tp_mode: str = "1d"
+    tp_depth: int = 1
     sp_size: int = 1
     sequence_parallelism_mode: str | None = None
 
@@ -321,32 +325,53 @@ class Preset:
                              "plan=True and measure a step with funcpar.shard.comm.comm_report")
         if self.tp_mode != "1d":
             self._check_tp_mode()
+        elif self.tp_depth != 1:
+            raise ValueError(f"{who}: tp_depth={self.tp_depth} is for tp_mode='2.5d'")
         if self.mesh is not None:
             self._check_mesh(self.mesh)
 
     def _check_tp_mode(self) -> None:
-        """``tp_mode="2d"``: ``tp_size = q * q`` on mesh axes ``tp_row`` x ``tp_col``
-        (:mod:`funcpar.transforms.tp_modes`); what it does not compose with yet is refused."""
-        from funcpar.transforms.tp_modes import check_mode
-
-        check_mode(self.tp_mode)
-        q = math.isqrt(self.tp_size)
-        if self.tp_size < 4 or q * q != self.tp_size:
-            raise ValueError(f"{self.name}: tp_mode='2d' needs tp_size a square q * q >= 4, "
-                             f"got {self.tp_size}")
+        """``tp_mode="2d" | "2.5d" | "3d"``: ``tp_size`` fits the mode's grid
+        (:func:`funcpar.transforms.tp_modes.mode_axes`); what it does not compose with yet is
+        refused (2D's compositions: tests/test_tp_2d_compose.py; 2.5D's and 3D's:
+        tests/test_tp_modes_nd.py)."""
+        try:
+            self._tp_axes()
+        except ValueError as err:
+            raise ValueError(f"{self.name}: {err}") from None
+        tested = self.tp_mode == "2d"
         for what, on in (("sequence_parallel", self.sequence_parallel),
-                         ("pp_size > 1", self.pp_size > 1), ("ep_size > 1", self.ep_size > 1),
-                         ("plan=True", self.plan),
+                         ("ep_size > 1", self.ep_size > 1),
+                         ("pp_size > 1", self.pp_size > 1 and not tested),
+                         (f"precision={self.precision!r}", self.precision != "fp32"
+                          and not tested),
+                         ("zero_stage=3", self.zero_stage == 3 and not tested),
                          ("a context-parallel sequence_parallelism_mode", self.cp_size > 1)):
             if on:
-                raise ValueError(f"{self.name}: tp_mode='2d' does not compose with {what} yet")
+                raise ValueError(f"{self.name}: tp_mode={self.tp_mode!r} does not compose with "
+                                 f"{what} yet")
+        if self.plan and (why := self._grid_unplanned()):
+            raise ValueError(why)
+
+    def _grid_unplanned(self) -> str | None:
+        """Why the plan cannot model this multi-dimensional mode (None when it can): it models
+        2D's collectives only (``Plan._tp2d_rows``), and not under ``grad_accum > 1``."""
+        if self.tp_mode == "1d" or (self.tp_mode == "2d" and self.grad_accum == 1):
+            return None
+        why = (f"tp_mode={self.tp_mode!r} does not compose with plan=True yet (the plan models "
+               "2D's collectives only)" if self.tp_mode != "2d" else
+               f"the plan of tp_mode='2d' with grad_accum={self.grad_accum} is not modeled "
+               "(each micro-batch repeats the SUMMA panels)")
+        return (f"{self.name}: {why}: drop plan=True and measure a step with "
+                "funcpar.shard.comm.comm_report")
 
     def _tp_axes(self) -> dict[str, int]:
         """The tensor-parallel mesh axes: ``tp`` (1D), or ``tp`` of size 1 and the grid."""
+        from funcpar.transforms.tp_modes import mode_axes
+
         if self.tp_mode == "1d":
             return {"tp": self.tp_size}
-        q = math.isqrt(self.tp_size)
-        return {"tp": 1, "tp_row": q, "tp_col": q}
+        return {"tp": 1, **mode_axes(self.tp_mode, self.tp_size, self.tp_depth)}
 
     def _check_sp(self, who: str) -> None:
         mode = self.sequence_parallelism_mode
@@ -374,8 +399,7 @@ class Preset:
     # ------------------------------------------------------------------------------- mesh
     def _check_mesh(self, mesh: DeviceMesh) -> None:
         sizes = mesh.shape
-        known = ("pp", "dp", "tp", "ep", "cp") + (("tp_row", "tp_col") if self.tp_mode != "1d"
-                                                else ())
+        known = ("pp", "dp", "tp", "ep", "cp", *self._tp_axes())
         extra = {a: s for a, s in sizes.items() if a not in known and s > 1}
         if extra:
             raise ValueError(f"{self.name}: the mesh has axes {extra} that the preset does not "
@@ -514,10 +538,12 @@ class Preset:
             state = state._replace(opt_state=opt.init(state.params))
         steps = self.transforms(step, mesh)
         module = getattr(step.apply_fn, "module", None)
-        sharding = None
+        sharding = grid = None
         if self.tp_size > 1 and self.tp_mode == "1d":
             # The same resolution shard_params makes (deterministic): for the plan's numbers.
             sharding = plan_sharding(module, self._rules(module, step), mesh, "tp")
+        elif self.tp_size > 1 and self.tp_mode == "2d":
+            grid = plan_2d(module, self._rules(module, step), mesh)
         store = None
         for _, t in steps:
             step, state = t(step, state)
@@ -526,10 +552,12 @@ class Preset:
         clip = 0 if self.max_norm is None else 1
 
         def make_plan() -> Plan:
+            if self.tp_size > 1 and (why := self._grid_unplanned()):
+                raise ValueError(why)
             return describe(step, state, mesh, name=self.name, transforms=texts,
                             sharding=sharding, sequence_parallel=self.sequence_parallel,
                             bucket_mb=self.bucket_mb, clip_norms=clip,
-                            batch_shape=self.batch_shape, max_norm=self.max_norm)
+                            batch_shape=self.batch_shape, max_norm=self.max_norm, grid=grid)
 
         out = Composed(step, state, make_plan, store)
         if self.plan and mesh.rank() == 0:
@@ -622,6 +650,7 @@ def hybrid_parallel(
     plan: bool = False,
     grad_accum: int = 1,
     tp_mode: str = "1d",
+    tp_depth: int = 1,
     params: Any = None,
     buffers: Any = None,
     seed: int = 0,
@@ -630,8 +659,10 @@ def hybrid_parallel(
 ) -> Preset | Composed:
     """Colossal-AI's ``HybridParallelPlugin``: ``pp x dp x cp x tp`` with ZeRO 0-3 over dp.
 
-    ``tp_mode``: ``"1d"`` (Megatron) or ``"2d"`` (SUMMA; ``tp_size = q * q``, mesh axes
-    ``tp_row`` x ``tp_col``, ``tp`` kept at size 1; docs/TENSOR_PARALLEL.md).
+    ``tp_mode``: ``"1d"`` (Megatron), ``"2d"`` (SUMMA; ``tp_size = q * q``, mesh axes
+    ``tp_row`` x ``tp_col``), ``"2.5d"`` (``tp_size = tp_depth * q * q``, axes ``tp_dep`` x
+    ``tp_row`` x ``tp_col``) or ``"3d"`` (``tp_size = q ** 3``, axes ``tp_in`` x ``tp_w`` x
+    ``tp_out``); ``tp`` is kept at size 1 (docs/TENSOR_PARALLEL.md).
 
     ``compose([pipeline_split(mesh, microbatches=...)], shard_params(rules, mesh),
     [context_parallel(mesh, mode)], data_parallel(mesh), zero_partition(zero_stage, mesh),
@@ -651,7 +682,7 @@ def hybrid_parallel(
         initial_scale=initial_scale, growth_factor=growth_factor,
         backoff_factor=backoff_factor, growth_interval=growth_interval,
         batch_shape=batch_shape, plan=plan, pp_style=pp_style, num_model_chunks=num_model_chunks,
-        grad_accum=grad_accum, tp_mode=tp_mode,
+        grad_accum=grad_accum, tp_mode=tp_mode, tp_depth=tp_depth,
     )
 
 

@@ -43,6 +43,7 @@ counts these six panel sets.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from jaxtyping import Float
@@ -75,6 +76,8 @@ class Grid:
     mesh: DeviceMesh
     row: str = ROW
     col: str = COL
+    #: The tensor-parallel mode the grid serves (error messages, collective purposes).
+    mode: ClassVar[str] = "2d"
 
     def __post_init__(self) -> None:
         for a in (self.row, self.col):
@@ -96,6 +99,11 @@ class Grid:
     @property
     def j(self) -> int:
         return self.mesh.rank(self.col)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes cutting the batch rows, outermost first: the grid row's."""
+        return (self.row,)
 
 
 def _panel(mine: Tensor, src: int, here: int, shape: tuple[int, ...], grid: Grid, axis: str,

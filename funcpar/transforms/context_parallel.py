@@ -714,6 +714,12 @@ def context_parallel(
             raise ValueError("context_parallel is already applied: apply it once")
         attn = _attention_modules(module)
         moe = _moe_modules(module)
+        if getattr(step.loss_fn, "tp_mode", None) is not None:
+            raise ValueError(f"context_parallel and shard_params(mode="
+                             f"{step.loss_fn.tp_mode!r}) do not compose yet: that mode cuts "
+                             "the batch rows and hidden dims over its grid and computes the "
+                             "loss over it, which context_parallel's sequence cut and "
+                             "token-weighted loss do not account for")
         if not getattr(step.loss_fn, "token_cross_entropy", False):
             raise ValueError("context_parallel needs a token-mean loss (declared by "
                              "token_cross_entropy = True, as funcpar.models.lm_loss): each rank "

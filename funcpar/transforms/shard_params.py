@@ -123,9 +123,10 @@ def shard_params(
 ) -> Callable[[TrainStep, TrainState], tuple[TrainStep, TrainState]]:
     """The tensor-parallel transform over mesh axis ``axis`` (see the module docstring).
 
-    ``mode``: ``"1d"`` (Megatron, this module) or ``"2d"`` (SUMMA on the mesh axes ``tp_row``
-    x ``tp_col``, :mod:`funcpar.transforms.tp_modes`; ``axis`` is then unused); ``"2.5d"`` and
-    ``"3d"`` are refused (not implemented).
+    ``mode``: ``"1d"`` (Megatron, this module), ``"2d"`` (SUMMA on the mesh axes ``tp_row``
+    x ``tp_col``, :mod:`funcpar.transforms.tp_modes`; ``axis`` is then unused) or ``"2.5d"``
+    (Tesseract: 2D on each of the ``tp_dep`` depth slices, :mod:`funcpar.shard.tesseract`)
+    or ``"3d"`` (the ``tp_in x tp_w x tp_out`` cube, :mod:`funcpar.transforms.tp_cube`).
 
     The state must be fresh from ``init_state`` (step 0) and hold whole parameters; its
     optimizer state is re-initialized on the shards (moving a trained state between layouts is
@@ -141,7 +142,11 @@ def shard_params(
         if sequence_parallel:
             raise ValueError(f"sequence_parallel is a 1D mode option; mode={mode!r} already "
                              "splits the activations between layers")
-        return shard_params_2d(rules, mesh)
+        if mode == "3d":
+            from funcpar.transforms.tp_cube import shard_params_3d
+
+            return shard_params_3d(rules, mesh)
+        return shard_params_2d(rules, mesh, mode)
 
     def transform(step: TrainStep, state: TrainState) -> tuple[TrainStep, TrainState]:
         module = sharded_module(step, state)

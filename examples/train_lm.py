@@ -525,7 +525,7 @@ def _check_tp_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     tested = args.tp_mode == "2d"  # the compositions tests/test_tp_2d_compose.py covers
     for flag, on in (("--sequence-parallel", args.sequence_parallel),
                      ("--experts", args.experts > 0), ("--cp", args.cp > 1),
-                     ("--auto", args.auto or args.what_if),
+                     ("--auto", (args.auto or args.what_if) and not tested),
                      (f"--preset {args.preset}", args.preset not in (None, "hybrid")),
                      ("--preset hybrid", args.preset == "hybrid" and not tested),
                      ("--pp", args.pp > 1 and not tested),

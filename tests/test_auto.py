@@ -108,8 +108,9 @@ def test_analytic_pipeline_memory_equals_plan(c):
 def test_analytic_2d_equals_the_transforms_account(c):
     """2D tensor parallelism: its SUMMA broadcasts, reduce-scatters, gathers and all-reduces
     equal the transform's own account (``tp_modes.planned_collectives``, which
-    tests/test_tp_modes.py holds to the comm log) op by op and axis by axis; the rest
-    (data parallelism, ZeRO, the norms) and the memory equal ``describe``'s plan."""
+    tests/test_tp_modes.py holds to the comm log) op by op and axis by axis; the whole
+    (with data parallelism, ZeRO, the norms) and the memory equal ``describe``'s plan (which
+    lists the 2D rows too)."""
     from funcpar.shard import llama_rules
     from funcpar.transforms.tp_modes import plan_2d, planned_collectives
 
@@ -122,14 +123,13 @@ def test_analytic_2d_equals_the_transforms_account(c):
         n, b = want.get((p.op, p.axis), (0, 0))
         want[(p.op, p.axis)] = (n + 1, b + p.nbytes)
     got: dict = {}
-    rest: dict = {}
     for it in ana.comm:
-        into = got if it.what.startswith("2d:") else rest
-        n, b = into.get((it.op, it.axis), (0, 0))
-        into[(it.op, it.axis)] = (n + it.count, b + it.nbytes)
+        if it.what.startswith("2d:"):
+            n, b = got.get((it.op, it.axis), (0, 0))
+            got[(it.op, it.axis)] = (n + it.count, b + it.nbytes)
     assert got == want
     plan = _plan(c, CFG)
-    assert rest == {k: (n, float(b)) for k, (n, b) in plan.comm_totals().items()}
+    assert ana.totals() == {k: (n, float(b)) for k, (n, b) in plan.comm_totals().items()}
     m, a = plan.memory, ana.memory
     assert (a.params, a.grads, a.compute_params) == (m.params, m.grads, m.compute_params)
 
@@ -183,7 +183,14 @@ def test_block_activations_equal_saved_tensors(dtype, shape):
 def test_memory_per_rank_matches_measured_peak(b, t):
     """One process, fp32, AdamW with clipping: the state's bytes plus the heap's rise over
     three steps (funcpar.auto.heap) within the stated 10 % margin of the model's peak, both
-    where the end of the step dominates (tiny batch) and where the activations do."""
+    where the end of the step dominates (tiny batch) and where the activations do. Measured
+    in a fresh process: in a test worker that has run other tests the heap's rise came out
+    29 % lower once (the allocator's state is the process's history)."""
+    measured, predicted = run_ranks(_one_process_peak, 1, b, t, backend=None, timeout=120)[0]
+    assert abs(predicted / measured - 1) <= 0.10
+
+
+def _one_process_peak(b: int, t: int) -> tuple[int, float]:
     cfg = LlamaConfig(vocab_size=1024, dim=128, n_layers=2, n_heads=4, max_seq_len=128)
     apply_fn, params, buffers = functionalize(Llama(cfg), release=True)
     opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-3))
@@ -200,7 +207,7 @@ def test_memory_per_rank_matches_measured_peak(b, t):
     held = sum(x.numel() * x.element_size() for x in state.params.values()) + \
         state_bytes(state.opt_state)
     predicted = analytic_plan(model_spec(cfg), Choice(precision="fp32"), b, t).memory.peak
-    assert abs(predicted / (held + probe.rise) - 1) <= 0.10
+    return held + probe.rise, predicted
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),

@@ -562,7 +562,10 @@ def _tp2d_rows(add: Any, spec: ModelSpec, q: int, blocks: tuple[int, ...], first
     the sum of squares all-reduced over ``tp_col`` forward and backward and its weight
     gathered over ``tp_row`` (reduce-scattered back); the embedding's table likewise; the
     vocab-parallel cross-entropy's three all-reduces over ``tp_col`` and the token sum and
-    count over ``tp_row``. Dims are taken to divide (the search offers 2D only there)."""
+    count over ``tp_row``; the norms' statistics and the loss's travel in float32 at least
+    (upcast before they are reduced). Dims are taken to divide (the search offers 2D only
+    there)."""
+    wide = max(s, 4)
     d, f, hd = spec.dim, spec.ffn, spec.head_dim
     linears = [(d, spec.heads * hd), (d, spec.kv_heads * hd), (d, spec.kv_heads * hd),
                (spec.heads * hd, d), (d, f), (d, f), (f, d)]
@@ -581,7 +584,7 @@ def _tp2d_rows(add: Any, spec: ModelSpec, q: int, blocks: tuple[int, ...], first
         add("broadcast", "tp_col", q * k, q * k * a, "2d: activation panels (backward)", "bwd")
         add("reduce_scatter", "tp_col", k, k * q * a, "2d: input-gradient partials", "bwd")
         add("reduce_scatter", "tp_row", k, k * q * w, "2d: weight-gradient partials", "bwd")
-    add("all_reduce", "tp_col", 2 * norms, 2 * norms * rows * s, "2d: norms' sums of squares "
+    add("all_reduce", "tp_col", 2 * norms, 2 * norms * rows * wide, "2d: norms' sums of squares "
         "(forward and backward)", "fwd")
     add("all_gather", "tp_row", norms, norms * d // q * s, "2d: norm weights gathered", "fwd")
     add("reduce_scatter", "tp_row", norms, norms * d // q * s, "2d: norm weight grads", "bwd")
@@ -590,9 +593,9 @@ def _tp2d_rows(add: Any, spec: ModelSpec, q: int, blocks: tuple[int, ...], first
         add("all_gather", "tp_row", 1, table, "2d: embedding table gathered", "fwd")
         add("reduce_scatter", "tp_row", 1, table, "2d: embedding table grad", "bwd")
     if last:
-        add("all_reduce", "tp_col", 3, 3 * rows * s, "2d: cross-entropy (max, sum_exp, "
+        add("all_reduce", "tp_col", 3, 3 * rows * wide, "2d: cross-entropy (max, sum_exp, "
             "target)", "fwd")
-        add("all_reduce", "tp_row", 2, 2 * s, "2d: loss token sum and count", "fwd")
+        add("all_reduce", "tp_row", 2, 2 * wide, "2d: loss token sum and count", "fwd")
 
 
 def _cp_rows(add: Any, spec: ModelSpec, c: Choice, n_blocks: int, b_local: int, lseq: int,

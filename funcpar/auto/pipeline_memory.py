@@ -13,9 +13,9 @@ measured peaks (tests/test_auto_pipeline.py), per local stage ``j`` of the rank:
   per call and the matmuls save;
 * the gradients: the first backward of a stage returns its gradient tuple (``G_j`` bytes),
   which becomes the accumulator; the second allocates the sum ``acc + g`` leaf by leaf (the
-  largest leaf ``L_j`` above both), and every later one adds in place. The runtime's local
-  ``got`` keeps the last backward's gradient tuple alive until the next backward returns, so
-  after a stage's second backward ``2 G_j`` are held, ``3 G_j`` at the end of the next one;
+  largest leaf ``L_j`` above both), and every later one adds in place; a backward's gradient
+  tuple is dropped once summed in, so ``2 G_j`` are held when a backward returns, ``G_j``
+  between backwards;
 * point-to-point buffers: the runtime waits for its sends at the step's end only, so every
   stage output sent (``O_j`` a micro-batch, non-last stages) and every input gradient sent
   back (``D_j``, non-first stages) stays allocated until then;
@@ -81,7 +81,6 @@ def events(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int,
 
     n_fwd = [0] * v  # forwards done, per local stage
     n_bwd = [0] * v
-    stale = -1  # local stage whose gradient tuple ``got`` still holds beyond the accumulator
     out: list[tuple[int, ...]] = []
 
     def level(fwd_t: int = -1, bwd_t: int = -1, new_g: int = -1, leaf: int = -1,
@@ -92,8 +91,7 @@ def events(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int,
             vec[o] = n_fwd[j] - n_bwd[j] - (1 if j == in_flight_less else 0)
             vec[o + 1] = 1 if j == fwd_t else 0
             vec[o + 2] = 1 if j == bwd_t else 0
-            vec[o + 3] = ((1 if n_bwd[j] else 0) + (1 if j == stale else 0)
-                          + (1 if j == new_g else 0))
+            vec[o + 3] = (1 if n_bwd[j] else 0) + (1 if j == new_g else 0)
             vec[o + 4] = 1 if j == leaf else 0
             vec[o + 5] = n_fwd[j]
             vec[o + 6] = n_bwd[j]
@@ -107,11 +105,10 @@ def events(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple[int,
             continue
         out.append(level(bwd_t=j))
         # autograd.grad has returned: this micro-batch's activations are freed, its gradient
-        # tuple is new, the previous one is still referenced; the second backward of a stage
-        # then allocates the accumulator's sum leaf by leaf.
+        # tuple is new (dropped once summed in); the second backward of a stage allocates the
+        # accumulator's sum leaf by leaf.
         out.append(level(new_g=j, in_flight_less=j, leaf=j if n_bwd[j] == 1 else -1))
         n_bwd[j] += 1
-        stale = j if n_bwd[j] >= 2 else -1
     return _pareto(out)
 
 

@@ -318,6 +318,9 @@ class Pipeline:
                 if a.stage > 0:
                     dx = got[-1] if want_x else None
                     local[("dx", a.stage, a.mb)] = (torch.zeros_like(x) if dx is None else dx)
+                # Summed in: this micro-batch's gradients would otherwise stay alive until the
+                # next backward returns (a stage's gradient bytes more at the rank's peak).
+                got = g = None
             if self.record:
                 self.trace.append((a, t0, time.perf_counter()))
         if pending_comm:

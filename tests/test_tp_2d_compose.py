@@ -338,7 +338,8 @@ def test_hybrid_parallel_2d_plan_equals_comm_log():
 # ----------------------------------------------------------------------------------- the CLI
 def test_train_lm_2d_composes_or_refuses(capsys):
     """--pp, --zero, --remat, --precision, --compile and --preset hybrid pass the checks with
-    --tp-mode 2d; what 2D does not compose with is refused naming the flag."""
+    --tp-mode 2d; what 2D does not compose with is refused naming the flag. (--auto with
+    --tp-mode 2d pins the grid: tests/test_auto.py.)"""
     from _examples import load_example
 
     train_lm = load_example("train_lm.py", "train_lm")
@@ -348,7 +349,6 @@ def test_train_lm_2d_composes_or_refuses(capsys):
         train_lm.parse_args(base + ok)
     for argv, msg in ((["--cp", "2"], "--cp does not work with --tp-mode 2d"),
                       (["--preset", "zero"], "--preset zero does not work with --tp-mode 2d"),
-                      (["--auto"], "--auto does not work with --tp-mode 2d"),
                       (["--experts", "2"], "--experts does not work with --tp-mode 2d"),
                       (["--pp", "2", "--batch-size", "4", "--microbatches", "4"],
                        "a micro-batch has 1")):

@@ -195,8 +195,7 @@ class Memory:
             max(self.step_buffers, self.grads))
 
 
-def step_buffers(grad_bytes: float, dp: int, zero: int, clip: bool,
-                 pipeline: bool = False, cp: int = 1) -> float:
+def step_buffers(grad_bytes: float, dp: int, zero: int, clip: bool, cp: int = 1) -> float:
     """Bytes at the end of a step beside parameters and optimizer state, for ``grad_bytes``
     of local (tensor-parallel) gradients before ZeRO: measured on gloo ranks with the
     presets' composition (benchmarks/bench_auto.py's memory sampler; docs/AUTO_PARALLEL.md),
@@ -205,25 +204,22 @@ def step_buffers(grad_bytes: float, dp: int, zero: int, clip: bool,
     the mean) ``+ G`` clipped; ZeRO-1 that ``+ (1 + 1/n) G`` (the gathered updates and the
     part); ZeRO-2 ``(3 + 1/n) G + G/n`` clipped; ZeRO-3 ``2 G/n + G/n`` clipped.
 
-    Under a pipeline (``pipeline``) the gradients are reduced after the schedule, not from
-    the backward's hooks: the bucket's flat copy and its mean beside the gradients, ``3 G``,
-    are freed before the clip copies (``(1 + 1) G``); ZeRO-1 and -2 add their part,
-    ``(3 + 1/n) G`` (measured at ``n = 2``: ``3 G``, ``3.5 G``, ``3.2 G`` for ZeRO-0, 1, 2;
-    tests/test_auto_pipeline.py). Context parallelism means its gradients after the
-    backward too (``sync_grads``, flat buckets): alone (``dp = 1``) like a pipeline's
-    reduction, ``max(3, 1 + 1) G`` (measured ``3.0 G`` at cp4); beside data parallelism its
+    Under a pipeline the same rules: the reduction starts from the hooks of each stage's last
+    micro-batch backward, as without one (measured: pp2 x dp2, 1F1B m2 and GPipe m4, within
+    0.1 %; until 2026-11-28 evening it ran after the schedule and the rule was
+    ``(3 + 1/n) G``). Context parallelism means its gradients after the
+    backward (``sync_grads``, flat buckets): alone (``dp = 1``)
+    ``max(3, 1 + 1) G`` (measured ``3.0 G`` at cp4); beside data parallelism its
     flat copy and mean ``2 G`` (of the ZeRO-2/3 part) come on top of what data parallelism's
     hooks still hold, unclipped (measured ``5.0 G`` at dp2 x cp2, ZeRO-0; the other ZeRO
     stages are this rule, not measured)."""
     n = dp
     c = 1.0 if clip else 0.0
     if cp > 1 and n > 1:
-        clipped = step_buffers(grad_bytes, dp, zero, clip, pipeline) / grad_bytes
+        clipped = step_buffers(grad_bytes, dp, zero, clip) / grad_bytes
         return max(clipped, clipped - c + 2 / (n if zero >= 2 else 1)) * grad_bytes
     if n == 1:
         units = max(3, 1 + c) if cp > 1 else 1 + c
-    elif pipeline:
-        units = max(3 + (1 / n if zero in (1, 2) else 0), 1 + c)
     elif zero == 0:
         units = 3 + c
     elif zero == 1:
@@ -495,7 +491,7 @@ def analytic_plan(spec: ModelSpec, c: Choice, global_batch: int, seq: int, *,
         phase = pipeline_peak(c.schedule, pp, m, v, r, stages)
     mem = Memory(params, grads, 0.0 if c.offload else opt, opt if c.offload else 0.0,
                  compute, gathered, activations, transient,
-                 step_buffers(grad_bytes, dp, c.zero, clip, pp > 1, cp), phase)
+                 step_buffers(grad_bytes, dp, c.zero, clip, cp), phase)
     return AnalyticPlan(c, tuple(items), mem, blocks, first, last)
 
 

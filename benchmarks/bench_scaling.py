@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 
+from funcpar.models import Llama, LlamaConfig
 from funcpar.testing import free_port, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -127,15 +128,10 @@ def _collective_ms(numel: int, rounds: int, device: str) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in got.items()}
 
 
-def collectives(args: argparse.Namespace, n: int) -> str:
-    """One line: the collectives of dp and ZeRO-2 at the model's gradient size on ``n`` ranks
-    of this backend (dp all-reduces the gradients; ZeRO-2 reduce-scatters them and all-gathers
-    the updated parameters: the same bytes on the wire)."""
-    sys.path.insert(0, ROOT)
-    from funcpar.models import Llama, LlamaConfig
-
-    numel = sum(p.numel() for p in Llama(LlamaConfig(
-        dim=args.dim, n_layers=args.layers, max_seq_len=args.seq_len)).parameters())
+def collectives(args: argparse.Namespace, n: int, numel: int) -> str:
+    """One line: the collectives of dp and ZeRO-2 at the model's gradient size (``numel``
+    float32 entries) on ``n`` ranks of this backend (dp all-reduces the gradients; ZeRO-2
+    reduce-scatters them and all-gathers the updated parameters: the same bytes on the wire)."""
     ms = run_ranks(_collective_ms, n, numel, 9, args.device, timeout=args.timeout,
                    backend="nccl" if args.device == "cuda" else "gloo")[0]
     rs_ag = ms["reduce_scatter"] + ms["all_gather"]
@@ -170,6 +166,8 @@ def main() -> None:
         for m in base:
             base[m].append(run(args, 1, None, accum=m)["tok_s"])
     one = statistics.median(base[1])
+    numel = sum(p.numel() for p in Llama(LlamaConfig(
+        dim=args.dim, n_layers=args.layers, max_seq_len=args.seq_len)).parameters())
     mb = {m: statistics.median(base[m]) / one for m in cuts}
     print(f"Llama dim {args.dim}, {args.layers} layers, batch {args.batch_size} x "
           f"{args.seq_len}, {args.steps} steps, 1 thread per rank, "
@@ -185,7 +183,7 @@ def main() -> None:
         med = {x: {k: statistics.median(g[k] for g in got[x]) for k in got[x][0]}
                for x in layouts}
         dp = med["dp"]["tok_s"] if "dp" in med else float("nan")
-        print(f"\n{collectives(args, n)}")
+        print(f"\n{collectives(args, n, numel)}")
         print(f"{n} ranks: {'layout':<8} {'tok/s':>9} {'vs dp':>6} {'vs 1 proc':>9} "
               f"{'colls/step':>10} {'blocked ms/step':>15} {'vs bound':>8} {'vs mb bound':>11}")
         for x in layouts:

@@ -300,8 +300,8 @@ class Pipeline:
                 want_x = x is not None and x.requires_grad
                 if want_x:
                     wanted.append(x)
-                hooked = ([n for n in names if n in index]
-                          if on_grad is not None and final_mb[a.stage] == a.mb else [])
+                hooked = ({n for n in names if n in index}
+                          if on_grad is not None and final_mb[a.stage] == a.mb else set())
                 # The hook observes (returns None): it sums the leaf's last micro-batch in and
                 # hands the whole gradient on, so the loop below skips the leaves it saw.
                 hooks = [live[n].register_hook(lambda g, n=n: completed(n, g)) for n in hooked]

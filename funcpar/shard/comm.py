@@ -471,14 +471,18 @@ def reduce_scatter(
 
     pieces = [_pad0(p, longest) for p in torch.split(front, sizes)]
     comm_log.record("reduce_scatter", mesh, axis, _nbytes(pieces[0]) * k, purpose, t.dtype)
+    # One flat input (the tensor itself when its pieces are equal and already laid out in
+    # order): gloo's list form runs a reduction per piece, 3x the flat form's time on 4 CPU
+    # ranks at any size (docs/BENCHMARKS.md); NCCL's would flatten it with a copy.
+    flat = front.contiguous() if d == 0 and min(sizes) == longest else torch.cat(pieces)
     work = None
     if _traced():
-        scatter = _funcol_op("reduce_scatter_single", "reduce_scatter_tensor")
-        out = scatter(torch.cat(pieces), op, 0, group)
+        out = _funcol_op("reduce_scatter_single", "reduce_scatter_tensor")(flat, op, 0, group)
     else:
         out = torch.empty_like(pieces[0])
-        work = (dist.reduce_scatter(out, pieces, op=red, group=group, async_op=True)
-                if async_op else _blocked(dist.reduce_scatter, out, pieces, op=red, group=group))
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        work = (scatter(out, flat, op=red, group=group, async_op=True) if async_op
+                else _blocked(scatter, out, flat, op=red, group=group))
 
     def finish() -> Tensor:
         return out[:mine].movedim(0, d).contiguous()

@@ -59,7 +59,7 @@ MOE_LAYOUTS = [
 
 
 def _rank(cfg_kw: dict, choice: Choice, batch: int, seq: int, warmup: int, steps: int,
-          device: str) -> dict:
+          device: str, mem_steps: int = 2) -> dict:
     import torch.distributed as dist
 
     import funcpar.optim as fo
@@ -95,18 +95,27 @@ def _rank(cfg_kw: dict, choice: Choice, batch: int, seq: int, warmup: int, steps
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
-    probe = contextlib.nullcontext() if cuda else HeapPeak()
+    # Timed steps first, then the memory steps: the heap sampler's thread wakes every 0.2 ms
+    # and, on shared CPU cores, would take time from the ranks it measures.
     times = []
+    cpu0 = time.process_time()
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, metrics = step(state, data)
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        times.append(time.perf_counter() - t)
+    cpu = (time.process_time() - cpu0) / steps
+    probe = contextlib.nullcontext() if cuda else HeapPeak()
     with probe:
-        for _ in range(steps):
-            t = time.perf_counter()
+        for _ in range(mem_steps):
             state, metrics = step(state, data)
             if cuda:
                 torch.cuda.synchronize()
             dist.barrier()
-            times.append(time.perf_counter() - t)
     rise = torch.cuda.max_memory_allocated(dev) - base if cuda else probe.rise
-    return {"time": statistics.median(times), "peak": held + rise,
+    return {"time": statistics.median(times), "peak": held + rise, "cpu": cpu,
             "loss": float(metrics["loss"])}
 
 
@@ -146,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the layouts")
     p.add_argument("--only", type=int, default=None, help="the first N layouts")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -163,6 +173,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.ranks != 4:
         layouts = [dataclasses.replace(c, dp=c.dp * args.ranks // c.world) for c in layouts
                    if args.ranks % (c.world // c.dp) == 0]
+        # ZeRO without data parallelism is the layout without it.
+        layouts = list(dict.fromkeys(dataclasses.replace(c, zero=0) if c.dp == 1 else c
+                                     for c in layouts))
     chosen = auto_parallel(spec, world_size=args.ranks, global_batch=args.batch,
                            seq_len=args.seq, profile=prof, memory_per_rank=1e12,
                            constraints={"precision": "fp32", "max_tp": 4}).best.choice
@@ -171,26 +184,36 @@ def main(argv: list[str] | None = None) -> dict:
     if args.only:
         layouts = layouts[: args.only] + ([chosen] if chosen not in layouts[: args.only]
                                           else [])
-    rows = []
     print(f"bench_auto: {spec.n_params / 1e6:.2f} M params ({'MoE' if args.moe else 'dense'}), "
           f"batch {args.batch} x {args.seq}, {args.ranks} ranks on {args.device}, profile "
-          f"{prof.name}; {args.warmup} warm-up + {args.steps} timed steps per layout", flush=True)
+          f"{prof.name}; {args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed "
+          f"steps per layout", flush=True)
+    # Interleaved rounds: each round runs every layout once in fresh ranks, so a slow spell
+    # of a shared machine lands on one round of every layout rather than on a few layouts;
+    # a layout's time is the median over rounds of its ranks' median step.
+    runs: dict[Choice, list[dict]] = {c: [] for c in layouts}
+    for r in range(args.rounds):
+        for c in layouts:
+            runs[c].append(run_ranks(_rank, args.ranks, cfg_kw, c, args.batch, args.seq,
+                                     args.warmup, args.steps, args.device, timeout=900))
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
     print(f"{'layout':<40} {'pred ms':>9} {'meas ms':>9} {'pred MiB':>9} {'meas MiB':>9} "
-          f"{'mem err':>8}", flush=True)
+          f"{'mem err':>8} {'cpu ms':>8}", flush=True)
+    rows = []
     for c in layouts:
         est = estimate(spec, c, prof, args.batch, args.seq, margin=0.0)
-        out = run_ranks(_rank, args.ranks, cfg_kw, c, args.batch, args.seq, args.warmup,
-                        args.steps, args.device, timeout=900)
-        meas_t = out[0]["time"]
-        meas_m = max(r["peak"] for r in out)
+        meas_t = statistics.median(out[0]["time"] for out in runs[c])
+        cpu = statistics.median(sum(r["cpu"] for r in out) for out in runs[c])
+        meas_m = max(r["peak"] for r in runs[c][0])  # the first round: fresh processes
         err = est.peak / meas_m - 1
         rows.append({"layout": str(c), "pred_ms": est.time * 1e3, "meas_ms": meas_t * 1e3,
-                     "pred_mib": est.peak / 2**20, "meas_mib": meas_m / 2**20, "mem_err": err,
-                     "chosen": c == chosen})
+                     "meas_ms_rounds": [out[0]["time"] * 1e3 for out in runs[c]],
+                     "cpu_ms": cpu * 1e3, "pred_mib": est.peak / 2**20,
+                     "meas_mib": meas_m / 2**20, "mem_err": err, "chosen": c == chosen})
         mark = "  <- chosen" if c == chosen else ""
         print(f"{c!s:<40} {est.time * 1e3:>9.1f} {meas_t * 1e3:>9.1f} "
-              f"{est.peak / 2**20:>9.1f} {meas_m / 2**20:>9.1f} {err * 100:>7.1f}%{mark}",
-              flush=True)
+              f"{est.peak / 2**20:>9.1f} {meas_m / 2**20:>9.1f} {err * 100:>7.1f}% "
+              f"{cpu * 1e3:>8.1f}{mark}", flush=True)
     rho = spearman([r["pred_ms"] for r in rows], [r["meas_ms"] for r in rows])
     worst = max(rows, key=lambda r: abs(r["mem_err"]))
     best = min(rows, key=lambda r: r["meas_ms"])

@@ -7,7 +7,9 @@
 
 Matmul and attention throughput per dtype, memory bandwidth, op latency, and, on several ranks,
 alpha and beta of all_reduce, all_gather, reduce_scatter, all_to_all and p2p per group size
-(``funcpar.auto.profile.measure``). Rank 0 writes the JSON; ``auto_parallel(profile=path)``
+(``funcpar.auto.profile.measure``). On a CPU each rank runs ``--threads`` torch threads
+(default 1, as funcpar's gloo ranks and ``benchmarks/bench_auto.py`` run), and the profile
+records the cores the ranks share. Rank 0 writes the JSON; ``auto_parallel(profile=path)``
 and ``train_lm.py --auto --profile path`` read it.
 """
 
@@ -20,9 +22,14 @@ from collections.abc import Sequence
 __all__ = ["main"]
 
 
-def _measure_rank(device: str, quick: bool, name: str | None) -> dict:
+def _measure_rank(device: str, quick: bool, name: str | None, threads: int | None = None
+                  ) -> dict:
+    import torch
+
     from funcpar.auto.profile import measure
 
+    if threads:
+        torch.set_num_threads(threads)
     kw = {"reps": 3, "sizes": (64, 128, 256)} if quick else {}
     return measure(device, name=name, **kw).to_json()
 
@@ -36,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--out", default=None, help="write the profile here (JSON)")
     p.add_argument("--name", default=None, help="the profile's name")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank on a CPU (default 1)")
     p.add_argument("--show", default=None, metavar="PROFILE",
                    help="print a profile's figures and sources (a shipped name or a JSON file)")
     args = p.parse_args(argv)
@@ -49,10 +58,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         return prof.to_json()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    threads = None if device == "cuda" else (args.threads or 1)
     if args.ranks > 1 and not under_torchrun:
         from funcpar.testing import run_ranks
 
-        data = run_ranks(_measure_rank, args.ranks, device, args.quick, args.name,
+        data = run_ranks(_measure_rank, args.ranks, device, args.quick, args.name, threads,
                          timeout=600)[0]
     else:
         if under_torchrun:
@@ -62,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 dist.init_process_group("nccl" if device == "cuda" else "gloo")
             if device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        data = _measure_rank(device, args.quick, args.name)
+        data = _measure_rank(device, args.quick, args.name, threads)
     prof = DeviceProfile.from_json(data)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if rank0:

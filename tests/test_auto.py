@@ -36,7 +36,7 @@ from funcpar.auto import (
     model_spec,
 )
 from funcpar.auto.analytic import in_flight
-from funcpar.auto.profile import _fit, shipped_profiles
+from funcpar.auto.profile import Figure, _fit, shipped_profiles
 from funcpar.models import Llama, LlamaConfig, lm_loss, moe_lm_loss
 from funcpar.models.llama import rotary_cos_sin
 from funcpar.optim.memory import state_bytes
@@ -429,7 +429,9 @@ def test_shipped_profiles_label_every_figure():
         figs = [f for t in prof.matmul.values() for _, f in t]
         figs += [*prof.attention.values(), prof.mem_bw, prof.host_bw, prof.host_mem_bw,
                  prof.memory, prof.op_latency, prof.overlap, *prof.nominal.values(),
-                 *([prof.stage_call] if prof.stage_call else [])]
+                 *([prof.stage_call] if prof.stage_call else []),
+                 *([prof.cores] if prof.cores else []),
+                 *([prof.shared_wait] if prof.shared_wait else [])]
         figs += [f for link in prof.links.values() for f in link.values()]
         assert all(f.source and f.source != "unlabelled" for f in figs), name
         assert prof.links or prof.collectives_source, name
@@ -451,6 +453,55 @@ def test_profile_roundtrip_and_fit(tmp_path):
     assert t == pytest.approx(6 * 5e-6 + 2 * 7 / 8 * 1e9 / 450e9)
 
 
+def test_fit_weighs_relative_error():
+    """Small collectives are priced by alpha: a fit by absolute error lets the largest point
+    decide it (here 5x too high), the relative fit keeps every point within its noise."""
+    pts = [(1 << 12, 1.0e-3), (1 << 16, 1.1e-3), (1 << 20, 3.0e-3), (1 << 24, 30.0e-3)]
+    alpha, beta = _fit(pts)
+    assert all(abs(alpha + beta * n - t) / t < 0.35 for n, t in pts)
+    assert alpha == pytest.approx(1.0e-3, rel=0.1)
+
+
+def test_shared_cores_bound_sums_every_ranks_work():
+    """More ranks than cores (a CPU profile's ``cores``): the step takes at least every
+    rank's work over the cores, plus the busiest rank's collectives and their waits for the
+    shared cores (each no longer than the rank's work over its calls); a pipeline's stages
+    are summed as they are. As many cores as ranks, or none given: the path alone."""
+    from funcpar.auto.analytic import analytic_plan
+    from funcpar.auto.cost import _rank_time
+
+    spec = model_spec(CFG)
+    base = dataclasses.replace(load_profile("cpu-gloo"), cores=None, shared_wait=None)
+
+    def with_cores(n: float, wait: float = 0.0):
+        return dataclasses.replace(base, cores=Figure(n, "test"),
+                                   shared_wait=Figure(wait, "test"))
+
+    def parts(c, prof, rank=0):
+        return _rank_time(spec, analytic_plan(spec, c, 8, 16, rank=rank), prof, 8, 16, 8.0)
+
+    c = Choice(dp=4, precision="fp32")
+    path = estimate(spec, c, base, 8, 16).time
+    assert estimate(spec, c, with_cores(4), 8, 16).time == path
+    rc = parts(c, base)
+    work, comm, calls = rc.work, rc.comm, rc.calls
+    assert calls >= 2 and work > 0
+    for cores in (1, 2):
+        t = estimate(spec, c, with_cores(cores), 8, 16).time
+        assert t == pytest.approx(max(path, 4 * work / cores + comm))
+    assert estimate(spec, c, with_cores(2, wait=1e-4), 8, 16).time == pytest.approx(
+        max(path, 2 * work + comm + calls * 1e-4))
+    assert estimate(spec, c, with_cores(2, wait=1e3), 8, 16).time == pytest.approx(
+        max(path, 3 * work + comm))  # waits bounded by the work between calls
+    pp = Choice(pp=2, dp=2, microbatches=2, precision="fp32")
+    stages = [parts(pp, base, rank=r) for r in range(2)]
+    want = sum(s.work for s in stages) * 2 / 2 + max(s.comm for s in stages)
+    est = estimate(spec, pp, with_cores(2), 8, 16)
+    assert est.time == pytest.approx(max(estimate(spec, pp, base, 8, 16).time, want))
+    assert est.parts["shared cores"] == pytest.approx(max(0.0, want - estimate(
+        spec, pp, base, 8, 16).time))
+
+
 def _measure_two():
     from funcpar.auto.profile import measure
 
@@ -464,6 +515,9 @@ def test_measure_on_gloo_fits_every_collective():
         alpha, beta = prof.collectives[op][2]
         assert alpha >= 0 and beta > 0
     assert prof.matmul["fp32"][0][1].value > 0 and "measured" in prof.mem_bw.source
+    assert prof.cores is not None and prof.cores.value >= 1
+    # Two ranks: the wait for shared cores is measured only where they outnumber the cores.
+    assert (prof.shared_wait is not None) == (prof.cores.value < 2)
     assert estimate(model_spec(CFG), Choice(dp=2, precision="fp32"), prof, 8, 16).time > 0
 
 

@@ -46,7 +46,8 @@ from funcpar.auto.analytic import (
 from funcpar.auto.model import OPS_FWD, ModelSpec
 from funcpar.auto.profile import DeviceProfile
 
-__all__ = ["Estimate", "axis_span", "estimate", "pipeline_time", "schedule_makespan"]
+__all__ = ["Estimate", "axis_span", "estimate", "pipeline_makespan", "pipeline_time",
+           "schedule_makespan"]
 
 OPS_HEAD = 12
 OPT_BYTES_MOVED = 28.0  # AdamW: p, g, m, v read; p, m, v written (float32)
@@ -173,7 +174,18 @@ def pipeline_time(m: int, p: int, v: int, per_microbatch: float) -> float:
     """A pipeline's makespan, ``(m + (p - 1) / v)`` micro-batch times: the makespan of
     :func:`funcpar.pipeline.schedules.simulate` for GPipe and 1F1B, and for the interleaved
     schedule where ``p`` divides ``m`` (tests/test_auto.py), with every stage equal."""
-    return (m + (p - 1) / v) * per_microbatch
+    return pipeline_makespan(m, v, [per_microbatch] * p)
+
+
+def pipeline_makespan(m: int, v: int, per_rank: list[float]) -> float:
+    """A pipeline's makespan with rank ``r`` busy ``per_rank[r]`` seconds per micro-batch
+    (all its stages, forward and backward): ``m max_r u_r + (sum_r u_r - max_r u_r) / v``,
+    the slowest rank's ``m`` micro-batches plus the fill and drain through the others (their
+    ``1 / v`` chunks). It equals :func:`schedule_makespan` for GPipe and 1F1B whatever the
+    stages' costs (the embedding on the first rank, the head on the last; tests), which the
+    slowest rank's ``(m + p - 1)`` micro-batches overstate by the others' difference."""
+    slowest = max(per_rank)
+    return m * slowest + (sum(per_rank) - slowest) / v
 
 
 def schedule_makespan(schedule: str, p: int, m: int, v: int,
@@ -235,19 +247,33 @@ def _pipeline_overhead(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfi
     return 2 * v * profile.stage_call_time() + acc * (m - 1) / m
 
 
+@dataclasses.dataclass(frozen=True)
+class _RankCost:
+    """One pipeline rank's costs: seconds per micro-batch (compute, critical collectives,
+    pipeline overhead), after the schedule (``tail``: hidden collectives exposed, the ring's,
+    the step's, optimizer, offload), its parts, the work its cores do outside collectives,
+    its collectives' time and their calls."""
+
+    per_mb: float
+    tail: float
+    parts: dict[str, float]
+    work: float
+    comm: float
+    calls: int
+
+
 def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, global_batch: int,
-               seq: int, opt_bytes: float) -> tuple[float, dict[str, float]]:
+               seq: int, opt_bytes: float) -> _RankCost:
     c = plan.choice
-    m, p, v = c.microbatches, c.pp, c.virtual_stages
+    m, p = c.microbatches, c.pp
     tokens = global_batch // (c.dp * c.ep) // m * (seq // c.cp)
     t_f, t_blocks, t_attn = _forward_time(spec, plan.blocks, plan.last, float(tokens), seq,
                                           c.tp, c.ep, c.precision, c.sequence_parallel,
                                           profile, c.grid)
     t_b = 2 * t_f + (t_blocks if c.remat else 0.0)
-    crit, _ = _comm_time(plan, profile, ("fwd", "bwd"))
+    crit, cn = _comm_time(plan, profile, ("fwd", "bwd"))
     t_pipe = _pipeline_overhead(spec, plan, profile) if p > 1 else 0.0
     per_mb = t_f + t_b + crit / m + t_pipe
-    pipe = pipeline_time(m, p, v, per_mb)
     fh, fn = _comm_time(plan, profile, ("fwd_hidden",))
     bh, bn = _comm_time(plan, profile, ("bwd_hidden",))
     ov = profile.overlap.value
@@ -255,11 +281,11 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
     # The ring's hops, each posted before the chunk pair it overlaps: hidden under the
     # attention's compute (forward; backward twice that, the recompute's forward under remat)
     # as far as ``overlap`` allows, nothing less than zero.
-    rf, _ = _comm_time(plan, profile, ("fwd_ring",))
-    rb, _ = _comm_time(plan, profile, ("bwd_ring",))
+    rf, rfn = _comm_time(plan, profile, ("fwd_ring",))
+    rb, rbn = _comm_time(plan, profile, ("bwd_ring",))
     ring = max(0.0, rf - ov * m * t_attn) + max(
         0.0, rb - ov * m * t_attn * (3 if c.remat else 2))
-    step_comm, _ = _comm_time(plan, profile, ("step",))
+    step_comm, sn = _comm_time(plan, profile, ("step",))
     mem = plan.memory
     local_params = (mem.params / 4) * (c.dp if c.zero == 3 else 1)
     opt_params = local_params / (c.dp if c.zero >= 1 else 1)
@@ -271,26 +297,56 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
     else:
         t_opt = (moved + amp) / profile.mem_bw.value
         t_off = 0.0
-    parts = {"compute": m * (t_f + t_b), "bubble": (p - 1) / v * (t_f + t_b),
-             "critical comm": (m + (p - 1) / v) * crit / m,
-             "pipeline overhead": (m + (p - 1) / v) * t_pipe, "hidden comm exposed": hidden,
-             "cp ring exposed": ring,
-             "step comm": step_comm, "optimizer": t_opt, "offload": t_off}
-    return pipe + hidden + ring + step_comm + t_opt + t_off, parts
+    parts = {"compute": m * (t_f + t_b), "critical comm": crit, "pipeline overhead": m * t_pipe,
+             "hidden comm exposed": hidden, "cp ring exposed": ring, "step comm": step_comm,
+             "optimizer": t_opt, "offload": t_off}
+    return _RankCost(per_mb=per_mb, tail=hidden + ring + step_comm + t_opt + t_off,
+                     parts=parts, work=m * (t_f + t_b + t_pipe) + t_opt + t_off,
+                     comm=crit + fh + bh + rf + rb + step_comm,
+                     calls=cn + fn + bn + rfn + rbn + sn)
 
 
 def estimate(spec: ModelSpec, c: Choice, profile: DeviceProfile, global_batch: int, seq: int, *,
              opt_bytes: float = 8.0, clip: bool = True, bucket_mb: float = 25.0,
              margin: float = 0.10) -> Estimate:
     """The :class:`Estimate` of layout ``c`` (module docstring)."""
-    ranks = {0, c.pp - 1}
-    if c.pp > 1:  # the rank with the most blocks (the slowest, under an even cut)
-        stages = stage_blocks(spec, c.pp, c.virtual_stages)
-        ranks.add(max(range(c.pp), key=lambda r: len(stages[r])))
-    plans = [analytic_plan(spec, c, global_batch, seq, bucket_mb=bucket_mb, clip=clip,
-                           opt_bytes=opt_bytes, rank=r) for r in sorted(ranks)]
-    timed = [_rank_time(spec, p, profile, global_batch, seq, opt_bytes) for p in plans]
-    time, parts = max(timed, key=lambda x: x[0])
+    p, v = c.pp, c.virtual_stages
+    stages = stage_blocks(spec, p, v)
+    # Pipeline ranks that cost the same time: the same kinds of blocks and ends.
+    groups: dict[tuple, list[int]] = {}
+    for r in range(p):
+        key = (tuple(spec.is_moe(i) for i in stages[r]), r == 0, r == p - 1)
+        groups.setdefault(key, []).append(r)
+    # Memory: the first rank (the most micro-batches in flight), the last (the head) and
+    # the one with the most blocks.
+    peaks = {0, p - 1, max(range(p), key=lambda r: len(stages[r]))}
+    plans = {r: analytic_plan(spec, c, global_batch, seq, bucket_mb=bucket_mb, clip=clip,
+                              opt_bytes=opt_bytes, rank=r)
+             for r in sorted(peaks | {g[0] for g in groups.values()})}
+    costs = [(len(g), _rank_time(spec, plans[g[0]], profile, global_batch, seq, opt_bytes))
+             for g in groups.values()]
+    per_rank = [rc.per_mb for n, rc in costs for _ in range(n)]
+    slow = max((rc for _, rc in costs), key=lambda rc: rc.per_mb)
+    last = max((rc for _, rc in costs), key=lambda rc: rc.tail)
+    pipe = pipeline_makespan(c.microbatches, v, per_rank)
+    time = pipe + last.tail
+    parts = {**slow.parts, "bubble": pipe - c.microbatches * slow.per_mb,
+             **{k: last.parts[k] for k in ("hidden comm exposed", "cp ring exposed",
+                                           "step comm", "optimizer", "offload")}}
+    if profile.cores is not None and c.world > profile.cores.value:
+        # More ranks than cores: the step cannot end before the cores have done every rank's
+        # work (a pipeline's idle ranks give theirs to the busy ones), plus the collectives
+        # (measured on the shared cores) and, per call, the wait for its ranks to be
+        # scheduled again beside ranks that compute (``shared_wait``), which is no longer
+        # than the compute another rank does between two calls (then it blocks too and
+        # gives the core back): at most the rank's work over its calls, a call.
+        wait = profile.shared_wait.value if profile.shared_wait is not None else 0.0
+        work = sum(n * rc.work for n, rc in costs) * (c.world // p)
+        bound = work / profile.cores.value + max(
+            rc.comm + min(rc.calls * wait, rc.work) for _, rc in costs)
+        parts["shared cores"] = max(0.0, bound - time)
+        time = max(time, bound)
+    plans = [plans[r] for r in sorted(peaks)]
     plan = max(plans, key=lambda p: p.memory.peak)
     peak = plan.memory.peak * (1 + margin)
     tokens = global_batch * seq

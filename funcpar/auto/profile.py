@@ -15,7 +15,13 @@ A :class:`DeviceProfile` holds, each figure with its source (:class:`Figure`):
   absent, :meth:`DeviceProfile.stage_call_time` assumes 4 ``op_latency``, the ratio measured
   here), ``overlap``: the fraction of asynchronous communication
   (gradient buckets, ZeRO prefetches) that hides under compute (1 with NCCL's own streams; 0
-  for gloo on shared CPU cores, whose collectives take the cores the compute needs);
+  for gloo on shared CPU cores, whose collectives take the cores the compute needs),
+  ``cores``: on a CPU profile, the cores the ranks of a host share (optional: absent, every
+  rank owns its device, as on GPUs); the compute figures are one rank's alone on a core, and
+  the cost model (:mod:`funcpar.auto.cost`) lets no step be faster than the ranks' work over
+  these cores; ``shared_wait``: seconds a collective call waits beyond its own time when its
+  ranks share the cores with ranks that compute (to be scheduled again: measured, a small
+  all_reduce after each compute burst against the bursts alone);
 * collectives: either measured ``collectives[op][n] = (alpha, beta)`` (seconds, seconds per
   byte in :mod:`funcpar.shard.comm`'s byte convention, fitted on ``n`` ranks) or link figures
   ``links["intra"|"inter"] = {bw, alpha}`` priced as rings: ``hops alpha + f bytes / bw`` with
@@ -92,6 +98,8 @@ class DeviceProfile:
     description: str = ""
     nominal: dict[str, Figure] = dataclasses.field(default_factory=dict)
     stage_call: Figure | None = None
+    cores: Figure | None = None
+    shared_wait: Figure | None = None
 
     # --------------------------------------------------------------------------- lookups
     def stage_call_time(self) -> float:
@@ -168,6 +176,8 @@ class DeviceProfile:
             "collectives_source": self.collectives_source,
             "nominal": {d: f.to_json() for d, f in self.nominal.items()},
             **({"stage_call": self.stage_call.to_json()} if self.stage_call else {}),
+            **({"cores": self.cores.to_json()} if self.cores else {}),
+            **({"shared_wait": self.shared_wait.to_json()} if self.shared_wait else {}),
         }
 
     @classmethod
@@ -186,6 +196,8 @@ class DeviceProfile:
             collectives_source=d.get("collectives_source", ""),
             nominal={k: _fig(v) for k, v in d.get("nominal", {}).items()},
             stage_call=_fig(d["stage_call"]) if "stage_call" in d else None,
+            cores=_fig(d["cores"]) if "cores" in d else None,
+            shared_wait=_fig(d["shared_wait"]) if "shared_wait" in d else None,
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -211,6 +223,12 @@ class DeviceProfile:
         if self.stage_call is not None:
             lines.append(f"  stage_call: {self.stage_call.value * 1e6:.1f} us "
                          f"({self.stage_call.source})")
+        if self.cores is not None:
+            lines.append(f"  cores: {self.cores.value:g} shared by a host's ranks "
+                         f"({self.cores.source})")
+        if self.shared_wait is not None:
+            lines.append(f"  shared_wait: {self.shared_wait.value * 1e6:.0f} us a collective "
+                         f"({self.shared_wait.source})")
         for k, v in self.links.items():
             lines.append(f"  link {k}: {v['bw'].value / 1e9:,.1f} GB/s ({v['bw'].source}), "
                          f"alpha {v['alpha'].value * 1e6:.1f} us ({v['alpha'].source})")
@@ -271,26 +289,96 @@ def _timed(fn: Any, reps: int, sync: Any, best: bool = False) -> float:
 
 def measure(device: str | torch.device = "cpu", *, dtypes: tuple[str, ...] = ("fp32", "bf16"),
             sizes: tuple[int, ...] | None = None, mesh_axes: dict[str, int] | None = None,
-            comm_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22),
+            comm_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24),
             reps: int = 5, name: str | None = None) -> DeviceProfile:
     """Measure a profile on ``device`` (medians of ``reps``). Under torchrun (a process group
     initialised), also the collectives of every axis of ``DeviceMesh.from_env(**mesh_axes)``
     (default: one axis over the world, and ``dp x tp=2`` when the world is even), fitted per
-    group size by least squares over ``comm_sizes`` bytes."""
+    group size by least squares over ``comm_sizes`` bytes.
+
+    The device's own figures (matmul, attention, bandwidths, latencies) are the fastest of
+    ``reps``, each rank measuring alone: on a CPU whose cores the ranks share, one rank at a
+    time while the others wait, so they are one rank's speed on a core of its own, and
+    ``cores`` records how many cores the ranks share (the cost model divides the ranks' work
+    among them). The collectives are medians over all ranks at once, as a step runs them."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     import torch.distributed as dist
 
-    # Alone on its device, the fastest of the repetitions is the device's speed (others on
-    # shared cores only slow it down); beside other ranks on the same CPU cores, the median is
-    # what a step of those ranks will see.
-    shared = not cuda and dist.is_available() and dist.is_initialized() and \
-        dist.get_world_size() > 1
-    best = not shared
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sizes = sizes or ((1024, 2048, 4096, 8192) if cuda else (64, 128, 256, 512))
+    sizes = sizes or ((1024, 2048, 4096, 8192) if cuda else (32, 64, 128, 256, 512))
     src = f"measured on {device} ({torch.cuda.get_device_name(device) if cuda else 'cpu'}, " \
           f"{torch.get_num_threads()} threads), {time.strftime('%Y-%m-%d')}"
+    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if group and not cuda:
+        figures: dict[str, Any] = {}
+        for r in range(dist.get_world_size()):
+            if dist.get_rank() == r:
+                figures = _device_figures(device, dtypes, sizes, reps, sync, src)
+            dist.barrier()
+    else:
+        figures = _device_figures(device, dtypes, sizes, reps, sync, src)
+    cores = None
+    if not cuda:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = Figure(float(n or 1), src + ", the CPUs this process may run on")
+    prof = DeviceProfile(
+        name=name or f"measured-{device.type}", **figures,
+        memory=Figure(float(torch.cuda.get_device_properties(device).total_memory if cuda
+                            else _host_memory()), src),
+        overlap=Figure(1.0 if cuda else 0.0, "assumed: NCCL runs on its own streams" if cuda
+                       else "assumed: gloo collectives take the CPU cores the compute uses"),
+        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        description=f"measured with python -m funcpar.profile on {device}", cores=cores,
+    )
+    if group:
+        prof.collectives = _measure_collectives(device, mesh_axes, comm_sizes, reps, sync)
+        prof.collectives_source = src + f", {dist.get_backend()} over " \
+            f"{dist.get_world_size()} ranks, alpha + beta * bytes fitted over {list(comm_sizes)}"
+        if cores is not None and dist.get_world_size() > cores.value:
+            prof.shared_wait = Figure(_shared_wait(prof), src + f", {dist.get_world_size()} "
+                                      f"ranks on {cores.value:g} cores: a 4 KiB all_reduce "
+                                      f"after each compute burst, minus the bursts alone and "
+                                      f"the all_reduce's own fitted time, median of 40")
+    return prof
+
+
+def _shared_wait(prof: DeviceProfile, iters: int = 40) -> float:
+    """Seconds a collective call waits, beyond its own time, when the ranks share cores and
+    compute between calls: every rank runs a compute burst (a few ms of matmuls) then a 4 KiB
+    all_reduce over the world, against the bursts alone; the median difference less the
+    all_reduce's fitted time, at least 0. Blocked in the collective, a rank gives up its core;
+    the call ends only once the last of its peers is scheduled again."""
+    import torch.distributed as dist
+
+    from funcpar.shard import comm
+    from funcpar.shard.mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_env(dp=dist.get_world_size())
+    a = torch.randn(256, 256)
+    t = torch.zeros(1024)
+    medians = []
+    for with_comm in (False, True):
+        dist.barrier()
+        times = []
+        for _ in range(iters):
+            s = time.perf_counter()
+            for _ in range(5):
+                a @ a
+            if with_comm:
+                comm.all_reduce(t, mesh, "dp")
+            times.append(time.perf_counter() - s)
+        medians.append(statistics.median(times))
+    own = prof.collective_time("all_reduce", t.nbytes, mesh.size("dp"), mesh.size("dp"))
+    return max(0.0, medians[1] - medians[0] - own)
+
+
+def _device_figures(device: torch.device, dtypes: tuple[str, ...], sizes: tuple[int, ...],
+                    reps: int, sync: Any, src: str) -> dict[str, Any]:
+    """matmul, attention, mem_bw, host_bw, host_mem_bw, op_latency and stage_call of one
+    device, each the fastest of ``reps`` (a device's speed; anything sharing it only slows
+    it down)."""
+    cuda = device.type == "cuda"
     matmul: dict[str, list[tuple[int, Figure]]] = {}
     attention: dict[str, Figure] = {}
     for d in dtypes:
@@ -299,17 +387,17 @@ def measure(device: str | torch.device = "cpu", *, dtypes: tuple[str, ...] = ("f
         for n in sizes:
             a = torch.randn(n, n, device=device, dtype=dt)
             b = torch.randn(n, n, device=device, dtype=dt)
-            t = _timed(lambda a=a, b=b: a @ b, reps, sync, best=best)
+            t = _timed(lambda a=a, b=b: a @ b, reps, sync, best=True)
             table.append((n, Figure(2 * n**3 / t, src)))
         matmul[d] = table
         bsz, h, seq, hd = (4, 16, 1024, 64) if cuda else (2, 4, 256, 32)
         q = torch.randn(bsz, h, seq, hd, device=device, dtype=dt)
         t = _timed(lambda q=q: torch.nn.functional.scaled_dot_product_attention(
-            q, q, q, is_causal=True), reps, sync, best=best)
+            q, q, q, is_causal=True), reps, sync, best=True)
         attention[d] = Figure(2 * bsz * h * seq * seq * hd / t, src)
     x = torch.empty(16 << 20, device=device, dtype=torch.float32)
     y = torch.empty_like(x)
-    mem_bw = Figure(2 * x.nbytes / _timed(lambda: y.copy_(x), reps, sync, best=best),
+    mem_bw = Figure(2 * x.nbytes / _timed(lambda: y.copy_(x), reps, sync, best=True),
                     src + ", a copy")
     host_mem_bw = mem_bw
     if cuda:
@@ -321,27 +409,16 @@ def measure(device: str | torch.device = "cpu", *, dtypes: tuple[str, ...] = ("f
                              src + ", host copy")
     else:
         host_bw = Figure(mem_bw.value, src + " (host memory: the device is the host)")
-    lat = _op_latency(device, reps, sync, best)
-    call = _stage_call_latency(device, reps, sync, best)
-    prof = DeviceProfile(
-        name=name or f"measured-{device.type}", matmul=matmul, attention=attention,
-        mem_bw=mem_bw, host_bw=host_bw, host_mem_bw=host_mem_bw,
-        memory=Figure(float(torch.cuda.get_device_properties(device).total_memory if cuda
-                            else _host_memory()), src),
-        op_latency=Figure(lat, src + f", forward + backward of a tiny Llama block over "
-                          f"{3 * OPS_FWD} ops"),
-        overlap=Figure(1.0 if cuda else 0.0, "assumed: NCCL runs on its own streams" if cuda
-                       else "assumed: gloo collectives take the CPU cores the compute uses"),
-        gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        description=f"measured with python -m funcpar.profile on {device}",
-        stage_call=Figure(call, src + ", a one-op stage's forward and autograd.grad backward "
-                          "with the pipeline runtime's per-call bookkeeping"),
-    )
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        prof.collectives = _measure_collectives(device, mesh_axes, comm_sizes, reps, sync)
-        prof.collectives_source = src + f", {dist.get_backend()} over " \
-            f"{dist.get_world_size()} ranks, alpha + beta * bytes fitted over {list(comm_sizes)}"
-    return prof
+    lat = _op_latency(device, reps, sync, True)
+    call = _stage_call_latency(device, reps, sync, True)
+    return {
+        "matmul": matmul, "attention": attention, "mem_bw": mem_bw, "host_bw": host_bw,
+        "host_mem_bw": host_mem_bw,
+        "op_latency": Figure(lat, src + f", forward + backward of a tiny Llama block over "
+                             f"{3 * OPS_FWD} ops"),
+        "stage_call": Figure(call, src + ", a one-op stage's forward and autograd.grad "
+                             "backward with the pipeline runtime's per-call bookkeeping"),
+    }
 
 
 def _op_latency(device: torch.device, reps: int, sync: Any, best: bool) -> float:
@@ -386,11 +463,16 @@ def _host_memory() -> int:
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares ``t = alpha + beta * bytes``, alpha and beta kept >= 0."""
+    """``t = alpha + beta * bytes`` by least squares of the relative error (each point weighed
+    by ``1 / t^2``), alpha and beta kept >= 0: plain least squares lets the largest size
+    decide alpha, which then misprices the small collectives a step makes by the hundred."""
+    w = [1.0 / max(y, 1e-12) ** 2 for _, y in points]
     xs, ys = [float(x) for x, _ in points], [y for _, y in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys)) / sw
+    var = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    beta = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / var if var else 0.0
     beta = max(beta, 1e-15)
     return max(my - beta * mx, 0.0), beta
 

@@ -25,7 +25,7 @@ import torch
 
 import funcpar.optim as fo
 from funcpar.auto import Choice, analytic_plan, heap, model_spec
-from funcpar.auto.cost import pipeline_time, schedule_makespan
+from funcpar.auto.cost import pipeline_makespan, pipeline_time, schedule_makespan
 from funcpar.auto.pipeline_memory import StageBytes, events, pipeline_peak
 from funcpar.models import Llama, LlamaConfig, lm_loss
 from funcpar.optim.memory import state_bytes
@@ -173,6 +173,36 @@ def test_schedule_makespan_equals_simulated_schedule():
                 rep = schedule_makespan(schedule, p, m, v,
                                         lambda kind, s, mb: 1.0 if kind == "F" else 2.0)
                 assert rep == sim.makespan == pipeline_time(m, p, v, 3.0 * v)
+
+
+def test_pipeline_makespan_of_unequal_stages_equals_the_replay():
+    """Stages of unequal cost (the embedding on the first rank, the head on the last): the
+    closed form ``m max u + (sum u - max u)`` is the replay's makespan for GPipe, and for
+    1F1B where the last stage is the slowest (a language model's head), where the slowest
+    stage's ``(m + p - 1)`` overstates it; with a slower stage before the last, 1F1B's
+    warm-up forwards fill some of that stage's wait and the form is an upper bound (within
+    25 % here); interleaved (v = 2, the embedding's stage and the head's) within 5 %."""
+    def unit(u):
+        return lambda k, s, mb: u[s] / 3 * (1 if k == "F" else 2)
+
+    for costs in ([1.5, 1.0, 1.0, 3.6], [2.2, 3.1], [1.0, 4.0, 1.0], [3.0, 1.0, 1.0, 1.0]):
+        p = len(costs)
+        for schedule in ("gpipe", "1f1b"):
+            for m in (1, 2, 4, 8):
+                rep = schedule_makespan(schedule, p, m, 1, unit(costs))
+                form = pipeline_makespan(m, 1, costs)
+                assert form <= (m + p - 1) * max(costs)
+                if schedule == "gpipe" or costs[-1] == max(costs):
+                    assert form == pytest.approx(rep)
+                else:
+                    assert rep - 1e-9 <= form <= 1.25 * rep
+    for p in (2, 4):  # interleaved, a language model's stages: the embedding, the head
+        for head in (1.0, 1.5, 4.0):
+            stage = [1.1] + [1.0] * (2 * p - 2) + [head]
+            ranks = [stage[r] + stage[r + p] for r in range(p)]  # stages r and r + p
+            for m in (p, 2 * p, 4 * p):
+                rep = schedule_makespan("interleaved", p, m, 2, unit(stage))
+                assert pipeline_makespan(m, 2, ranks) == pytest.approx(rep, rel=0.05)
 
 
 @pytest.mark.parametrize("schedule,m", [pytest.param("1f1b", 4, marks=pytest.mark.slow),

@@ -1,13 +1,22 @@
 """The cost model: a layout's step time, memory per rank and MFU from its analytic plan and a
 device profile.
 
-Step time on the slowest pipeline rank (docs/AUTO_PARALLEL.md has the derivation)::
+Step time (docs/AUTO_PARALLEL.md has the derivation), with ``u_r`` pipeline rank ``r``'s time
+per micro-batch (``t_f + t_b + c_mb``)::
 
-    T = (m + (p - 1) / v) (t_f + t_b + c_mb)       compute and exposed per-micro-batch comm,
-                                                   the pipeline bubble in units of a micro-batch
+    T = m max_r u_r + (sum_r u_r - max_r u_r) / v    the slowest rank's m micro-batches, the
+                                                   fill and drain through the others
+                                                   (:func:`pipeline_makespan`; without a
+                                                   pipeline m = 1 and T = u)
       + hidden_exposed                             gradient buckets, ZeRO-2 reduce-scatters,
                                                    ZeRO-3 gathers beyond what compute hides
       + c_step + t_opt + t_offload                 update gathers, norms, optimizer, offload
+
+and, on a CPU profile whose ``cores`` the layout's ranks outnumber, at least
+``sum_ranks work / cores + comm + min(calls * shared_wait, work)`` (the cores do every rank's
+work, a pipeline's idle ranks giving theirs to the busy ones; the busiest rank's collectives
+and, per call, its wait to be scheduled again beside computing ranks, no longer than the
+rank's own compute between two calls).
 
 * ``t_f`` per micro-batch: every GEMM of the rank's blocks and head at its shape's
   throughput (``DeviceProfile.matmul_rate``; under 2D tensor parallelism SUMMA's ``q`` panel
@@ -35,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 from funcpar.auto.analytic import (
     PRECISION_BYTES,
@@ -50,6 +60,10 @@ __all__ = ["Estimate", "axis_span", "estimate", "pipeline_makespan", "pipeline_t
            "schedule_makespan"]
 
 OPS_HEAD = 12
+# Ring attention per chunk pair (forward, backward): dispatched ops and passes over the float32
+# scores, counted in funcpar.transforms.context_parallel (_Online.add, _block_grads).
+RING_OPS = (14, 27)
+RING_PASSES = (8, 11)
 OPT_BYTES_MOVED = 28.0  # AdamW: p, g, m, v read; p, m, v written (float32)
 ELEMENTWISE_PASSES = 4.0
 
@@ -111,27 +125,58 @@ def _gemms(spec: ModelSpec, layer: int, tokens: float, tp: int, ep: int, grid: i
 
 
 @lru_cache(maxsize=65536)
+def _ring_attention(spec: ModelSpec, tokens: float, seq: int, tp: int, cp: int,
+                    profile: DeviceProfile) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's ring attention on one rank
+    (:func:`funcpar.transforms.context_parallel.ring_attention`): not a fused kernel but, per
+    pair of zigzag chunks the causal mask leaves (``2 cp + 1`` a rank), the scores of
+    ``c = seq / 2 cp`` queries by ``c`` keys in float32 through batched matmuls (two forward,
+    five backward with the scores' recompute), ``RING_PASSES`` passes over them and
+    ``RING_OPS`` dispatched ops, counted in the code."""
+    c = seq / (2 * cp)
+    rows = tokens / (seq / cp) * spec.heads / tp  # sequences x query heads
+    group = spec.heads // spec.kv_heads
+    m, k, n = group * c, spec.head_dim, c
+    mm = 2 * rows * c * c * spec.head_dim / profile.matmul_rate("fp32", m, k, n)
+    scores = 4.0 * rows * c * c / profile.mem_bw.value
+    lat = profile.op_latency.value
+    pairs = 2 * cp + 1
+    fwd = pairs * (2 * mm + RING_PASSES[0] * scores + RING_OPS[0] * lat)
+    bwd = pairs * (5 * mm + RING_PASSES[1] * scores + RING_OPS[1] * lat)
+    return fwd, bwd
+
+
+@lru_cache(maxsize=65536)
 def _forward_time(spec: ModelSpec, blocks: tuple[int, ...], last: bool, tokens: float,
                   seq: int, tp: int, ep: int, precision: str, sp: bool,
-                  profile: DeviceProfile, grid: int = 0) -> tuple[float, float, float]:
-    """(whole forward, forward of the blocks alone, their attention alone) of one
-    micro-batch on one rank; ``tokens`` the rank's, ``seq`` the whole sequence each token
-    attends over (under context parallelism more than the rank holds)."""
+                  profile: DeviceProfile, grid: int = 0, ring: int = 0
+                  ) -> tuple[float, float, float, float]:
+    """(whole forward, forward of the blocks alone, their attention alone, the attention's
+    backward) of one micro-batch on one rank; ``tokens`` the rank's, ``seq`` the whole
+    sequence each token attends over (under context parallelism more than the rank holds);
+    ``ring``: the cp size of ring attention (0: the fused kernel, its backward twice its
+    forward)."""
     s = PRECISION_BYTES[precision]
-    t_blocks = t_attn = 0.0
-    kinds: dict[bool, tuple[float, float]] = {}
+    t_blocks = t_attn = t_attn_b = 0.0
+    kinds: dict[bool, tuple[float, float, float]] = {}
     for i in blocks:
         moe = spec.is_moe(i)
         if moe not in kinds:
             mm = sum(2 * m * k * n / profile.matmul_rate(precision, m, k, n)
                      for m, k, n in _gemms(spec, i, tokens, tp, ep, grid))
-            attn = tokens * spec.block_flops(i, seq)[1] / tp / profile.attention_rate(precision)
+            if ring:
+                attn, attn_b = _ring_attention(spec, tokens, seq, tp, ring, profile)
+            else:
+                attn = tokens * spec.block_flops(i, seq)[1] / tp / profile.attention_rate(
+                    precision)
+                attn_b = 2 * attn
             act = spec.block_activation_bytes(i, s) / tp if grid else \
                 spec.block_activation_bytes(i, s, tp, sp)
             ew = ELEMENTWISE_PASSES * tokens * act / profile.mem_bw.value
-            kinds[moe] = (mm + attn + ew + OPS_FWD * profile.op_latency.value, attn)
+            kinds[moe] = (mm + attn + ew + OPS_FWD * profile.op_latency.value, attn, attn_b)
         t_blocks += kinds[moe][0]
         t_attn += kinds[moe][1]
+        t_attn_b += kinds[moe][2]
     t = t_blocks
     if last:
         m, k, n = tokens, spec.dim, spec.vocab / tp
@@ -143,7 +188,7 @@ def _forward_time(spec: ModelSpec, blocks: tuple[int, ...], last: bool, tokens: 
             t += 2 * m * k * n / profile.matmul_rate(precision, m, k, n)
         t += ELEMENTWISE_PASSES * tokens * spec.head_activation_bytes(s, tp) / \
             profile.mem_bw.value + OPS_HEAD * profile.op_latency.value
-    return t, t_blocks, t_attn
+    return t, t_blocks, t_attn, t_attn_b
 
 
 def _comm_time(plan: AnalyticPlan, profile: DeviceProfile, phases: tuple[str, ...]
@@ -189,7 +234,8 @@ def pipeline_makespan(m: int, v: int, per_rank: list[float]) -> float:
 
 
 def schedule_makespan(schedule: str, p: int, m: int, v: int,
-                      cost: Callable[[str, int, int], float], transfer: float = 0.0) -> float:
+                      cost: Callable[[str, int, int], float], transfer: float = 0.0,
+                      cores: float | None = None) -> float:
     """The makespan of ``schedule``'s compute order (:func:`funcpar.pipeline.schedules.
     compute_order`) with ``cost(kind, stage, mb)`` seconds per forward / backward and
     ``transfer`` seconds per point-to-point transfer between ranks, spent by the sender after
@@ -198,31 +244,62 @@ def schedule_makespan(schedule: str, p: int, m: int, v: int,
     and its input is there (the previous stage's forward of the micro-batch, the next stage's
     backward, the last stage's own forward), as the runtime runs it. Unequal stages (the
     embedding on the first, the head on the last) priced as they are, where
-    :func:`pipeline_time` assumes them equal."""
+    :func:`pipeline_time` assumes them equal.
+
+    ``cores``: the ``p`` ranks share that many cores (CPU ranks outnumbering them): the ranks
+    with an action ready run at ``min(1, cores / ready)`` of their speed (processor sharing),
+    so a rank in the bubble gives its core to the busy ones."""
     from funcpar.pipeline.schedules import compute_order
 
     orders = [compute_order(schedule, p, v, m, r) for r in range(p)]
     last = p * v - 1
+
+    def dep(a: Any) -> tuple[str, int, int] | None:
+        if a.kind == "F":
+            return ("F", a.stage - 1, a.mb) if a.stage > 0 else None
+        return ("F", a.stage, a.mb) if a.stage == last else ("B", a.stage + 1, a.mb)
+
+    def work(a: Any, r: int) -> float:
+        to = a.stage + 1 if a.kind == "F" else a.stage - 1
+        # The output goes to another rank: the sender's transfer.
+        return cost(a.kind, a.stage, a.mb) + (transfer if 0 <= to <= last and to % p != r
+                                               else 0.0)
+
     end: dict[tuple[str, int, int], float] = {}
-    pos, clock = [0] * p, [0.0] * p
+    pos = [0] * p
+    if cores is not None and cores < p:
+        now, left = 0.0, [-1.0] * p  # left < 0: the rank's next action has not started
+        while any(pos[r] < len(orders[r]) for r in range(p)):
+            for r in range(p):
+                if pos[r] < len(orders[r]) and left[r] < 0:
+                    d = dep(orders[r][pos[r]])
+                    if d is None or d in end:
+                        left[r] = work(orders[r][pos[r]], r)
+            busy = [r for r in range(p) if left[r] >= 0]
+            if not busy:  # pragma: no cover - compute_order's lists are deadlock-free
+                raise RuntimeError(f"{schedule} p={p} m={m} v={v}: no action can start")
+            rate = min(1.0, cores / len(busy))
+            dt = min(left[r] for r in busy) / rate
+            now += dt
+            for r in busy:
+                left[r] -= dt * rate
+                if left[r] <= 1e-12 * max(now, 1e-30):
+                    a = orders[r][pos[r]]
+                    end[(a.kind, a.stage, a.mb)] = now
+                    pos[r] += 1
+                    left[r] = -1.0
+        return now
+    clock = [0.0] * p
     remaining = sum(map(len, orders))
     while remaining:
         moved = False
         for r in range(p):
             while pos[r] < len(orders[r]):
                 a = orders[r][pos[r]]
-                if a.kind == "F":
-                    dep = ("F", a.stage - 1, a.mb) if a.stage > 0 else None
-                else:
-                    dep = ("F", a.stage, a.mb) if a.stage == last else ("B", a.stage + 1,
-                                                                         a.mb)
-                if dep is not None and dep not in end:
+                d = dep(a)
+                if d is not None and d not in end:
                     break
-                ready = 0.0 if dep is None else end[dep]
-                clock[r] = max(clock[r], ready) + cost(a.kind, a.stage, a.mb)
-                to = a.stage + 1 if a.kind == "F" else a.stage - 1
-                if 0 <= to <= last and to % p != r:  # the output goes to another rank
-                    clock[r] += transfer
+                clock[r] = max(clock[r], 0.0 if d is None else end[d]) + work(a, r)
                 end[(a.kind, a.stage, a.mb)] = clock[r]
                 pos[r] += 1
                 remaining -= 1
@@ -267,10 +344,12 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
     c = plan.choice
     m, p = c.microbatches, c.pp
     tokens = global_batch // (c.dp * c.ep) // m * (seq // c.cp)
-    t_f, t_blocks, t_attn = _forward_time(spec, plan.blocks, plan.last, float(tokens), seq,
-                                          c.tp, c.ep, c.precision, c.sequence_parallel,
-                                          profile, c.grid)
-    t_b = 2 * t_f + (t_blocks if c.remat else 0.0)
+    ring = c.cp if c.cp > 1 and c.cp_mode == "ring" else 0
+    t_f, t_blocks, t_attn, t_attn_b = _forward_time(
+        spec, plan.blocks, plan.last, float(tokens), seq, c.tp, c.ep, c.precision,
+        c.sequence_parallel, profile, c.grid, ring)
+    # The backward: twice the forward's products, the attention's own backward.
+    t_b = 2 * (t_f - t_attn) + t_attn_b + (t_blocks if c.remat else 0.0)
     crit, cn = _comm_time(plan, profile, ("fwd", "bwd"))
     t_pipe = _pipeline_overhead(spec, plan, profile) if p > 1 else 0.0
     per_mb = t_f + t_b + crit / m + t_pipe
@@ -334,6 +413,14 @@ def estimate(spec: ModelSpec, c: Choice, profile: DeviceProfile, global_batch: i
              **{k: last.parts[k] for k in ("hidden comm exposed", "cp ring exposed",
                                            "step comm", "optimizer", "offload")}}
     if profile.cores is not None and c.world > profile.cores.value:
+        if p > 1:  # the schedule replayed on its share of the cores, its bubbles filled
+            per_stage = {r: u / v for r, u in enumerate(per_rank)}
+            shared_pipe = schedule_makespan(
+                c.schedule, p, c.microbatches, v,
+                lambda kind, s, mb: per_stage[s % p] * (1 if kind == "F" else 2) / 3,
+                cores=profile.cores.value * p / c.world)
+            parts["bubble"] += shared_pipe - pipe
+            time += shared_pipe - pipe
         # More ranks than cores: the step cannot end before the cores have done every rank's
         # work (a pipeline's idle ranks give theirs to the busy ones), plus the collectives
         # (measured on the shared cores) and, per call, the wait for its ranks to be

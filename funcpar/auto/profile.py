@@ -336,41 +336,56 @@ def measure(device: str | torch.device = "cpu", *, dtypes: tuple[str, ...] = ("f
         prof.collectives_source = src + f", {dist.get_backend()} over " \
             f"{dist.get_world_size()} ranks, alpha + beta * bytes fitted over {list(comm_sizes)}"
         if cores is not None and dist.get_world_size() > cores.value:
-            prof.shared_wait = Figure(_shared_wait(prof), src + f", {dist.get_world_size()} "
-                                      f"ranks on {cores.value:g} cores: a 4 KiB all_reduce "
-                                      f"after each compute burst, minus the bursts alone and "
-                                      f"the all_reduce's own fitted time, median of 40")
+            prof.shared_wait = Figure(_shared_wait(), src + f", {dist.get_world_size()} ranks "
+                                      f"on {cores.value:g} cores: a 4 KiB all_reduce of pairs "
+                                      f"after a compute burst less the two alone, medians of "
+                                      f"40 in alternated runs")
     return prof
 
 
-def _shared_wait(prof: DeviceProfile, iters: int = 40) -> float:
+def _shared_wait(iters: int = 40) -> float:
     """Seconds a collective call waits, beyond its own time, when the ranks share cores and
-    compute between calls: every rank runs a compute burst (a few ms of matmuls) then a 4 KiB
-    all_reduce over the world, against the bursts alone; the median difference less the
-    all_reduce's fitted time, at least 0. Blocked in the collective, a rank gives up its core;
-    the call ends only once the last of its peers is scheduled again."""
+    compute between calls: per iteration every rank times a compute burst (a few ms of
+    matmuls), a 4 KiB all_reduce over pairs of ranks (every pair at once, the world when it
+    is odd), and the burst followed by the all_reduce; the median of the third less those of
+    the first two, at least 0. Blocked in the collective, a rank gives up its core; the call
+    ends only once its peer, which other ranks' compute may hold off its core, runs again
+    (a collective over the world, every rank in it, waits for that in its own time)."""
     import torch.distributed as dist
 
     from funcpar.shard import comm
     from funcpar.shard.mesh import DeviceMesh
 
-    mesh = DeviceMesh.from_env(dp=dist.get_world_size())
+    world = dist.get_world_size()
+    pairs = world % 2 == 0 and world > 2
+    mesh = DeviceMesh.from_env(dp=world // 2, tp=2) if pairs else DeviceMesh.from_env(dp=world)
+    axis = "tp" if pairs else "dp"
     a = torch.randn(256, 256)
     t = torch.zeros(1024)
-    medians = []
-    for with_comm in (False, True):
-        dist.barrier()
-        times = []
-        for _ in range(iters):
-            s = time.perf_counter()
-            for _ in range(5):
-                a @ a
-            if with_comm:
-                comm.all_reduce(t, mesh, "dp")
-            times.append(time.perf_counter() - s)
-        medians.append(statistics.median(times))
-    own = prof.collective_time("all_reduce", t.nbytes, mesh.size("dp"), mesh.size("dp"))
-    return max(0.0, medians[1] - medians[0] - own)
+
+    def burst() -> None:
+        for _ in range(5):
+            a @ a
+
+    def reduce() -> None:
+        comm.all_reduce(t, mesh, axis)
+
+    def both() -> None:
+        burst()
+        reduce()
+
+    times: list[list[float]] = [[], [], []]
+    # Each kind in runs of 10 (a collective alone right after a burst would wait as well),
+    # the runs alternated so that a slow spell lands on every kind.
+    for _ in range(iters // 10):
+        for i, fn in enumerate((burst, reduce, both)):
+            dist.barrier()
+            for _ in range(10):
+                s = time.perf_counter()
+                fn()
+                times[i].append(time.perf_counter() - s)
+    b, r, br = (statistics.median(x) for x in times)
+    return max(0.0, br - b - r)
 
 
 def _device_figures(device: torch.device, dtypes: tuple[str, ...], sizes: tuple[int, ...],

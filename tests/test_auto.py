@@ -432,7 +432,7 @@ def test_shipped_profiles_label_every_figure():
                  prof.memory, prof.op_latency, prof.overlap, *prof.nominal.values(),
                  *([prof.stage_call] if prof.stage_call else []),
                  *([prof.cores] if prof.cores else []),
-                 *([prof.shared_wait] if prof.shared_wait else [])]
+                 *([prof.sync_wait] if prof.sync_wait else [])]
         figs += [f for link in prof.links.values() for f in link.values()]
         assert all(f.source and f.source != "unlabelled" for f in figs), name
         assert prof.links or prof.collectives_source, name
@@ -465,18 +465,19 @@ def test_fit_weighs_relative_error():
 
 def test_shared_cores_bound_sums_every_ranks_work():
     """More ranks than cores (a CPU profile's ``cores``): the step takes at least every
-    rank's work over the cores, plus the busiest rank's collectives and their waits for the
-    shared cores (each no longer than the rank's work over its calls); a pipeline's stages
-    are summed as they are. As many cores as ranks, or none given: the path alone."""
+    rank's work over the cores, plus the busiest rank's collectives; a pipeline's stages are
+    summed as they are, and its schedule replayed on its share of the cores. As many cores as
+    ranks, or none given: the path alone. ``sync_wait`` adds to each collective call, in all
+    no more than the rank's work."""
     from funcpar.auto.analytic import analytic_plan
     from funcpar.auto.cost import _rank_time, pipeline_makespan, schedule_makespan
 
     spec = model_spec(CFG)
-    base = dataclasses.replace(load_profile("cpu-gloo"), cores=None, shared_wait=None)
+    base = dataclasses.replace(load_profile("cpu-gloo"), cores=None, sync_wait=None)
 
     def with_cores(n: float, wait: float = 0.0):
         return dataclasses.replace(base, cores=Figure(n, "test"),
-                                   shared_wait=Figure(wait, "test"))
+                                   sync_wait=Figure(wait, "test"))
 
     def parts(c, prof, rank=0):
         return _rank_time(spec, analytic_plan(spec, c, 8, 16, rank=rank), prof, 8, 16, 8.0)
@@ -485,15 +486,21 @@ def test_shared_cores_bound_sums_every_ranks_work():
     path = estimate(spec, c, base, 8, 16).time
     assert estimate(spec, c, with_cores(4), 8, 16).time == path
     rc = parts(c, base)
-    work, comm, calls = rc.work, rc.comm, rc.calls
+    work, comm = rc.work, rc.comm
+    calls = sum(i.count for i in analytic_plan(spec, c, 8, 16).comm if i.op != "recv")
     assert calls >= 2 and work > 0
     for cores in (1, 2):
         t = estimate(spec, c, with_cores(cores), 8, 16).time
         assert t == pytest.approx(max(path, 4 * work / cores + comm))
-    assert estimate(spec, c, with_cores(2, wait=1e-4), 8, 16).time == pytest.approx(
-        max(path, 2 * work + comm + calls * 1e-4))
+    # Each call waits for its peers, on the path and in the bound alike ...
+    waits = estimate(spec, c, with_cores(2, wait=1e-4), 8, 16)
+    assert waits.parts["sync waits"] == pytest.approx(calls * 1e-4)
+    assert waits.time == pytest.approx(max(path, 2 * work + comm) + calls * 1e-4)
+    assert estimate(spec, c, with_cores(4, wait=1e-4), 8, 16).time == pytest.approx(
+        path + calls * 1e-4)
+    # ... no longer in all than the rank's work between its calls.
     assert estimate(spec, c, with_cores(2, wait=1e3), 8, 16).time == pytest.approx(
-        max(path, 3 * work + comm))  # waits bounded by the work between calls
+        max(path, 2 * work + comm) + work)
     # A pipeline: its schedule replayed with the ranks sharing their pipeline's cores (here
     # one: two pipelines of two ranks on two cores), then the sum of the work.
     pp = Choice(pp=2, dp=2, microbatches=2, precision="fp32")
@@ -522,8 +529,7 @@ def test_measure_on_gloo_fits_every_collective():
         assert alpha >= 0 and beta > 0
     assert prof.matmul["fp32"][0][1].value > 0 and "measured" in prof.mem_bw.source
     assert prof.cores is not None and prof.cores.value >= 1
-    # Two ranks: the wait for shared cores is measured only where they outnumber the cores.
-    assert (prof.shared_wait is not None) == (prof.cores.value < 2)
+    assert prof.sync_wait is not None and prof.sync_wait.value >= 0
     assert estimate(model_spec(CFG), Choice(dp=2, precision="fp32"), prof, 8, 16).time > 0
 
 

@@ -12,11 +12,11 @@ per micro-batch (``t_f + t_b + c_mb``)::
                                                    ZeRO-3 gathers beyond what compute hides
       + c_step + t_opt + t_offload                 update gathers, norms, optimizer, offload
 
-and, on a CPU profile whose ``cores`` the layout's ranks outnumber, at least
-``sum_ranks work / cores + comm + min(calls * shared_wait, work)`` (the cores do every rank's
-work, a pipeline's idle ranks giving theirs to the busy ones; the busiest rank's collectives
-and, per call, its wait to be scheduled again beside computing ranks, no longer than the
-rank's own compute between two calls).
+where ``c_mb`` includes, on CPU ranks, each collective call's wait for its peers
+(``sync_wait``; in all no more than the rank's work: a wait is at most the compute between two
+calls), and, on a CPU profile whose ``cores`` the layout's ranks outnumber, at least
+``sum_ranks work / cores + comm`` (the cores do every rank's work, a pipeline's idle ranks
+giving theirs to the busy ones; the busiest rank's collectives with their waits).
 
 * ``t_f`` per micro-batch: every GEMM of the rank's blocks and head at its shape's
   throughput (``DeviceProfile.matmul_rate``; under 2D tensor parallelism SUMMA's ``q`` panel
@@ -329,14 +329,13 @@ class _RankCost:
     """One pipeline rank's costs: seconds per micro-batch (compute, critical collectives,
     pipeline overhead), after the schedule (``tail``: hidden collectives exposed, the ring's,
     the step's, optimizer, offload), its parts, the work its cores do outside collectives,
-    its collectives' time and their calls."""
+    its collectives' time with their waits for the peers."""
 
     per_mb: float
     tail: float
     parts: dict[str, float]
     work: float
     comm: float
-    calls: int
 
 
 def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, global_batch: int,
@@ -352,7 +351,6 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
     t_b = 2 * (t_f - t_attn) + t_attn_b + (t_blocks if c.remat else 0.0)
     crit, cn = _comm_time(plan, profile, ("fwd", "bwd"))
     t_pipe = _pipeline_overhead(spec, plan, profile) if p > 1 else 0.0
-    per_mb = t_f + t_b + crit / m + t_pipe
     fh, fn = _comm_time(plan, profile, ("fwd_hidden",))
     bh, bn = _comm_time(plan, profile, ("bwd_hidden",))
     ov = profile.overlap.value
@@ -376,13 +374,19 @@ def _rank_time(spec: ModelSpec, plan: AnalyticPlan, profile: DeviceProfile, glob
     else:
         t_opt = (moved + amp) / profile.mem_bw.value
         t_off = 0.0
-    parts = {"compute": m * (t_f + t_b), "critical comm": crit, "pipeline overhead": m * t_pipe,
-             "hidden comm exposed": hidden, "cp ring exposed": ring, "step comm": step_comm,
-             "optimizer": t_opt, "offload": t_off}
+    work = m * (t_f + t_b + t_pipe) + t_opt + t_off
+    calls = cn + fn + bn + rfn + rbn + sn
+    # Each call's wait for its peers (``sync_wait``, CPU ranks), at most the compute between
+    # two calls: the rank's work over its calls, a call.
+    wait = profile.sync_wait.value if profile.sync_wait is not None else 0.0
+    sync = min(calls * wait, work)
+    per_mb = t_f + t_b + (crit + sync) / m + t_pipe
+    parts = {"compute": m * (t_f + t_b), "critical comm": crit, "sync waits": sync,
+             "pipeline overhead": m * t_pipe, "hidden comm exposed": hidden,
+             "cp ring exposed": ring, "step comm": step_comm, "optimizer": t_opt,
+             "offload": t_off}
     return _RankCost(per_mb=per_mb, tail=hidden + ring + step_comm + t_opt + t_off,
-                     parts=parts, work=m * (t_f + t_b + t_pipe) + t_opt + t_off,
-                     comm=crit + fh + bh + rf + rb + step_comm,
-                     calls=cn + fn + bn + rfn + rbn + sn)
+                     parts=parts, work=work, comm=crit + fh + bh + rf + rb + step_comm + sync)
 
 
 def estimate(spec: ModelSpec, c: Choice, profile: DeviceProfile, global_batch: int, seq: int, *,
@@ -422,15 +426,10 @@ def estimate(spec: ModelSpec, c: Choice, profile: DeviceProfile, global_batch: i
             parts["bubble"] += shared_pipe - pipe
             time += shared_pipe - pipe
         # More ranks than cores: the step cannot end before the cores have done every rank's
-        # work (a pipeline's idle ranks give theirs to the busy ones), plus the collectives
-        # (measured on the shared cores) and, per call, the wait for its ranks to be
-        # scheduled again beside ranks that compute (``shared_wait``), which is no longer
-        # than the compute another rank does between two calls (then it blocks too and
-        # gives the core back): at most the rank's work over its calls, a call.
-        wait = profile.shared_wait.value if profile.shared_wait is not None else 0.0
+        # work (a pipeline's idle ranks give theirs to the busy ones), plus the busiest rank's
+        # collectives (measured on the shared cores) and their waits for the peers.
         work = sum(n * rc.work for n, rc in costs) * (c.world // p)
-        bound = work / profile.cores.value + max(
-            rc.comm + min(rc.calls * wait, rc.work) for _, rc in costs)
+        bound = work / profile.cores.value + max(rc.comm for _, rc in costs)
         parts["shared cores"] = max(0.0, bound - time)
         time = max(time, bound)
     plans = [plans[r] for r in sorted(peaks)]

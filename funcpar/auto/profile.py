@@ -19,9 +19,10 @@ A :class:`DeviceProfile` holds, each figure with its source (:class:`Figure`):
   ``cores``: on a CPU profile, the cores the ranks of a host share (optional: absent, every
   rank owns its device, as on GPUs); the compute figures are one rank's alone on a core, and
   the cost model (:mod:`funcpar.auto.cost`) lets no step be faster than the ranks' work over
-  these cores; ``shared_wait``: seconds a collective call waits beyond its own time when its
-  ranks share the cores with ranks that compute (to be scheduled again: measured, a small
-  all_reduce after each compute burst against the bursts alone);
+  these cores; ``sync_wait``: on CPU ranks, seconds a collective call waits beyond its own
+  time when the ranks compute between calls (the spread of their arrivals, a blocked rank's
+  wake-up, and where cores are shared its peer's turn on one: measured, a small all_reduce
+  after each compute burst against the two alone);
 * collectives: either measured ``collectives[op][n] = (alpha, beta)`` (seconds, seconds per
   byte in :mod:`funcpar.shard.comm`'s byte convention, fitted on ``n`` ranks) or link figures
   ``links["intra"|"inter"] = {bw, alpha}`` priced as rings: ``hops alpha + f bytes / bw`` with
@@ -99,7 +100,7 @@ class DeviceProfile:
     nominal: dict[str, Figure] = dataclasses.field(default_factory=dict)
     stage_call: Figure | None = None
     cores: Figure | None = None
-    shared_wait: Figure | None = None
+    sync_wait: Figure | None = None
 
     # --------------------------------------------------------------------------- lookups
     def stage_call_time(self) -> float:
@@ -177,7 +178,7 @@ class DeviceProfile:
             "nominal": {d: f.to_json() for d, f in self.nominal.items()},
             **({"stage_call": self.stage_call.to_json()} if self.stage_call else {}),
             **({"cores": self.cores.to_json()} if self.cores else {}),
-            **({"shared_wait": self.shared_wait.to_json()} if self.shared_wait else {}),
+            **({"sync_wait": self.sync_wait.to_json()} if self.sync_wait else {}),
         }
 
     @classmethod
@@ -197,7 +198,7 @@ class DeviceProfile:
             nominal={k: _fig(v) for k, v in d.get("nominal", {}).items()},
             stage_call=_fig(d["stage_call"]) if "stage_call" in d else None,
             cores=_fig(d["cores"]) if "cores" in d else None,
-            shared_wait=_fig(d["shared_wait"]) if "shared_wait" in d else None,
+            sync_wait=_fig(d["sync_wait"]) if "sync_wait" in d else None,
         )
 
     def save(self, path: str | os.PathLike) -> None:
@@ -226,9 +227,9 @@ class DeviceProfile:
         if self.cores is not None:
             lines.append(f"  cores: {self.cores.value:g} shared by a host's ranks "
                          f"({self.cores.source})")
-        if self.shared_wait is not None:
-            lines.append(f"  shared_wait: {self.shared_wait.value * 1e6:.0f} us a collective "
-                         f"({self.shared_wait.source})")
+        if self.sync_wait is not None:
+            lines.append(f"  sync_wait: {self.sync_wait.value * 1e6:.0f} us a collective "
+                         f"({self.sync_wait.source})")
         for k, v in self.links.items():
             lines.append(f"  link {k}: {v['bw'].value / 1e9:,.1f} GB/s ({v['bw'].source}), "
                          f"alpha {v['alpha'].value * 1e6:.1f} us ({v['alpha'].source})")
@@ -335,22 +336,24 @@ def measure(device: str | torch.device = "cpu", *, dtypes: tuple[str, ...] = ("f
         prof.collectives = _measure_collectives(device, mesh_axes, comm_sizes, reps, sync)
         prof.collectives_source = src + f", {dist.get_backend()} over " \
             f"{dist.get_world_size()} ranks, alpha + beta * bytes fitted over {list(comm_sizes)}"
-        if cores is not None and dist.get_world_size() > cores.value:
-            prof.shared_wait = Figure(_shared_wait(), src + f", {dist.get_world_size()} ranks "
-                                      f"on {cores.value:g} cores: a 4 KiB all_reduce of pairs "
-                                      f"after a compute burst less the two alone, medians of "
-                                      f"40 in alternated runs")
+        if cores is not None:
+            prof.sync_wait = Figure(_sync_wait(), src + f", {dist.get_world_size()} ranks on "
+                                    f"{cores.value:g} cores: a 4 KiB all_reduce of pairs "
+                                    f"after a compute burst less the two alone, medians of "
+                                    f"40 in alternated runs")
     return prof
 
 
-def _shared_wait(iters: int = 40) -> float:
-    """Seconds a collective call waits, beyond its own time, when the ranks share cores and
-    compute between calls: per iteration every rank times a compute burst (a few ms of
-    matmuls), a 4 KiB all_reduce over pairs of ranks (every pair at once, the world when it
-    is odd), and the burst followed by the all_reduce; the median of the third less those of
-    the first two, at least 0. Blocked in the collective, a rank gives up its core; the call
-    ends only once its peer, which other ranks' compute may hold off its core, runs again
-    (a collective over the world, every rank in it, waits for that in its own time)."""
+def _sync_wait(iters: int = 40) -> float:
+    """Seconds a collective call waits, beyond its own time, when CPU ranks compute between
+    calls: every rank times a compute burst (a few ms of matmuls), a 4 KiB all_reduce over
+    pairs of ranks (every pair at once; the world when it is 2 or odd), and the burst
+    followed by the all_reduce, each in runs of 10; the median of the third less those of
+    the first two, at least 0. Blocked in the collective, a rank sleeps; the call ends once
+    the later peer has arrived (the bursts' spread) and the sleeper has woken, and where the
+    ranks outnumber the cores, once a peer that other ranks' compute held off its core has
+    run again (1.6-1.8 ms on 2 ranks here, 1.5-2.1 ms on 4; back to back, the all_reduces
+    keep every rank in the collective and wait for none of this)."""
     import torch.distributed as dist
 
     from funcpar.shard import comm

@@ -5,16 +5,21 @@
     python benchmarks/bench_auto.py --device cuda --ranks 8 --profile h100 ...   # a GPU node
 
 For each layout (``funcpar.auto.Choice``, composed with ``preset_for``: the
-``hybrid_parallel``/``moe_hybrid`` preset, then remat when chosen) the ranks run ``--warmup``
-steps, then ``--steps`` timed steps (median of rank 0's wall time per step, each step ended by
-a barrier). Peak memory per rank on a CPU: the state's tensor bytes plus the largest rise of
-glibc's in-use heap (``mallinfo2``: ``uordblks + hblkhd``, sampled every 0.2 ms in a thread)
-over the timed steps above its value before them; on CUDA ``max_memory_allocated``. The
-predictions are ``funcpar.auto.estimate`` with ``--profile`` (default the shipped
-``cpu-gloo``, measured on this machine by ``python -m funcpar.profile --ranks 4``) and no
-margin. Printed: the table, the Spearman rank correlation of the times, the largest memory
-error (relative), and the layout ``auto_parallel`` chooses among the same space against the
-best measured one. ``--json PATH`` writes the rows.
+``hybrid_parallel``/``moe_hybrid`` preset, then remat when chosen) fresh ranks run
+``--warmup`` steps, then ``--steps`` timed steps (rank 0's median wall time per step, each step
+ended by a barrier; the ranks' process CPU time per step summed in ``cpu ms``), then two steps
+under the memory probe. ``--rounds`` interleaved rounds run every layout once each (a slow
+spell of a shared machine lands on a round of every layout); a layout's time is the median
+over rounds, and the Spearman correlation of one round's times with another's is printed as
+the measurement's own reproducibility, the ceiling of any prediction's. Peak memory per rank
+on a CPU (first round): the state's tensor bytes plus the largest rise of glibc's in-use heap
+(``mallinfo2``: ``uordblks + hblkhd``, sampled every 0.2 ms in a thread, apart from the timed
+steps) above its value before them; on CUDA ``max_memory_allocated``. The predictions are
+``funcpar.auto.estimate`` with ``--profile`` (default the shipped ``cpu-gloo``, measured on
+this machine by ``python -m funcpar.profile --ranks 4``) and no margin. Printed: the table,
+the Spearman rank correlation of the times, the largest memory error (relative), and the
+layout ``auto_parallel`` chooses among the same space against the best measured one.
+``--json PATH`` writes the rows.
 """
 
 from __future__ import annotations
@@ -215,15 +220,22 @@ def main(argv: list[str] | None = None) -> dict:
               f"{est.peak / 2**20:>9.1f} {meas_m / 2**20:>9.1f} {err * 100:>7.1f}% "
               f"{cpu * 1e3:>8.1f}{mark}", flush=True)
     rho = spearman([r["pred_ms"] for r in rows], [r["meas_ms"] for r in rows])
+    pairs = [spearman([r["meas_ms_rounds"][i] for r in rows],
+                      [r["meas_ms_rounds"][j] for r in rows])
+             for i in range(args.rounds) for j in range(i + 1, args.rounds)]
     worst = max(rows, key=lambda r: abs(r["mem_err"]))
     best = min(rows, key=lambda r: r["meas_ms"])
     ch = next(r for r in rows if r["chosen"])
     print(f"Spearman rank correlation of step times: {rho:.3f} over {len(rows)} layouts")
+    if pairs:
+        print(f"one round's measured times against another's: Spearman median "
+              f"{statistics.median(pairs):.3f} (range {min(pairs):.3f} .. {max(pairs):.3f})")
     print(f"largest memory error: {worst['mem_err'] * 100:+.1f} % ({worst['layout']})")
     slower = (ch["meas_ms"] / best["meas_ms"] - 1) * 100
     print(f"chosen {ch['layout']}: measured {ch['meas_ms']:.1f} ms; best measured "
           f"{best['layout']} {best['meas_ms']:.1f} ms ({slower:+.1f} %)")
-    result = {"rows": rows, "spearman": rho, "largest_mem_err": worst["mem_err"],
+    result = {"rows": rows, "spearman": rho, "round_spearman": pairs,
+              "largest_mem_err": worst["mem_err"],
               "chosen": ch["layout"], "best_measured": best["layout"]}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -83,13 +83,17 @@ def test_pipeline_memory_per_rank_matches_measured_peak(schedule, m):
 @pytest.mark.skipif(not heap.available(), reason="needs glibc's mallinfo2")
 @pytest.mark.slow
 @pytest.mark.parametrize("c", [Choice(cp=2, precision="fp32"),
-                               Choice(cp=2, cp_mode="ulysses", precision="fp32")], ids=str)
+                               Choice(cp=2, cp_mode="ulysses", precision="fp32"),
+                               Choice(cp=2, dp=2, zero=1, precision="fp32"),
+                               Choice(cp=2, dp=2, zero=2, precision="fp32")], ids=str)
 def test_context_parallel_memory_matches_measured_peak(c):
     """cp2 (ring, Ulysses): the state plus the end of the step (the gradients' mean over cp
     after the backward, ``3 G``) and the activations of half of each sequence, within the
-    10 % margin of the measured peak on each rank."""
+    10 % margin of the measured peak on each rank; beside dp2 with ZeRO-1 (the update's
+    buffers after the cp mean: data parallelism's rule) and ZeRO-2 (the mean of the part on
+    top of the hooks' ``(3 + 1/n) G``)."""
     predicted = analytic_plan(model_spec(LlamaConfig(**CFG)), c, B, T).memory.peak
-    for _, measured in run_ranks(_measured_peak, 2, c, timeout=300):
+    for _, measured in run_ranks(_measured_peak, c.world, c, timeout=300):
         assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
 
 

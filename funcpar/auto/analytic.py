@@ -210,14 +210,16 @@ def step_buffers(grad_bytes: float, dp: int, zero: int, clip: bool, cp: int = 1)
     ``(3 + 1/n) G``). Context parallelism means its gradients after the
     backward (``sync_grads``, flat buckets): alone (``dp = 1``)
     ``max(3, 1 + 1) G`` (measured ``3.0 G`` at cp4); beside data parallelism its
-    flat copy and mean ``2 G`` (of the ZeRO-2/3 part) come on top of what data parallelism's
-    hooks still hold, unclipped (measured ``5.0 G`` at dp2 x cp2, ZeRO-0; the other ZeRO
-    stages are this rule, not measured)."""
+    flat copy and mean ``2 G`` (of the ZeRO-2/3 part: ``2 G / n``) come on top of what data
+    parallelism's hooks hold then (``3 G``; ZeRO-2 ``(3 + 1/n) G``, ZeRO-3 ``G/n``), before the
+    clip and ZeRO's update buffers, so the end of the step is the larger of the two (measured at
+    dp2 x cp2: ``5.0 G``, ``5.5 G``, ``4.5 G``, ``1.5 G`` for ZeRO 0-3, each within 1 %)."""
     n = dp
     c = 1.0 if clip else 0.0
     if cp > 1 and n > 1:
-        clipped = step_buffers(grad_bytes, dp, zero, clip) / grad_bytes
-        return max(clipped, clipped - c + 2 / (n if zero >= 2 else 1)) * grad_bytes
+        held = (3.0, 3.0, 3.0 + 1 / n, 1 / n)[zero]
+        return max(step_buffers(grad_bytes, dp, zero, clip),
+                   (held + 2 / (n if zero >= 2 else 1)) * grad_bytes)
     if n == 1:
         units = max(3, 1 + c) if cp > 1 else 1 + c
     elif zero == 0:

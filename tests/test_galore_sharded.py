@@ -16,9 +16,10 @@ gate/up_proj    rows    std             right (cols, whole): state rows 11/11/11
 down_proj       cols    std             left (rows, whole): state cols 11/11/11/9  none
 ==============  ======  ==============  =========================================  ==========
 
-Under tp4 a shard of ``up_proj`` is (11, 32), "wide", where the whole (42, 32) is "tall": the
-init (which sees shards only) picks the other side, and the first update rebuilds the zero
-state for the whole leaf's side - exercised here, and the results must still match.
+Under tp4 a shard of ``up_proj`` is (11, 32), "wide", where the whole (42, 32) is "tall":
+``shard_params`` initialises the optimizer with the shards' layouts (``init_laid_out``), so the
+init plans the whole leaf's side; an init on bare shards would pick the other side and the
+first update would rebuild the zero state (``_fit_state``); the results must match either way.
 
 Tolerances: float64 collectives only reorder sums (~1e-16 relative per step); 1e-10 leaves
 room for 10 steps of that through the SVD, whose singular vectors move by (perturbation / gap
@@ -340,3 +341,37 @@ def test_batched_gathers_and_messages_per_step():
         assert res["messages"] == MESSAGES["tp2xdp2+zero2"], (rank, res["messages"])
     for rank, res in enumerate(run_ranks(_tp2_messages, 2, timeout=600)):
         assert res == MESSAGES["tp2"], (rank, res)
+
+
+def _zero_galore(world: int):
+    from funcpar.transforms import compose, data_parallel, zero_partition
+
+    cfg = LlamaConfig(vocab_size=64, dim=24, n_layers=2, n_heads=4, ffn_hidden=40, max_seq_len=8)
+    torch.manual_seed(0)
+    apply_fn, params, buffers = functionalize(Llama(cfg).to(torch.float64))
+    # Rank 16 of the 24 x 24 attention weights: ZeRO-2 over 2 ranks cuts them along dim 0
+    # into 12 x 24 parts, whose own shape is below the rank; the whole leaf decides.
+    opt = galore_adamw(lr=1e-2, rank=16, update_proj_gap=2, svd_dtype=torch.float64,
+                       galore_mask=lambda name, p: name.endswith(("q_proj.weight",
+                                                                  "o_proj.weight")))
+    step, state = make_train_step(apply_fn, lm_loss, opt), init_state(params, buffers, opt)
+    if world > 1:
+        mesh = DeviceMesh.from_env(dp=world)
+        step, state = compose(data_parallel(mesh), zero_partition(2, mesh))(step, state)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        tokens = torch.randint(0, 64, (4, 9), generator=gen)
+        state, _ = step(state, (tokens[:, :-1], tokens[:, 1:]))
+    return {k: v.clone() for k, v in state.params.items()}
+
+
+def test_galore_under_zero_checks_the_rank_against_the_whole_leaf():
+    """ZeRO initialises the optimizer on its parts, telling it what they are parts of
+    (``init_laid_out``): a part smaller than the rank in one dim trains as the whole leaf does
+    in one process (float64, 3 steps, two projector refreshes; within 1e-10, the reordered
+    sums' room through the SVD, see the module docstring); before, the init raised that the
+    rank exceeded the part's shape."""
+    one = _zero_galore(1)
+    for got in run_ranks(_zero_galore, 2, 2, timeout=240):
+        for name, p in one.items():
+            torch.testing.assert_close(got[name], p, rtol=1e-10, atol=1e-10, msg=name)

@@ -21,13 +21,17 @@ A :class:`GradientTransformation` is a pair of pure functions:
 
 ``layouts`` is the pytree of per-leaf layouts parallel to ``params`` (``None``: every leaf is
 whole on this process). Optimizers hand each leaf's layout to the reductions of
-:mod:`funcpar.shard.reduce` and never branch on how a leaf is sharded.
+:mod:`funcpar.shard.reduce` and never branch on how a leaf is sharded. ``init`` takes no
+layouts; a transform that initialises an optimizer on parts of leaves says what they are
+parts of with :func:`init_layouts`, for an optimizer whose state or checks depend on the
+whole leaf's shape (:func:`current_init_layouts`; GaLore's rank against the whole matrix).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -54,7 +58,10 @@ __all__ = [
     "check_grads",
     "check_state",
     "checked_leaf_columns",
+    "current_init_layouts",
     "identity",
+    "init_laid_out",
+    "init_layouts",
     "map_leaves",
     "update_params",
 ]
@@ -71,6 +78,35 @@ class GradientTransformation(NamedTuple):
 
 class EmptyState(NamedTuple):
     """The state of a transformation that keeps none."""
+
+
+_INIT_LAYOUTS: contextvars.ContextVar[Tree | None] = contextvars.ContextVar(
+    "funcpar_init_layouts", default=None)
+
+
+@contextlib.contextmanager
+def init_layouts(layouts: Tree | None) -> Iterator[None]:
+    """Within the block, ``init`` calls see parameters laid out as ``layouts`` (parts of
+    whole leaves: ZeRO's partitions), readable by :func:`current_init_layouts`."""
+    token = _INIT_LAYOUTS.set(layouts)
+    try:
+        yield
+    finally:
+        _INIT_LAYOUTS.reset(token)
+
+
+def init_laid_out(optimizer: GradientTransformation, params: Tree, layouts: Tree | None
+                  ) -> Tree:
+    """``optimizer.init(params)`` for parameters laid out as ``layouts``: what a sharding
+    transform calls on its shards."""
+    with init_layouts(layouts):
+        return optimizer.init(params)
+
+
+def current_init_layouts() -> Tree | None:
+    """The layouts :func:`init_layouts` gives the ``init`` running now (None: whole leaves,
+    or not known)."""
+    return _INIT_LAYOUTS.get()
 
 
 def identity() -> GradientTransformation:

@@ -66,6 +66,7 @@ from funcpar.optim.base import (
     NotTraceable,
     check_floating,
     check_grads,
+    current_init_layouts,
     leaf_columns,
 )
 from funcpar.optim.factored import decoupled_decay
@@ -474,7 +475,7 @@ def _galore_adamw(lr, weight_decay, eps, *, betas, default, galore_mask, adam_va
 
     def init(params: Tree) -> GaLoreAdamWState:
         check_floating(params, who=who)
-        return build(params, _plan(who, galore_mask, params, default, None))
+        return build(params, _plan(who, galore_mask, params, default, current_init_layouts()))
 
     def step(grads, state: GaLoreAdamWState, params, layouts, out):
         state, cfgs, state_layouts, leaf_layouts, decay = _update_plan(
@@ -773,7 +774,7 @@ def _galore_adafactor(lr=None, weight_decay=0.0, clip_threshold=1.0, *, eps, dec
 
     def init(params: Tree) -> GaLoreAdafactorState:
         check_floating(params, who=who)
-        return build(params, _plan(who, galore_mask, params, default, None))
+        return build(params, _plan(who, galore_mask, params, default, current_init_layouts()))
 
     def step(grads, state: GaLoreAdafactorState, params, layouts, out):
         state, cfgs, state_layouts, leaf_layouts, decay = _update_plan(

@@ -74,6 +74,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from funcpar.models.moe import Experts, MoE, expert_outputs
+from funcpar.optim.base import init_laid_out
 from funcpar.shard import comm
 from funcpar.shard.layout import Layout, Shard, shard_tensor
 from funcpar.shard.mesh import DeviceMesh
@@ -271,7 +272,8 @@ def expert_parallel(
         new_step = dataclasses.replace(step, apply_fn=apply_fn, layouts=layouts,
                                        local_batch=local_batch, sync_grads=sync_grads,
                                        sync_loss=sync_loss)
-        return new_step, state._replace(params=params, opt_state=step.optimizer.init(params))
+        return new_step, state._replace(params=params,
+                                        opt_state=init_laid_out(step.optimizer, params, layouts))
 
     return transform
 

@@ -83,6 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from funcpar.optim.base import init_laid_out
 from funcpar.shard import comm
 from funcpar.shard.layout import shard_tree
 from funcpar.shard.mesh import DeviceMesh
@@ -171,7 +172,7 @@ def shard_params(
             step, apply_fn=_sharded_apply(step.apply_fn, plan, seq), loss_fn=loss_fn,
             layouts=layouts, sync_grads=sync_grads,
         )
-        opt_state = step.optimizer.init(params)
+        opt_state = init_laid_out(step.optimizer, params, layouts)
         return new_step, state._replace(params=params, opt_state=opt_state)
 
     return transform

@@ -63,6 +63,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from funcpar.optim.base import init_laid_out
 from funcpar.shard import comm
 from funcpar.shard.cube import Cube, cube_ab, gather_vector
 from funcpar.shard.layout import Layout, shard_tree
@@ -273,7 +274,8 @@ def shard_params_3d(
                               lead)
         new_step = dataclasses.replace(step, apply_fn=apply_fn, loss_fn=loss_fn,
                                        layouts=layouts)
-        return new_step, state._replace(params=params, opt_state=step.optimizer.init(params))
+        return new_step, state._replace(params=params,
+                                        opt_state=init_laid_out(step.optimizer, params, layouts))
 
     return transform
 

@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from funcpar.optim.base import init_laid_out
 from funcpar.shard import comm
 from funcpar.shard.layout import Layout, _levels, shard_tree
 from funcpar.shard.mesh import DeviceMesh
@@ -273,7 +274,8 @@ def shard_params_2d(
                                        loss_fn=loss_fn, layouts=layouts)
         if isinstance(plan.grid, Tesseract):
             new_step = dataclasses.replace(new_step, sync_grads=_depth_sum(plan, step.sync_grads))
-        return new_step, state._replace(params=params, opt_state=step.optimizer.init(params))
+        return new_step, state._replace(params=params,
+                                        opt_state=init_laid_out(step.optimizer, params, layouts))
 
     return transform
 

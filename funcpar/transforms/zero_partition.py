@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from funcpar.kernels.inplace import inplace_allowed
-from funcpar.optim.base import GradientTransformation
+from funcpar.optim.base import GradientTransformation, init_laid_out
 from funcpar.shard import comm
 from funcpar.shard.buckets import bucket_indices
 from funcpar.shard.layout import Layout
@@ -340,7 +340,8 @@ def _partitioned(inner: GradientTransformation, plan: ZeroPlan) -> GradientTrans
     """``inner`` on this rank's parts; at stages 1-2 the updates are gathered whole again."""
 
     def init(params: Tree) -> Any:
-        return inner.init(params if plan.stage == 3 else plan.to_parts(params))
+        parts = params if plan.stage == 3 else plan.to_parts(params)
+        return init_laid_out(inner, parts, plan.part_layouts(parts))
 
     def parts(grads: Tree, params: Tree | None) -> tuple[Tree, Tree | None, Tree]:
         g = grads if plan.stage >= 2 else plan.to_parts(grads)

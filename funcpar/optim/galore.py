@@ -23,9 +23,12 @@ optimizer's state is split like the leaf on the unprojected dim, with a layout f
 reductions; 8-bit states are quantized in the whole state's blocks
 (:mod:`funcpar.optim.projector`, :mod:`funcpar.optim.quant8`; costs in docs/OPTIMIZERS.md).
 Every shape-dependent choice (the side of ``"std"``, the rank check, the 8-bit threshold) is
-made on the whole leaf's shape. ``init`` sees shards only, so where a shard would choose
-otherwise, the first update (count 0: an all-zero state, and a refresh) rebuilds the state for
-the whole leaves; a trained state shaped for other layouts is a ValueError.
+made on the whole leaf's shape. The sharding transforms initialise with the shards' layouts
+(:func:`funcpar.optim.base.init_laid_out`), which ``init`` reads; an ``init`` called on bare
+shards sees their shapes only, so where a shard would choose otherwise, the first update
+(count 0: an all-zero state, and a refresh) rebuilds the state for the whole leaves (a rank
+above a shard's own dims is refused there, at init); a trained state shaped for other layouts
+is a ValueError.
 
 Communication: the per-leaf step is written as phases (:func:`funcpar.shard.reduce.run_phased`)
 and all leaves' steps run together, so each kind of collective is one message per mesh axis

@@ -7,11 +7,12 @@
 For each layout (``funcpar.auto.Choice``, composed with ``preset_for``: the
 ``hybrid_parallel``/``moe_hybrid`` preset, then remat when chosen) fresh ranks run
 ``--warmup`` steps, then ``--steps`` timed steps (rank 0's median wall time per step, each step
-ended by a barrier; the ranks' process CPU time per step summed in ``cpu ms``), then two steps
-under the memory probe. ``--rounds`` interleaved rounds run every layout once each (a slow
-spell of a shared machine lands on a round of every layout); a layout's time is the median
-over rounds, and the Spearman correlation of one round's times with another's is printed as
-the measurement's own reproducibility, the ceiling of any prediction's. Peak memory per rank
+ended by a barrier; the ranks' process CPU time per step summed in ``cpu ms``), then, in the
+first round, two steps under the memory probe. ``--rounds`` interleaved rounds run every
+layout once each (a slow spell of a shared machine lands on a round of every layout); a
+layout's time is the median over rounds, and the Spearman correlation of one round's times
+with another's is printed as the measurement's own reproducibility, the ceiling of any
+prediction's. Peak memory per rank
 on a CPU (first round): the state's tensor bytes plus the largest rise of glibc's in-use heap
 (``mallinfo2``: ``uordblks + hblkhd``, sampled every 0.2 ms in a thread, apart from the timed
 steps) above its value before them; on CUDA ``max_memory_allocated``. The predictions are
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in range(args.rounds):
         for c in layouts:
             runs[c].append(run_ranks(_rank, args.ranks, cfg_kw, c, args.batch, args.seq,
-                                     args.warmup, args.steps, args.device, timeout=900))
+                                     args.warmup, args.steps, args.device,
+                                     2 if r == 0 else 0, timeout=900))  # memory: round 1
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     print(f"{'layout':<40} {'pred ms':>9} {'meas ms':>9} {'pred MiB':>9} {'meas MiB':>9} "
           f"{'mem err':>8} {'cpu ms':>8}", flush=True)

@@ -292,10 +292,10 @@ def measure(device: str | torch.device = "cpu", *, dtypes: tuple[str, ...] = ("f
             sizes: tuple[int, ...] | None = None, mesh_axes: dict[str, int] | None = None,
             comm_sizes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24),
             reps: int = 5, name: str | None = None) -> DeviceProfile:
-    """Measure a profile on ``device`` (medians of ``reps``). Under torchrun (a process group
-    initialised), also the collectives of every axis of ``DeviceMesh.from_env(**mesh_axes)``
-    (default: one axis over the world, and ``dp x tp=2`` when the world is even), fitted per
-    group size by least squares over ``comm_sizes`` bytes.
+    """Measure a profile on ``device`` (``reps`` repetitions a figure). Under torchrun (a
+    process group initialised), also the collectives of every axis of
+    ``DeviceMesh.from_env(**mesh_axes)`` (default: one axis over the world, and ``dp x tp=2``
+    when the world is even), fitted per group size over ``comm_sizes`` bytes (:func:`_fit`).
 
     The device's own figures (matmul, attention, bandwidths, latencies) are the fastest of
     ``reps``, each rank measuring alone: on a CPU whose cores the ranks share, one rank at a
@@ -427,8 +427,8 @@ def _device_figures(device: torch.device, dtypes: tuple[str, ...], sizes: tuple[
                              src + ", host copy")
     else:
         host_bw = Figure(mem_bw.value, src + " (host memory: the device is the host)")
-    lat = _op_latency(device, reps, sync, True)
-    call = _stage_call_latency(device, reps, sync, True)
+    lat = _op_latency(device, reps, sync)
+    call = _stage_call_latency(device, reps, sync)
     return {
         "matmul": matmul, "attention": attention, "mem_bw": mem_bw, "host_bw": host_bw,
         "host_mem_bw": host_mem_bw,
@@ -439,7 +439,7 @@ def _device_figures(device: torch.device, dtypes: tuple[str, ...], sizes: tuple[
     }
 
 
-def _op_latency(device: torch.device, reps: int, sync: Any, best: bool) -> float:
+def _op_latency(device: torch.device, reps: int, sync: Any) -> float:
     """Seconds per dispatched op of a training step: the forward and backward of a Llama block
     too small to compute anything (dim 32, 4 tokens), over the ``3 x OPS_FWD`` ops the cost
     model counts for it (funcpar.auto.model.OPS_FWD)."""
@@ -453,10 +453,10 @@ def _op_latency(device: torch.device, reps: int, sync: Any, best: bool) -> float
     def step() -> None:
         block(x, cos, sin).sum().backward()
 
-    return _timed(step, max(reps, 10), sync, best=best) / (3 * OPS_FWD)
+    return _timed(step, max(reps, 10), sync, best=True) / (3 * OPS_FWD)
 
 
-def _stage_call_latency(device: torch.device, reps: int, sync: Any, best: bool) -> float:
+def _stage_call_latency(device: torch.device, reps: int, sync: Any) -> float:
     """Seconds of a pipeline stage call's fixed work, half a forward and backward pair of
     ``funcpar.pipeline.runtime``'s kind on a stage of one tiny op: the input detached and
     marked, the call, ``torch.autograd.grad`` for the leaf and the input, the accumulation."""
@@ -470,7 +470,7 @@ def _stage_call_latency(device: torch.device, reps: int, sync: Any, best: bool) 
         got = torch.autograd.grad([out], [w, x], allow_unused=True)
         acc.add_(got[0])
 
-    return _timed(pair, max(reps, 20), sync, best=best) / 2
+    return _timed(pair, max(reps, 20), sync, best=True) / 2
 
 
 def _host_memory() -> int:

@@ -23,7 +23,7 @@ A :class:`GradientTransformation` is a pair of pure functions:
 whole on this process). Optimizers hand each leaf's layout to the reductions of
 :mod:`funcpar.shard.reduce` and never branch on how a leaf is sharded. ``init`` takes no
 layouts; a transform that initialises an optimizer on parts of leaves says what they are
-parts of with :func:`init_layouts`, for an optimizer whose state or checks depend on the
+parts of with :func:`init_laid_out`, for an optimizer whose state or checks depend on the
 whole leaf's shape (:func:`current_init_layouts`; GaLore's rank against the whole matrix).
 """
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -61,7 +61,6 @@ __all__ = [
     "current_init_layouts",
     "identity",
     "init_laid_out",
-    "init_layouts",
     "map_leaves",
     "update_params",
 ]
@@ -84,27 +83,20 @@ _INIT_LAYOUTS: contextvars.ContextVar[Tree | None] = contextvars.ContextVar(
     "funcpar_init_layouts", default=None)
 
 
-@contextlib.contextmanager
-def init_layouts(layouts: Tree | None) -> Iterator[None]:
-    """Within the block, ``init`` calls see parameters laid out as ``layouts`` (parts of
-    whole leaves: ZeRO's partitions), readable by :func:`current_init_layouts`."""
+def init_laid_out(optimizer: GradientTransformation, params: Tree, layouts: Tree | None
+                  ) -> Tree:
+    """``optimizer.init(params)`` for parameters laid out as ``layouts`` (shards, ZeRO's
+    parts): what a sharding transform calls; the ``init`` reads them with
+    :func:`current_init_layouts`."""
     token = _INIT_LAYOUTS.set(layouts)
     try:
-        yield
+        return optimizer.init(params)
     finally:
         _INIT_LAYOUTS.reset(token)
 
 
-def init_laid_out(optimizer: GradientTransformation, params: Tree, layouts: Tree | None
-                  ) -> Tree:
-    """``optimizer.init(params)`` for parameters laid out as ``layouts``: what a sharding
-    transform calls on its shards."""
-    with init_layouts(layouts):
-        return optimizer.init(params)
-
-
 def current_init_layouts() -> Tree | None:
-    """The layouts :func:`init_layouts` gives the ``init`` running now (None: whole leaves,
+    """The layouts :func:`init_laid_out` gives the ``init`` running now (None: whole leaves,
     or not known)."""
     return _INIT_LAYOUTS.get()
 

@@ -26,9 +26,9 @@ Every shape-dependent choice (the side of ``"std"``, the rank check, the 8-bit t
 made on the whole leaf's shape. The sharding transforms initialise with the shards' layouts
 (:func:`funcpar.optim.base.init_laid_out`), which ``init`` reads; an ``init`` called on bare
 shards sees their shapes only, so where a shard would choose otherwise, the first update
-(count 0: an all-zero state, and a refresh) rebuilds the state for the whole leaves (a rank
-above a shard's own dims is refused there, at init); a trained state shaped for other layouts
-is a ValueError.
+(count 0: an all-zero state, and a refresh) rebuilds the state for the whole leaves (such an
+init refuses a rank above the shard's own dims); a trained state shaped for other layouts is
+a ValueError.
 
 Communication: the per-leaf step is written as phases (:func:`funcpar.shard.reduce.run_phased`)
 and all leaves' steps run together, so each kind of collective is one message per mesh axis
